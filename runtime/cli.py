@@ -1,0 +1,141 @@
+"""Command-line overrides for a recipe's `Config` dataclass.
+
+`python train.py --lr 2e-5 --max_steps 50 --lora_target_modules q_proj,v_proj --compile=false`
+or `python train.py overrides.yaml --lr 1e-4` (a JSON/YAML file of field: value, then flags).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import sys
+import types
+import typing
+from pathlib import Path
+
+_TRUE = {"1", "true", "yes", "on", "y", "t"}
+_FALSE = {"0", "false", "no", "off", "n", "f"}
+
+
+class ConfigError(ValueError):
+    """A bad override: unknown key, wrong type, unreadable overrides file."""
+
+
+def parse(config_cls: type, argv: list[str] | None = None):
+    """Build `config_cls` from its defaults, an optional JSON/YAML file, then `--key value` flags.
+
+    Args:
+        config_cls: a dataclass whose fields all have defaults.
+        argv: arguments without the program name (default `sys.argv[1:]`).
+
+    Returns:
+        An instance of `config_cls`.
+
+    Raises:
+        ConfigError: an unknown key (with the closest valid name), a value that does not convert
+            to the field's type, a flag without a value, or an unreadable overrides file.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    fields = {f.name: f for f in dataclasses.fields(config_cls)}
+    hints = typing.get_type_hints(config_cls)
+    values: dict[str, object] = {}
+    if argv and not argv[0].startswith("--"):
+        for key, raw in _read_overrides_file(argv.pop(0)).items():
+            key = _check_key(key, fields)
+            values[key] = _coerce(key, raw, hints[key])
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise ConfigError(
+                f"unexpected argument {arg!r}: overrides look like --key value or --key=value"
+            )
+        key, eq, raw = arg[2:].partition("=")
+        key = _check_key(key.replace("-", "_"), fields)
+        if not eq:
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            if hints[key] is bool and (nxt is None or nxt.startswith("--")):
+                raw = "true"  # a bare --flag means true
+            elif nxt is None:
+                raise ConfigError(f"--{key} needs a value (field type {_type_name(hints[key])})")
+            else:
+                raw, i = nxt, i + 1
+        values[key] = _coerce(key, raw, hints[key])
+        i += 1
+    return config_cls(**values)
+
+
+def _check_key(key: str, fields: dict) -> str:
+    if key in fields:
+        return key
+    close = difflib.get_close_matches(key, list(fields), n=1)
+    hint = f"; did you mean --{close[0]}?" if close else f"; valid keys: {', '.join(fields)}"
+    raise ConfigError(f"unknown config key {key!r}{hint}")
+
+
+def _read_overrides_file(path: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(
+            f"overrides file {path!r} not found (expected a .json/.yaml file or --key value flags)"
+        )
+    text = p.read_text(encoding="utf-8")
+    try:
+        if p.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except Exception as e:
+        raise ConfigError(f"{path}: cannot parse overrides ({type(e).__name__}: {e})") from e
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{path}: expected a mapping of config keys to values, got {type(data).__name__}"
+        )
+    return data
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(key: str, raw, tp):
+    """Convert `raw` (a string from the command line, or a JSON/YAML value) to type `tp`."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if raw is None or (isinstance(raw, str) and raw.lower() in ("none", "null")):
+            return None
+        return _coerce(key, raw, args[0])
+    if origin in (list, tuple):
+        (elem,) = typing.get_args(tp)[:1] or (str,)
+        items = (
+            raw if isinstance(raw, list | tuple) else [s for s in str(raw).split(",") if s.strip()]
+        )
+        out = [
+            _coerce(key, item.strip() if isinstance(item, str) else item, elem) for item in items
+        ]
+        return tuple(out) if origin is tuple else out
+    try:
+        if tp is bool:
+            if isinstance(raw, bool):
+                return raw
+            low = str(raw).strip().lower()
+            if low in _TRUE | _FALSE:
+                return low in _TRUE
+            raise ValueError(raw)
+        if tp is int:
+            if isinstance(raw, float) and not raw.is_integer():
+                raise ValueError(raw)
+            return int(float(raw)) if isinstance(raw, str) and "e" in raw.lower() else int(raw)
+        if tp is float:
+            return float(raw)  # int -> float is fine: --lr=1 means 1.0
+        if tp is str:
+            return str(raw)
+    except (TypeError, ValueError):
+        pass
+    else:
+        raise ConfigError(f"--{key}: unsupported field type {_type_name(tp)}")
+    raise ConfigError(f"--{key}: expected {_type_name(tp)}, got {raw!r}")

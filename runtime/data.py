@@ -1,0 +1,306 @@
+"""Loading SFT rows and normalising them to chat messages.
+
+`load_rows` reads a local `.json` (a list of objects; JSON Lines content is accepted too), `.jsonl`
+or `.parquet` file, or hands a directory or Hub name to `datasets.load_dataset`. `to_messages` turns
+the common SFT layouts into `[{"role", "content"}, ...]`:
+
+| layout            | columns                                             | example source        |
+|-------------------|-----------------------------------------------------|-----------------------|
+| OpenAI messages   | `messages`: [{role, content}]                       | TRL, OpenAI fine-tune |
+| ShareGPT          | `conversations`: [{from, value}] or [{role, content}] | LLaMA-Factory, Vicuna |
+| Alpaca            | `instruction`, `input` (optional), `output`, `system` (optional) | Stanford Alpaca |
+| prompt/completion | `prompt`, `completion` (strings or message lists)   | TRL                   |
+| prompt/response   | `prompt`, `response`                                | many Hub sets         |
+
+Every error names the file (or source), the row and the key, so a bad row in a 100k-row file is
+found without a debugger. No tensors here.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+FILE_SUFFIXES = (".json", ".jsonl", ".parquet")
+ROLE_ALIASES = {
+    "system": "system",
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "tool": "tool",
+}
+LAYOUTS = (
+    "'messages'",
+    "'conversations'",
+    "'instruction'+'output'",
+    "'prompt'+'completion'",
+    "'prompt'+'response'",
+)
+
+
+def load_rows(source: str, split: str = "train") -> list[dict]:
+    """Load a dataset as a list of row dicts.
+
+    Args:
+        source: a local `.json` / `.jsonl` / `.parquet` file; anything else (a directory, a Hub
+            dataset name) goes to `datasets.load_dataset(source, split=split)`.
+        split: the split to load through `datasets` (ignored for local files).
+
+    Returns:
+        The rows, in file order.
+
+    Raises:
+        FileNotFoundError: `source` ends in .json/.jsonl/.parquet but no such file exists.
+        ValueError: the file is not UTF-8, has invalid JSON, a row that is not an object, no rows,
+            an unsupported suffix, or `datasets` could not load `source`.
+    """
+    path = Path(source).expanduser()
+    if path.is_file():
+        suffix = path.suffix.lower()
+        if suffix == ".json":
+            rows = _load_json(path)
+        elif suffix == ".jsonl":
+            rows = _parse_jsonl(path, _read_utf8(path))
+        elif suffix == ".parquet":
+            rows = _load_parquet(path)
+        else:
+            raise ValueError(
+                f"{path}: unsupported file type {suffix!r}; accepted local files are "
+                f"{', '.join(FILE_SUFFIXES)} (or pass a directory / Hub dataset name that "
+                "datasets.load_dataset can read)."
+            )
+    elif path.suffix.lower() in FILE_SUFFIXES:
+        raise FileNotFoundError(f"{path}: no such file; check the data path in the config.")
+    else:
+        rows = _load_with_datasets(source, split)
+    if not rows:
+        raise ValueError(f"{source}: no rows; point the data path at a non-empty dataset.")
+    return rows
+
+
+def _read_utf8(path: Path) -> str:
+    """The file's text; a leading UTF-8 BOM is dropped."""
+    data = path.read_bytes()
+    bom = b"\xef\xbb\xbf"
+    skip = len(bom) if data.startswith(bom) else 0
+    try:
+        return data[skip:].decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{path}: not valid UTF-8 at byte offset {e.start + skip} ({e.reason}); "
+            "re-encode the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8`)."
+        ) from e
+
+
+def _load_json(path: Path) -> list[dict]:
+    """A .json file holding a list of objects (or, like `datasets`, JSON Lines)."""
+    text = _read_utf8(path)
+    if not text.strip():
+        return []
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        if e.msg == "Extra data":  # several top-level values: JSON Lines saved as .json
+            return _parse_jsonl(path, text)
+        raise ValueError(
+            f"{path}:{e.lineno}:{e.colno}: invalid JSON ({e.msg}); fix the file at that position."
+        ) from e
+    if not isinstance(data, list):
+        found = f"an object with keys {sorted(data)}" if isinstance(data, dict) else _kind(data)
+        raise ValueError(
+            f"{path}: expected a JSON list of row objects (or JSON Lines), got {found}; "
+            "store the rows as a top-level list."
+        )
+    for i, row in enumerate(data):
+        if not isinstance(row, dict):
+            raise ValueError(f"{path} row {i}: expected a JSON object, got {_kind(row)}.")
+    return data
+
+
+def _parse_jsonl(path: Path, text: str) -> list[dict]:
+    """Parse JSON Lines text: one object per line, blank lines skipped."""
+    rows = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno}); "
+                "each line must hold one complete JSON object."
+            ) from e
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{lineno}: expected a JSON object, got {_kind(row)}.")
+        rows.append(row)
+    return rows
+
+
+def _load_parquet(path: Path) -> list[dict]:
+    """Rows of a .parquet file."""
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_table(path).to_pylist()
+    except Exception as e:  # pyarrow raises ArrowInvalid / OSError subclasses
+        raise ValueError(f"{path}: could not read as Parquet ({e}); check the file.") from e
+
+
+def _load_with_datasets(source: str, split: str) -> list[dict]:
+    """Rows from `datasets.load_dataset(source, split=split)`."""
+    try:
+        import datasets
+
+        dataset = datasets.load_dataset(source, split=split)
+    except Exception as e:  # datasets raises many unrelated types (network, builder, split)
+        raise ValueError(
+            f"could not load {source!r} (split {split!r}) with datasets.load_dataset: "
+            f"{type(e).__name__}: {str(e).rstrip('.')}. "
+            f"Local paths ending in {', '.join(FILE_SUFFIXES)} are read "
+            "directly; anything else must be a directory or a Hub dataset that "
+            "datasets.load_dataset can read (the Hub needs network access)."
+        ) from e
+    return dataset.to_list()
+
+
+def _kind(value: Any) -> str:
+    """Short type name for error messages."""
+    return "null" if value is None else type(value).__name__
+
+
+def to_messages(
+    row: dict, index: int, source: str, *, require_assistant: bool = True
+) -> list[dict]:
+    """Normalise one row of a common SFT layout to chat messages.
+
+    Args:
+        row: one row from `load_rows`; the layout is picked by its columns (see module docstring),
+            trying messages, conversations, instruction/output, prompt/completion, prompt/response.
+        index: the row's index, for error messages.
+        source: the file or dataset name, for error messages.
+        require_assistant: demand at least one assistant message (SFT). Set False to convert a
+            prompt-only conversation (e.g. the `conversations` of a DPO row).
+
+    Returns:
+        [{"role": "system"|"user"|"assistant"|"tool", "content": str}, ...]
+
+    Raises:
+        ValueError: no known layout, an unknown role, a non-string content, or no assistant
+            message; the message names the source, row and key.
+    """
+    where = f"{source} row {index}"
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected a dict (one row), got {_kind(row)}.")
+    if "messages" in row:
+        messages = _message_list(row["messages"], "messages", where)
+    elif "conversations" in row:
+        messages = _message_list(row["conversations"], "conversations", where)
+    elif "instruction" in row and "output" in row:
+        messages = _from_alpaca(row, where)
+    elif "prompt" in row and ("completion" in row or "response" in row):
+        answer_key = "completion" if "completion" in row else "response"
+        messages = _turn(row["prompt"], "user", "prompt", where)
+        messages += _turn(row[answer_key], "assistant", answer_key, where)
+    else:
+        raise ValueError(
+            f"{where}: expected one of the columns {', '.join(LAYOUTS)} (found: {sorted(row)}); "
+            "rename the columns or convert the rows to `messages`."
+        )
+    if require_assistant and not any(m["role"] == "assistant" for m in messages):
+        raise ValueError(
+            f"{where}: no assistant message, so there is nothing to train on; add the answer "
+            "(role 'assistant' / from 'gpt') or drop the row."
+        )
+    return messages
+
+
+def _message_list(value: Any, key: str, where: str) -> list[dict]:
+    """Validate a list of {role, content} or ShareGPT {from, value} messages."""
+    if not isinstance(value, list):
+        raise ValueError(
+            f"{where}: `{key}` must be a list of {{role, content}} objects, got {_kind(value)}."
+        )
+    messages = []
+    for i, message in enumerate(value):
+        name = f"{key}[{i}]"
+        if not isinstance(message, dict):
+            raise ValueError(f"{where}: {name} must be an object, got {_kind(message)}.")
+        if "role" in message and "content" in message:
+            role_key, content_key = "role", "content"
+        elif "from" in message and "value" in message:
+            role_key, content_key = "from", "value"
+        else:
+            raise ValueError(
+                f"{where}: {name} must have `role` and `content` (or ShareGPT `from` and "
+                f"`value`) keys (found: {sorted(message)})."
+            )
+        role = message[role_key]
+        if not isinstance(role, str) or role not in ROLE_ALIASES:
+            raise ValueError(
+                f"{where}: {name}.{role_key} is {role!r}; known roles are {sorted(ROLE_ALIASES)}."
+            )
+        content = message[content_key]
+        if not isinstance(content, str):
+            raise ValueError(
+                f"{where}: {name}.{content_key} must be a string, got {_kind(content)}."
+            )
+        messages.append({"role": ROLE_ALIASES[role], "content": content})
+    return messages
+
+
+def _turn(value: Any, role: str, key: str, where: str) -> list[dict]:
+    """A prompt/completion column: a plain string (one `role` message) or a message list."""
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    if isinstance(value, list):
+        return _message_list(value, key, where)
+    raise ValueError(f"{where}: `{key}` must be a string or a message list, got {_kind(value)}.")
+
+
+def _from_alpaca(row: dict, where: str) -> list[dict]:
+    """Alpaca: user = instruction (+ "\\n\\n" + input when non-empty), assistant = output."""
+    for key in ("instruction", "output"):
+        if not isinstance(row[key], str):
+            raise ValueError(f"{where}: `{key}` must be a string, got {_kind(row[key])}.")
+    for key in ("input", "system"):
+        if row.get(key) is not None and not isinstance(row[key], str):
+            raise ValueError(f"{where}: `{key}` must be a string or null, got {_kind(row[key])}.")
+    user = row["instruction"]
+    if row.get("input"):
+        user = f"{user}\n\n{row['input']}"
+    messages = [{"role": "system", "content": row["system"]}] if row.get("system") else []
+    messages.append({"role": "user", "content": user})
+    messages.append({"role": "assistant", "content": row["output"]})
+    return messages
+
+
+def split_train_val(items: list, val_fraction: float, seed: int) -> tuple[list, list]:
+    """Shuffle deterministically and split off a validation part.
+
+    Args:
+        items: the examples (any objects).
+        val_fraction: share of items for validation, in [0, 1). When > 0 and there are at least
+            2 items, validation gets at least 1 item and training keeps at least 1.
+        seed: shuffle seed; the same items and seed always give the same split.
+
+    Returns:
+        (train, val): lists of the items, each in shuffled order.
+
+    Raises:
+        ValueError: val_fraction outside [0, 1).
+    """
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(
+            f"val_fraction={val_fraction} must be in [0, 1); use e.g. 0.05 for 5% validation."
+        )
+    order = list(range(len(items)))
+    random.Random(seed).shuffle(order)
+    n_val = int(len(items) * val_fraction)
+    if val_fraction > 0 and len(items) >= 2:
+        n_val = min(max(n_val, 1), len(items) - 1)
+    val = [items[i] for i in order[:n_val]]
+    train = [items[i] for i in order[n_val:]]
+    return train, val

@@ -1,0 +1,562 @@
+"""Llama decoder (Llama 2/3, SmolLM2, ...) with Hugging Face module names, plus a KV cache.
+
+State-dict keys equal `transformers.LlamaForCausalLM`'s (`model.layers.0.self_attn.q_proj.weight`),
+so HF safetensors load 1:1 and vLLM weight sync needs no key map.
+
+Shape legend: B batch, S sequence (query tokens of this call), S_kv keys (cached + new),
+D hidden_size, H query heads, Hkv KV heads, Dh head_dim, V vocab_size, I intermediate_size.
+
+Reference:
+    Touvron et al. 2023, "Llama 2", https://arxiv.org/abs/2307.09288 (pre-norm, RMSNorm,
+    SwiGLU, RoPE, GQA); HF `transformers/models/llama/modeling_llama.py` (rotate_half RoPE).
+    Grattafiori et al. 2024, "The Llama 3 Herd of Models", https://arxiv.org/abs/2407.21783
+    (RoPE frequency scaling, rope_type "llama3").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_SUPPORTED_ROPE_TYPES = ("default", "llama3")
+_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
+_HF_DEFAULT_RMS_NORM_EPS = 1e-6  # LlamaConfig's default when config.json omits rms_norm_eps
+_HF_DEFAULT_ROPE_THETA = 10000.0  # LlamaConfig's default when config.json omits rope_theta
+
+
+@dataclass
+class ModelArgs:
+    """Llama dimensions, named exactly as Hugging Face's `LlamaConfig` fields.
+
+    `head_dim=None` means `hidden_size // num_attention_heads`; `num_key_value_heads=None` means
+    `num_attention_heads` (no GQA). `rope_scaling` is the HF dict form, e.g. `{"rope_type": "llama3",
+    "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192}`; None or rope_type "default" means plain RoPE.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}; GQA shares each KV head by a whole "
+                "number of query heads, so pick num_key_value_heads dividing num_attention_heads."
+            )
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"head_dim={self.head_dim} must be even: RoPE rotates pairs of dims.")
+        self.rope_scaling = _normalize_rope_scaling(
+            self.rope_scaling, self.max_position_embeddings, "ModelArgs.rope_scaling"
+        )
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict, source: str = "config.json") -> ModelArgs:
+        """Build from a HF `config.json` dict (transformers 4.x or 5.x layout).
+
+        Args:
+            cfg: the parsed config.json. 4.x keeps `rope_theta`/`rope_scaling` at top level; 5.x
+                nests them in `rope_parameters: {rope_theta, rope_type, factor, ...}`.
+            source: where `cfg` came from, named in error messages.
+
+        Returns:
+            The ModelArgs of that checkpoint.
+
+        Raises:
+            ValueError: not a Llama model, hidden_act other than silu, an unsupported rope type,
+                or a required field missing.
+        """
+        model_type = cfg.get("model_type")
+        archs = cfg.get("architectures") or ["LlamaForCausalLM"]
+        if model_type != "llama" or "LlamaForCausalLM" not in archs:
+            raise ValueError(
+                f"{source}: model_type={model_type!r}, architectures={archs} is not supported by "
+                "runtime.models.llama, which loads model_type 'llama' / LlamaForCausalLM only; "
+                "use the runtime model builder for that family or a Llama checkpoint."
+            )
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(
+                f"{source}: hidden_act={cfg['hidden_act']!r} is not supported; Llama's SwiGLU MLP "
+                "uses 'silu'. Use a checkpoint with hidden_act 'silu'."
+            )
+        missing = [k for k in _REQUIRED_HF_KEYS if k not in cfg]
+        if missing:
+            raise ValueError(f"{source}: missing required Llama fields {missing}; is it complete?")
+        rope_theta, rope_scaling = _rope_from_hf(cfg, source)
+        return cls(
+            **{k: cfg[k] for k in _REQUIRED_HF_KEYS},
+            num_key_value_heads=cfg.get("num_key_value_heads"),
+            head_dim=cfg.get("head_dim"),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            rms_norm_eps=cfg.get("rms_norm_eps", _HF_DEFAULT_RMS_NORM_EPS),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=cfg.get("attention_bias", False),
+            mlp_bias=cfg.get("mlp_bias", False),
+        )
+
+    def to_hf_config(self) -> dict:
+        """A config.json dict that transformers loads as `LlamaConfig` (4.x and 5.x readers).
+
+        `rope_theta` is written at top level and in `rope_parameters` (5.x); llama3 scaling is
+        also written as `rope_scaling` so 4.x readers (and vLLM on them) see it.
+        """
+        rope_parameters = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_scaling is not None:
+            rope_parameters.update(self.rope_scaling)
+        cfg = {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_act": "silu",
+            **{k: getattr(self, k) for k in _REQUIRED_HF_KEYS},
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": rope_parameters,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "attention_dropout": 0.0,
+            "mlp_bias": self.mlp_bias,
+        }
+        if self.rope_scaling is not None:
+            cfg["rope_scaling"] = dict(self.rope_scaling)
+        return cfg
+
+    def num_params(self) -> int:
+        """Total parameter count (a tied embedding counted once)."""
+        D, inter = self.hidden_size, self.intermediate_size
+        q_dim = self.num_attention_heads * self.head_dim  # H * Dh
+        kv_dim = self.num_key_value_heads * self.head_dim  # Hkv * Dh
+        attn = 2 * D * q_dim + 2 * D * kv_dim  # q, o and k, v projections
+        if self.attention_bias:
+            attn += q_dim + 2 * kv_dim + D
+        mlp = 3 * D * inter + ((2 * inter + D) if self.mlp_bias else 0)
+        per_layer = attn + mlp + 2 * D  # + input/post-attention RMSNorm weights
+        embed = self.vocab_size * D * (1 if self.tie_word_embeddings else 2)
+        return embed + self.num_hidden_layers * per_layer + D  # + final norm
+
+
+_REQUIRED_HF_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
+
+
+def _normalize_rope_scaling(scaling: dict | None, max_pos: int, source: str) -> dict | None:
+    """Validate a HF rope-scaling dict; return None for plain RoPE, else the llama3 dict."""
+    if not scaling:
+        return None
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in _SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"{source}: rope_type={rope_type!r} is not supported; runtime.models.llama supports "
+            f"{list(_SUPPORTED_ROPE_TYPES)}. Use a checkpoint with one of these RoPE types."
+        )
+    if rope_type == "default":
+        return None
+    missing = [k for k in _LLAMA3_ROPE_KEYS if k not in scaling]
+    if missing:
+        raise ValueError(f"{source}: llama3 rope scaling lacks {missing}; add them to the config.")
+    out = {"rope_type": "llama3", **{k: float(scaling[k]) for k in _LLAMA3_ROPE_KEYS}}
+    out["original_max_position_embeddings"] = int(
+        scaling.get("original_max_position_embeddings", max_pos)
+    )
+    return out
+
+
+def _rope_from_hf(cfg: dict, source: str) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from a 5.x `rope_parameters` or a 4.x `rope_scaling` layout."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if any(isinstance(v, dict) for v in params.values()):
+        raise ValueError(
+            f"{source}: per-layer-type rope_parameters {sorted(params)} are not supported by "
+            "Llama; use a config with a single rope_parameters dict."
+        )
+    theta = params.get("rope_theta", cfg.get("rope_theta", _HF_DEFAULT_ROPE_THETA))
+    max_pos = cfg.get("max_position_embeddings", 2048)
+    return theta, _normalize_rope_scaling(params, max_pos, source)
+
+
+def compute_rope_inv_freq(
+    head_dim: int, rope_theta: float, rope_scaling: dict | None, device=None
+) -> torch.Tensor:
+    """RoPE inverse frequencies, with Llama 3 scaling when `rope_scaling` is set.
+
+    Args:
+        head_dim: Dh, the rotated dims per head.
+        rope_theta: RoPE base.
+        rope_scaling: None, or the llama3 dict of `ModelArgs.rope_scaling`.
+        device: where to compute; None uses the current default device.
+
+    Returns:
+        [Dh // 2] fp32 inverse frequencies.
+
+    Reference:
+        RoFormer, https://arxiv.org/abs/2104.09864 eq. 15; Llama 3 scaling as in HF
+        `modeling_rope_utils._compute_llama3_parameters` (same fp32 ops, so parity is bitwise).
+    """
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    inv_freq = 1.0 / (rope_theta**exponent)
+    if rope_scaling is None:
+        return inv_freq
+    factor = rope_scaling["factor"]
+    low, high = rope_scaling["low_freq_factor"], rope_scaling["high_freq_factor"]
+    old_context_len = rope_scaling["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_context_len / low, old_context_len / high
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths (low frequencies) are slowed by `factor`; short ones are kept.
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    # In between: interpolate smoothly between the scaled and unscaled frequency.
+    smooth = (old_context_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[..., Dh] -> [..., Dh]: (x1, x2) -> (-x2, x1) over the two halves (HF Llama convention)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q: [B, H, S, Dh] and k: [B, Hkv, S, Dh] by cos/sin: [B, S, Dh] (in q's dtype)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, S, Dh] -> [B, 1, S, Dh], broadcast on heads
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in fp32 and cast back before the weight multiply (as HF).
+
+    Reference: Zhang & Sennrich 2019, https://arxiv.org/abs/1910.07467 eq. 4.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., D] any float dtype -> [..., D] in x's dtype (times weight)."""
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class LlamaRotaryEmbedding(nn.Module):
+    """Holds `inv_freq` (non-persistent fp32 buffer); makes cos/sin on the fly for any position."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        inv_freq = compute_rope_inv_freq(args.head_dim, args.rope_theta, args.rope_scaling)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def reset_inv_freq(self, device=None) -> None:
+        """Recompute `inv_freq` in fp32 on `device` (default: where the buffer is)."""
+        device = self.inv_freq.device if device is None else device
+        a = self.args
+        self.inv_freq = compute_rope_inv_freq(a.head_dim, a.rope_theta, a.rope_scaling, device)
+
+    def _apply(self, fn, recurse=True):
+        # `.to(bf16)` would round inv_freq and `to_empty` leaves it uninitialised, so recompute it
+        # in fp32 after any device/dtype move (a no-op while on meta).
+        super()._apply(fn, recurse)
+        if not self.inv_freq.is_meta:
+            self.reset_inv_freq()
+        return self
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype):
+        """position_ids: [B, S] int64 -> (cos, sin): [B, S, Dh] each, computed in fp32, cast to dtype."""
+        inv_freq = self.inv_freq.to(device=position_ids.device, dtype=torch.float32)
+        freqs = position_ids[..., None].float() * inv_freq  # [B, S, 1] * [Dh/2] -> [B, S, Dh/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [B, S, Dh/2] -> [B, S, Dh]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query attention on `F.scaled_dot_product_attention`.
+
+    Reference: Ainslie et al. 2023 (GQA), https://arxiv.org/abs/2305.13245.
+    """
+
+    def __init__(self, args: ModelArgs, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = args.head_dim
+        D, bias = args.hidden_size, args.attention_bias
+        q_dim = args.num_attention_heads * args.head_dim  # H * Dh
+        kv_dim = args.num_key_value_heads * args.head_dim  # Hkv * Dh
+        self.q_proj = nn.Linear(D, q_dim, bias=bias)
+        self.k_proj = nn.Linear(D, kv_dim, bias=bias)
+        self.v_proj = nn.Linear(D, kv_dim, bias=bias)
+        self.o_proj = nn.Linear(q_dim, D, bias=bias)
+
+    def forward(self, x, cos, sin, attention_mask, is_causal, kv_cache):
+        """x: [B, S, D]; cos/sin: [B, S, Dh]; attention_mask: [B|1, 1, S, S_kv] bool or None.
+
+        `is_causal` is used only when attention_mask is None. Returns [B, S, D].
+        """
+        B, S, _ = x.shape
+        # -1 for the head count: tensor parallel shards heads, so a rank holds H/tp of them.
+        q = self.q_proj(x).view(B, S, -1, self.head_dim).transpose(1, 2)  # [B,S,H*Dh] -> [B,H,S,Dh]
+        k = self.k_proj(x).view(B, S, -1, self.head_dim).transpose(1, 2)  # -> [B, Hkv, S, Dh]
+        v = self.v_proj(x).view(B, S, -1, self.head_dim).transpose(1, 2)  # -> [B, Hkv, S, Dh]
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer_idx, k, v)  # -> [B, Hkv, S_kv, Dh]
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=attention_mask,
+            is_causal=is_causal and attention_mask is None,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )  # [B, H, S, Dh]
+        out = out.transpose(1, 2)  # [B, H, S, Dh] -> [B, S, H, Dh]
+        out = out.reshape(B, S, -1)  # [B, S, H, Dh] -> [B, S, H*Dh]
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)). Reference: Shazeer 2020, arXiv:2002.05202 eq. 6."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        D, inter, bias = args.hidden_size, args.intermediate_size, args.mlp_bias
+        self.gate_proj = nn.Linear(D, inter, bias=bias)
+        self.up_proj = nn.Linear(D, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, D, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, S, D] -> [B, S, D]."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then h + mlp(norm(h))."""
+
+    def __init__(self, args: ModelArgs, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(args, layer_idx)
+        self.mlp = LlamaMLP(args)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, x, cos, sin, attention_mask=None, is_causal=True, kv_cache=None):
+        """x: [B, S, D] -> [B, S, D]; other args as `LlamaAttention.forward`."""
+        h_norm = self.input_layernorm(x)
+        h = x + self.self_attn(h_norm, cos, sin, attention_mask, is_causal, kv_cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm (HF `LlamaModel`); returns hidden states."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(
+            [LlamaDecoderLayer(args, i) for i in range(args.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(args)
+
+    def forward(self, input_ids, position_ids=None, attention_mask=None, kv_cache=None):
+        """Same args as `LlamaForCausalLM.forward`; returns [B, S, D] final-norm hidden states.
+
+        With a kv_cache the new k/v are written at `kv_cache.seq_len` by every layer, then the
+        cache is advanced by S once all layers ran.
+        """
+        B, S = input_ids.shape
+        past = kv_cache.seq_len if kv_cache is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(past, past + S, device=input_ids.device).expand(B, S)
+        h = self.embed_tokens(input_ids)  # [B, S] -> [B, S, D]
+        cos, sin = self.rotary_emb(position_ids, h.dtype)
+        is_causal = True
+        if attention_mask is None and past > 0:
+            # SDPA's is_causal aligns the diagonal top-left; with cached keys the new queries sit at
+            # the bottom right, so build that mask explicitly (a single new token sees everything).
+            attention_mask = _causal_mask(S, past + S, input_ids.device) if S > 1 else None
+            is_causal = False
+        for layer in self.layers:
+            h = layer(h, cos, sin, attention_mask, is_causal, kv_cache)
+        if kv_cache is not None:
+            kv_cache.advance(S)
+        return self.norm(h)
+
+
+def _causal_mask(S: int, S_kv: int, device) -> torch.Tensor:
+    """[1, 1, S, S_kv] bool, True = may attend; query i sits at key position S_kv - S + i."""
+    ones = torch.ones(S, S_kv, dtype=torch.bool, device=device)
+    return ones.tril(diagonal=S_kv - S)[None, None]  # [S, S_kv] -> [1, 1, S, S_kv]
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama with an LM head; module tree and state-dict keys identical to HF's."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.model = LlamaModel(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Make `lm_head.weight` the same Parameter as `model.embed_tokens.weight` when tied.
+
+        `to_empty` on plain (non-FSDP) parameters gives each module its own new Parameter and so
+        unties them; `_apply` below re-ties, and calling this again is always safe.
+        """
+        if self.args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.tie_weights()  # `.to()`/`to_empty` may have replaced the shared Parameter per module
+        return self
+
+    def init_rope(self, device=None) -> None:
+        """(Re)compute the RoPE `inv_freq` buffer in fp32 on `device` (default: where it is).
+
+        Needed after building on meta: `model.to_empty(device=...)` then `model.init_rope()`.
+        """
+        self.model.rotary_emb.reset_inv_freq(device)
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
+        """Random init for tests: N(0, std) linear/embedding weights, zero biases, unit norms."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=std, generator=generator)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, RMSNorm):
+                module.reset_parameters()
+
+    def forward_hidden(self, input_ids, position_ids=None, attention_mask=None, kv_cache=None):
+        """Final-norm hidden states [B, S, D] (pre lm_head), for a chunked linear-CE loss.
+
+        Args as `forward`. Under FSDP2, first `register_fsdp_forward_method(model,
+        "forward_hidden")` so the root's all-gather hooks run for this method too.
+        """
+        return self.model(input_ids, position_ids, attention_mask, kv_cache)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """Logits of every position.
+
+        Args:
+            input_ids: [B, S] int64 token ids.
+            position_ids: [B, S] int64 RoPE positions; None = arange(S) + kv_cache.seq_len.
+            attention_mask: [B, 1, S, S_kv] bool, True = may attend (passed to SDPA);
+                None = plain causal. Every query row should allow at least one key, else SDPA
+                returns NaN for that row.
+            kv_cache: optional KVCache; the new k/v are appended and seq_len advances by S.
+
+        Returns:
+            [B, S, V] logits in lm_head's dtype.
+        """
+        return self.lm_head(self.forward_hidden(input_ids, position_ids, attention_mask, kv_cache))
+
+
+class KVCache:
+    """Preallocated per-layer key/value buffers `[B, Hkv, S_max, Dh]` for incremental decoding.
+
+    Each layer calls `update(layer_idx, k, v)`, which writes at `seq_len` and returns the valid
+    prefix; `LlamaModel.forward` calls `advance(S)` once after its last layer, so `seq_len` counts
+    the tokens already cached.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        max_seq_len: int,
+        num_key_value_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device,
+    ) -> None:
+        shape = (batch_size, num_key_value_heads, max_seq_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.max_seq_len = max_seq_len
+        self.seq_len = 0
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
+        """Write k/v: [B, Hkv, S, Dh] at [seq_len, seq_len + S).
+
+        Returns:
+            (k_all, v_all): [B, Hkv, seq_len + S, Dh] in k's dtype (the cache may be wider, e.g.
+            fp32 buffers under a bf16 mixed-precision forward).
+
+        Raises:
+            ValueError: the cache would overflow max_seq_len.
+        """
+        end = self.seq_len + k.shape[2]
+        if end > self.max_seq_len:
+            raise ValueError(
+                f"KVCache overflow: {self.seq_len} cached + {k.shape[2]} new tokens > "
+                f"max_seq_len={self.max_seq_len}; build the cache with a larger max_seq_len."
+            )
+        self.k[layer_idx][:, :, self.seq_len : end] = k
+        self.v[layer_idx][:, :, self.seq_len : end] = v
+        k_all, v_all = self.k[layer_idx][:, :, :end], self.v[layer_idx][:, :, :end]
+        return k_all.to(k.dtype), v_all.to(v.dtype)
+
+    def advance(self, n: int) -> None:
+        """Mark n more tokens as cached (called once per forward, after the last layer)."""
+        self.seq_len += n
+
+
+def build_model(
+    args: ModelArgs, device: str | torch.device = "meta", dtype: torch.dtype = torch.float32
+) -> LlamaForCausalLM:
+    """Construct a LlamaForCausalLM on `device` in `dtype`.
+
+    On "meta" no memory is used: shard it, then `to_empty(device=...)`,
+    `load_hf_checkpoint(...)` and `init_rope()`. On a real device the weights get PyTorch's
+    default init (call `init_weights` for the test init) and RoPE is ready.
+    """
+    with torch.device(device):
+        model = LlamaForCausalLM(args)
+    return model.to(dtype=dtype)

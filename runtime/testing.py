@@ -1,0 +1,60 @@
+"""Helpers for tests: run a function on N local processes with a gloo (or NCCL) group."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))  # never a hard-coded port: parallel test runs must not collide
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, backend: str, fn, args, queue) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        queue.put((rank, "ok", result))
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def spawn(fn, world_size: int = 2, backend: str = "gloo", args: tuple = ()) -> list:
+    """Run `fn(rank, world_size, *args)` on `world_size` processes; return results in rank order.
+
+    `fn` must be picklable (a module-level function). Raises RuntimeError with every failing
+    rank's traceback.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, queue))
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    errors = [f"rank {r}:\n{msg}" for r, status, msg in results if status == "error"]
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [res for _, _, res in sorted(results, key=lambda t: t[0])]

@@ -1,0 +1,67 @@
+"""Fixtures for running emitted scripts: a tiny random Llama with the real SmolLM2 tokenizer, a slice
+of the real alpaca data, and a helper that imports an example script as a module."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from generator.assets import ensure_dataset, ensure_smollm2
+from runtime import ModelArgs, build_model, copy_tokenizer_files, save_hf_checkpoint
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO / "examples"
+
+
+def import_script(path: Path, name: str):
+    """Import an emitted train.py as a module (importing must have no side effects)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    return ensure_smollm2()
+
+
+@pytest.fixture(scope="session")
+def alpaca_path() -> Path:
+    return ensure_dataset("alpaca_en_demo.json")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, smollm2_dir) -> Path:
+    """2-layer, hidden-64 Llama (random, seed 0) with SmolLM2's real tokenizer (vocab 49152)."""
+    out = tmp_path_factory.mktemp("tiny_llama")
+    args = ModelArgs(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=100000.0,
+        max_position_embeddings=8192, tie_word_embeddings=True,
+    )
+    model = build_model(args, device="cpu")
+    model.init_weights(generator=torch.Generator().manual_seed(0))
+    save_hf_checkpoint(model, out, args.to_hf_config())
+    copy_tokenizer_files(smollm2_dir, out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def small_dataset(tmp_path_factory, alpaca_path) -> Path:
+    """The first 40 real alpaca rows (short runs still see real text)."""
+    rows = json.loads(alpaca_path.read_text())[:40]
+    path = tmp_path_factory.mktemp("data") / "alpaca40.json"
+    path.write_text(json.dumps(rows))
+    return path
+
+
+@pytest.fixture(scope="session")
+def sft_script():
+    return import_script(EXAMPLES / "sft_smollm2" / "train.py", "sft_smollm2_train")

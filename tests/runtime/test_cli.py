@@ -1,0 +1,67 @@
+"""runtime.cli.parse: overrides by field name, types, files, and errors that name the key."""
+
+import json
+from dataclasses import dataclass, field
+
+import pytest
+
+from runtime.cli import ConfigError, parse
+
+
+@dataclass
+class Cfg:
+    lr: float = 1e-5
+    max_steps: int = 10
+    compile: bool = False
+    name: str = "x"
+    lora_target_modules: list[str] = field(default_factory=lambda: ["q_proj"])
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    limit: int | None = None
+
+
+def test_defaults_and_overrides():
+    cfg = parse(Cfg, ["--lr", "2e-5", "--max-steps=50", "--compile", "--name", "run 1"])
+    assert (cfg.lr, cfg.max_steps, cfg.compile, cfg.name) == (2e-5, 50, True, "run 1")
+    assert parse(Cfg, []) == Cfg()
+
+
+def test_types():
+    cfg = parse(Cfg, ["--lr=1", "--compile=false", "--lora_target_modules=q_proj,v_proj", "--betas", "0.9,0.95", "--limit", "none"])
+    assert cfg.lr == 1.0 and isinstance(cfg.lr, float)
+    assert cfg.compile is False
+    assert cfg.lora_target_modules == ["q_proj", "v_proj"]
+    assert cfg.betas == [0.9, 0.95]
+    assert cfg.limit is None
+    assert parse(Cfg, ["--limit", "3", "--max_steps", "1e3"]).limit == 3
+    assert parse(Cfg, ["--max_steps", "1e3"]).max_steps == 1000
+
+
+def test_unknown_key_suggests_closest():
+    with pytest.raises(ConfigError, match=r"unknown config key 'max_step'; did you mean --max_steps\?"):
+        parse(Cfg, ["--max_step", "3"])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--max_steps", "ten"], r"--max_steps: expected int, got 'ten'"),
+        (["--compile=maybe"], r"--compile: expected bool"),
+        (["--lr"], r"--lr needs a value"),
+        (["--max_steps", "1.5"], r"expected int"),
+    ],
+)
+def test_bad_values_name_the_key(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        parse(Cfg, argv)
+
+
+def test_overrides_file_then_flags(tmp_path):
+    path = tmp_path / "o.json"
+    path.write_text(json.dumps({"lr": 3e-4, "max_steps": 7}))
+    cfg = parse(Cfg, [str(path), "--max_steps", "9"])
+    assert (cfg.lr, cfg.max_steps) == (3e-4, 9)
+    path.write_text(json.dumps({"nope": 1}))
+    with pytest.raises(ConfigError, match="unknown config key 'nope'"):
+        parse(Cfg, [str(path)])
+    with pytest.raises(ConfigError, match="not found"):
+        parse(Cfg, [str(tmp_path / "missing.json")])

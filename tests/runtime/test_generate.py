@@ -1,0 +1,145 @@
+"""KV-cache generation: no-cache reference, transformers parity, padding, stop, sampling, real model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.checkpoint import load_hf_checkpoint, read_hf_config
+from runtime.generate import generate, sample_next_token
+from runtime.models.llama import ModelArgs, build_model
+
+# STYLE §9 tiny config.
+TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-5,
+)
+PROMPTS = [[5, 17, 99, 3, 250, 42, 7], [11, 12], [200, 1, 2, 3, 4]]
+NEW = 10
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """Tiny model with N(0, 0.1) weights: logit gaps far above fp32 noise, so argmax is stable."""
+    model = build_model(ModelArgs(**TINY), device="cpu")
+    model.init_weights(std=0.1, generator=torch.Generator().manual_seed(0))
+    return model.eval()
+
+
+@torch.no_grad()
+def greedy_without_cache(model, prompt: list[int], n: int) -> list[int]:
+    """Reference: re-run the full forward on the whole sequence each step, take the argmax."""
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+def test_greedy_equals_no_cache_reference_and_padded_rows_equal_alone(tiny):
+    batched = generate(tiny, PROMPTS, max_new_tokens=NEW)
+    for prompt, row in zip(PROMPTS, batched):
+        assert row == greedy_without_cache(tiny, prompt, NEW)
+        assert row == generate(tiny, [prompt], max_new_tokens=NEW)[0]
+
+
+def test_greedy_equals_transformers_generate(tiny, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**tiny.args.to_hf_config()))
+    hf.load_state_dict(tiny.state_dict())
+    hf.eval()
+    for prompt in PROMPTS[:2]:
+        out = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=NEW,
+            min_new_tokens=NEW,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
+        assert generate(tiny, [prompt], max_new_tokens=NEW)[0] == out[0, len(prompt) :].tolist()
+
+
+def test_stop_token_ends_each_row_and_is_kept(tiny):
+    full = generate(tiny, PROMPTS, max_new_tokens=NEW)
+    stop = full[0][3]
+    cut = generate(tiny, PROMPTS, max_new_tokens=NEW, stop_token_ids=[stop])
+    for row, cut_row in zip(full, cut):
+        end = row.index(stop) + 1 if stop in row else len(row)
+        assert cut_row == row[:end]
+    assert cut[0][-1] == stop and len(cut[0]) <= 4
+    assert generate(tiny, PROMPTS, max_new_tokens=0) == [[], [], []]
+
+
+def test_sampling_is_seeded_and_tiny_top_p_is_greedy(tiny):
+    def sample(seed, **kw):
+        gen = torch.Generator().manual_seed(seed)
+        return generate(tiny, PROMPTS, max_new_tokens=NEW, generator=gen, **kw)
+
+    assert sample(0, temperature=1.0, top_p=0.9) == sample(0, temperature=1.0, top_p=0.9)
+    assert sample(0, temperature=1.5) != sample(1, temperature=1.5)
+    greedy = generate(tiny, PROMPTS, max_new_tokens=NEW)
+    assert sample(0, temperature=1.0, top_p=1e-6) == greedy
+
+
+def test_top_p_only_samples_from_nucleus():
+    probs = torch.tensor([0.05, 0.5, 0.15, 0.3])
+    logits = probs.log().expand(4000, 4)  # [B, V]
+    gen = torch.Generator().manual_seed(0)
+    nucleus = sample_next_token(logits, temperature=1.0, top_p=0.7, generator=gen)
+    assert set(nucleus.tolist()) == {1, 3}  # 0.5 + 0.3 >= 0.7: smallest such set
+    counts = torch.bincount(nucleus, minlength=4).float() / 4000
+    torch.testing.assert_close(counts[[1, 3]], torch.tensor([0.625, 0.375]), atol=0.03, rtol=0)
+    everything = sample_next_token(logits, temperature=1.0, top_p=1.0, generator=gen)
+    assert set(everything.tolist()) == {0, 1, 2, 3}
+
+
+def test_bad_arguments_raise(tiny):
+    with pytest.raises(ValueError, match="empty prompt"):
+        generate(tiny, [[1, 2], []], max_new_tokens=2)
+    with pytest.raises(ValueError, match="top_p"):
+        generate(tiny, [[1, 2]], max_new_tokens=2, temperature=1.0, top_p=0.0)
+
+
+SMOL_CHAT_PROMPT = (
+    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    "<|im_end|>\n<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
+SMOL_IM_END = 2  # token id of "<|im_end|>"
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """The real SmolLM2-135M-Instruct (fp32): our model, transformers' model, the tokenizer."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer
+
+    from generator.assets import ensure_smollm2
+
+    path = ensure_smollm2()
+    model = build_model(ModelArgs.from_hf_config(read_hf_config(path)), device="meta")
+    model.to_empty(device="cpu")
+    model.init_rope()
+    load_hf_checkpoint(model, path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return model.eval(), hf, Tokenizer.from_file(str(path / "tokenizer.json"))
+
+
+def test_smollm2_logits_match_transformers(smollm2):
+    model, hf, tokenizer = smollm2
+    ids = torch.tensor([tokenizer.encode(SMOL_CHAT_PROMPT).ids])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), hf(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_smollm2_answers_paris(smollm2):
+    model, _, tokenizer = smollm2
+    prompt = tokenizer.encode(SMOL_CHAT_PROMPT).ids
+    out = generate(model, [prompt], max_new_tokens=8, stop_token_ids=[SMOL_IM_END])[0]
+    assert "Paris" in tokenizer.decode(out), tokenizer.decode(out)
