@@ -24,6 +24,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 SAFETENSORS_NAME = "model.safetensors"
@@ -69,6 +70,17 @@ def read_hf_config(model_dir: str | os.PathLike) -> dict:
     if not isinstance(cfg, dict):
         raise ValueError(f"{path} holds a {type(cfg).__name__}, expected a JSON object.")
     return cfg
+
+
+def _reshard_fsdp(model: nn.Module) -> None:
+    """Register every FSDP2 module's sharded DTensor parameters again (a local op, no comms).
+
+    After a forward the root keeps its parameters unsharded: they are then plain tensors in
+    all-gather buffers that FSDP may free or overwrite, so never read or write those.
+    """
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def _is_tied(model: nn.Module) -> bool:
@@ -161,6 +173,7 @@ def load_hf_checkpoint(model: nn.Module, model_dir: str | os.PathLike, strict: b
         RuntimeError: a parameter is still on the meta device afterwards.
     """
     key_to_file, source = _checkpoint_index(Path(model_dir))
+    _reshard_fsdp(model)
     plan = _plan_load(model, key_to_file, source, strict)
     params = dict(model.named_parameters())
     by_file: dict[Path, list[str]] = {}
@@ -250,23 +263,28 @@ def save_hf_checkpoint(
     """
     out_dir = Path(out_dir)
     is_writer = _rank() == 0
+    _reshard_fsdp(model)
     tensors = _tensors_to_save(model, hf_config)
     shards = _plan_shards(tensors, dtype, max_shard_bytes)
     tmp = None
     if is_writer:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    weight_map: dict[str, str] = {}
-    for i, names in enumerate(shards):
-        fname = SAFETENSORS_NAME if len(shards) == 1 else _shard_name(i, len(shards))
-        block = {n: _gather(tensors[n], dtype, is_writer) for n in names}
+    try:
+        weight_map: dict[str, str] = {}
+        for i, names in enumerate(shards):
+            fname = SAFETENSORS_NAME if len(shards) == 1 else _shard_name(i, len(shards))
+            block = {n: _gather(tensors[n], dtype, is_writer) for n in names}
+            if is_writer:
+                save_file(block, tmp / fname, metadata={"format": "pt"})
+                weight_map.update(dict.fromkeys(names, fname))
+            del block  # free this shard before gathering the next
         if is_writer:
-            save_file(block, tmp / fname, metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(names, fname))
-        del block  # free this shard before gathering the next
-    if is_writer:
-        _write_metadata(tmp, tensors, weight_map, hf_config, dtype, sharded=len(shards) > 1)
-        _move_into_place(tmp, out_dir)
+            _write_metadata(tmp, tensors, weight_map, hf_config, dtype, sharded=len(shards) > 1)
+            _move_into_place(tmp, out_dir)
+    finally:
+        if tmp is not None and tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)  # a failed save leaves no temp dir behind
     if dist.is_available() and dist.is_initialized():
         dist.barrier()  # no rank reads the checkpoint before rank 0 finished writing it
 
@@ -304,7 +322,6 @@ def _move_into_place(tmp: Path, out_dir: Path) -> None:
         )
         if is_weight and old.name not in new_files:
             old.unlink()  # a stale shard or single file from an earlier save
-    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def copy_tokenizer_files(src_dir: str | os.PathLike, dst_dir: str | os.PathLike) -> list[str]:

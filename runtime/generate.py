@@ -119,18 +119,10 @@ def generate(
     _validate(prompts, max_new_tokens, temperature, top_p)
     if max_new_tokens == 0:
         return [[] for _ in prompts]
-    args, weight = model.args, model.model.embed_tokens.weight
+    weight = model.model.embed_tokens.weight  # a DTensor under FSDP2: same device and dtype
     input_ids, valid = _left_pad(prompts, pad_token_id, weight.device)
     B, P = input_ids.shape
-    cache = KVCache(
-        args.num_hidden_layers,
-        B,
-        P + max_new_tokens,
-        args.num_key_value_heads,
-        args.head_dim,
-        weight.dtype,
-        weight.device,
-    )
+    cache = _new_cache(model.args, B, P + max_new_tokens, weight.dtype, weight.device)
     position_ids = (valid.long().cumsum(-1) - 1).clamp(min=0)  # [B, P]; padding gets 0
     mask = _prefill_mask(valid)  # [B, 1, P, P]
     logits = model(input_ids, position_ids=position_ids, attention_mask=mask, kv_cache=cache)
@@ -149,6 +141,19 @@ def generate(
         logits = model(token[:, None], position_ids=next_pos, attention_mask=mask, kv_cache=cache)
         next_pos = next_pos + 1
     return _trim(torch.stack(out, dim=1).tolist(), set(stop_token_ids))
+
+
+def _new_cache(args, batch_size: int, max_seq_len: int, dtype, device) -> KVCache:
+    """A KVCache sized for `args` (a `ModelArgs`); the cache casts to the compute dtype on read."""
+    return KVCache(
+        args.num_hidden_layers,
+        batch_size,
+        max_seq_len,
+        args.num_key_value_heads,
+        args.head_dim,
+        dtype,
+        device,
+    )
 
 
 def _trim(rows: list[list[int]], stop: set[int]) -> list[list[int]]:

@@ -135,10 +135,12 @@ def disable_fsdp_gradient_division(model: torch.nn.Module) -> None:
 
     The recipes divide the summed token loss by the global supervised-token count (all micro-batches,
     all data-parallel ranks) themselves; FSDP's default division by the world size would average a
-    second time. Reference: torchtitan `disable_fsdp_gradient_division`.
+    second time. Reduction is forced to plain SUM: a divide factor of 1 otherwise becomes NCCL's
+    PREMUL_SUM, which gloo does not have. Reference: torchtitan `disable_fsdp_gradient_division`.
     """
     from torch.distributed.fsdp import FSDPModule
 
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import traceback
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -27,7 +29,9 @@ def _worker(rank: int, world_size: int, port: int, backend: str, fn, args, queue
     try:
         dist.init_process_group(backend, rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        buffer = io.BytesIO()  # plain bytes: shared-memory tensors die with this process
+        torch.save(result, buffer)
+        queue.put((rank, "ok", buffer.getvalue()))
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -57,4 +61,5 @@ def spawn(fn, world_size: int = 2, backend: str = "gloo", args: tuple = ()) -> l
     errors = [f"rank {r}:\n{msg}" for r, status, msg in results if status == "error"]
     if errors:
         raise RuntimeError("\n".join(errors))
-    return [res for _, _, res in sorted(results, key=lambda t: t[0])]
+    ordered = sorted(results, key=lambda t: t[0])
+    return [torch.load(io.BytesIO(res), weights_only=False) for _, _, res in ordered]

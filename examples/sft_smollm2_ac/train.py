@@ -81,6 +81,7 @@ class Config:
     weight_decay: float = 0.0  # AdamW decoupled decay on matrices (not on norms/biases)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     warmup_steps: int = 10  # optimizer steps of linear warmup
+    min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio (1.0 = constant after warmup)
     max_steps: int = 100  # optimizer steps in total
     max_grad_norm: float = 1.0  # clip the global gradient norm to this (0 = off)
     micro_batch_size: int = 4  # sequences per rank per forward
@@ -119,6 +120,8 @@ def validate(cfg: Config) -> None:
         errors.append(
             f"lr={cfg.lr} must be > 0, max_grad_norm={cfg.max_grad_norm} >= 0, betas two floats"
         )
+    if not 0 <= cfg.min_lr_ratio <= 1:
+        errors.append(f"min_lr_ratio={cfg.min_lr_ratio}: must be in [0, 1]")
     if not 0 <= cfg.val_fraction < 1:
         errors.append(f"val_fraction={cfg.val_fraction}: must be in [0, 1)")
     for name in (
@@ -202,7 +205,9 @@ def build_optimizer(cfg: Config, model: torch.nn.Module):
         {"params": no_decay, "weight_decay": 0.0},
     ]
     optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas))
-    scheduler = cosine_schedule_with_warmup(optimizer, cfg.warmup_steps, cfg.max_steps)
+    scheduler = cosine_schedule_with_warmup(
+        optimizer, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio
+    )
     return optimizer, scheduler
 
 
@@ -451,7 +456,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"\nsample | user: {cfg.sample_prompt}\n       | assistant: {reply}")
     if logger:
         logger.close()
-    del model, optimizer
+    del model, optimizer, scheduler  # free FSDP state before the process group goes away
     destroy_distributed()
     return metrics
 

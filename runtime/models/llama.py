@@ -36,6 +36,10 @@ class ModelArgs:
     `num_attention_heads` (no GQA). `rope_scaling` is the HF dict form, e.g. `{"rope_type": "llama3",
     "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192}`; None or rope_type "default" means plain RoPE.
+
+    Raises:
+        ValueError: num_attention_heads not a multiple of num_key_value_heads, odd head_dim, or
+            an unsupported / incomplete rope_scaling.
     """
 
     vocab_size: int

@@ -197,3 +197,34 @@ def test_load_into_fsdp2_dtensor_shards(tmp_path):
             torch.testing.assert_close(p.to_local(), expected, msg=name)
     finally:
         dist.destroy_process_group()
+
+
+def test_fsdp2_load_generate_train_then_save(tmp_path):
+    """1-rank gloo FSDP2: load, generate, a training forward (root left unsharded), save, reload."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from runtime.generate import generate
+
+    ref = tiny_model(tie=True)
+    save_hf_checkpoint(ref, tmp_path / "in", ref.args.to_hf_config())
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = build_model(ref.args, device="meta")
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=init_device_mesh("cpu", (1,)))
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        model.to_empty(device="cpu")
+        model.init_rope()
+        load_hf_checkpoint(model, tmp_path / "in")
+        prompts = [[5, 17, 99, 3], [11, 12]]
+        assert generate(model, prompts, 6) == generate(ref, prompts, 6)
+        model(IDS).sum().backward()  # the root now holds unsharded (all-gathered) parameters
+        save_hf_checkpoint(model, tmp_path / "out", ref.args.to_hf_config())
+    finally:
+        dist.destroy_process_group()
+    reloaded = build_model(ref.args, device="cpu")
+    load_hf_checkpoint(reloaded, tmp_path / "out")
+    for (name, p), q in zip(reloaded.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, msg=name)

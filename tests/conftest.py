@@ -14,7 +14,7 @@ import torch
 from generator.assets import ensure_dataset, ensure_smollm2
 from runtime import ModelArgs, build_model, copy_tokenizer_files, save_hf_checkpoint
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
 
 
