@@ -36,12 +36,12 @@ from tqdm import tqdm
 
 from runtime import (
     IGNORE_INDEX,
-    LlamaForCausalLM,
     MetricsLogger,
     ModelArgs,
     Tokenizer,
     all_reduce_sum,
     build_mesh,
+    build_model,
     copy_tokenizer_files,
     cosine_schedule_with_warmup,
     cross_entropy_sum,
@@ -142,7 +142,7 @@ def setup_distributed(cfg: Config):
 
 
 # === 4. Model ===
-def build_model(cfg: Config, model_dir: Path, mesh, device: torch.device) -> LlamaForCausalLM:
+def build_sft_model(cfg: Config, model_dir: Path, mesh, device: torch.device) -> torch.nn.Module:
     """Build on meta (no memory), shard with FSDP2, then materialise and load the HF weights."""
     model_args = ModelArgs.from_hf_config(
         read_hf_config(model_dir), source=str(model_dir / "config.json")
@@ -152,10 +152,8 @@ def build_model(cfg: Config, model_dir: Path, mesh, device: torch.device) -> Lla
             f"max_seq_len={cfg.max_seq_len} exceeds the model's max_position_embeddings="
             f"{model_args.max_position_embeddings}; lower --max_seq_len"
         )
-    with torch.device("meta"):
-        model = LlamaForCausalLM(
-            model_args
-        )  # HF module names: state-dict keys equal the checkpoint's
+    # on meta: no memory until FSDP has sharded it; HF module names, so keys equal the checkpoint's
+    model = build_model(model_args, device="meta")
     # fp32 parameters are the master weights; FSDP casts to param_dtype for compute and reduces
     # gradients in fp32, so bf16 runs still apply every small AdamW update.
     mp_policy = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.dtype], reduce_dtype=torch.float32)
@@ -173,7 +171,7 @@ def build_model(cfg: Config, model_dir: Path, mesh, device: torch.device) -> Lla
 
 
 # === 5. Loss ===
-def sft_loss(model: LlamaForCausalLM, batch: dict) -> torch.Tensor:
+def sft_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     """Summed cross-entropy of one micro-batch.
 
     Args:
@@ -375,7 +373,7 @@ def main(argv: list[str] | None = None) -> dict:
     model_dir = resolve_model_dir(cfg.model, cfg.hf_repo_id)
     tokenizer = Tokenizer.from_dir(model_dir)
     train_set, val_set = build_datasets(cfg, tokenizer)
-    model = build_model(cfg, model_dir, mesh, device)
+    model = build_sft_model(cfg, model_dir, mesh, device)
     optimizer, scheduler = build_optimizer(cfg, model)
     train_loader = build_dataloader(
         cfg, train_set, tokenizer.pad_token_id, dp_rank, dp_size, train=True
