@@ -86,6 +86,8 @@ def scaffold_command(dtype: str, steps: int, mbs: int, seq: int, run_dir: Path) 
         "--dtype", dtype,
         "--lr", str(LR),
         "--warmup_steps", "0",  # the peers run a constant lr; the default 10 > short runs
+        "--min_lr_ratio", "1.0",  # constant lr after warmup, like the peers (no cosine decay)
+        "--val_fraction", "0",  # no held-out split and no final validation pass
         "--eval_every_steps", "0",
         "--save_every_steps", "0",
         "--sample_max_new_tokens", "0",
