@@ -165,9 +165,8 @@ def build_sft_model(cfg: Config, model_dir: Path, mesh, device: torch.device) ->
     # fp32 parameters are the master weights; FSDP casts to param_dtype for compute and reduces
     # gradients in fp32, so bf16 runs still apply every small AdamW update.
     mp_policy = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.dtype], reduce_dtype=torch.float32)
-    for (
-        layer
-    ) in model.model.layers:  # one FSDP unit per block: gathers one block's weights at a time
+    # one FSDP unit per block: forward and backward gather one block's weights at a time
+    for layer in model.model.layers:
         fully_shard(layer, mesh=mesh["dp_shard"], mp_policy=mp_policy)
     # root unit holds embed_tokens, norm and lm_head together, so a tied lm_head stays one parameter
     fully_shard(model, mesh=mesh["dp_shard"], mp_policy=mp_policy)
