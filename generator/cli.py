@@ -118,13 +118,62 @@ def list_(what):
             click.echo(f"  {t.name:10} {t.summary}")
 
 
+_SET_HELP = (
+    "Change one option of the recorded spec (repeatable): algo, dataset, dtype, gpus, model, nodes, "
+    "tricks (comma list; `tricks=` for none). Validated like `scaffold new`."
+)
+
+
 @cli.command()
 @click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
-@click.option("--check", is_flag=True, required=True,
+@click.option("--set", "settings", multiple=True, metavar="KEY=VALUE", help=_SET_HELP)
+@click.option("--to-version", default="current", show_default=True, type=click.Choice(["current"]),
+              help="Template release to move to (only the installed one can be rendered).")
+@click.option("--check", is_flag=True,
               help="Exit non-zero if any train.py under PATHS differs from a fresh render of its spec.")
 @_friendly
-def regen(paths, check):
-    """Re-render scripts from their recorded spec (--check: report drift, write nothing)."""
+def regen(paths, settings, to_version, check):
+    """Merge a new render of DIR's spec (changed by --set) into DIR/train.py, keeping your edits.
+
+    \b
+    3-way merge: base = DIR/.scaffold/train.py.base (the render you started from), yours =
+    DIR/train.py, new = the render of the updated spec. On a conflict train.py gets
+    <<<<<<< / ||||||| / ======= / >>>>>>> markers, your previous file is kept as train.py.orig,
+    the exit status is 1, and regen refuses to run again until the markers are gone.
+
+    \b
+    Examples:
+      scaffold regen runs/demo --set tricks=ac --set gpus=8
+      scaffold regen --check examples      # CI: every example matches a fresh render
+    """
+    if check:
+        if settings:
+            raise ScaffoldError("--check re-renders the recorded specs as they are; it takes no --set")
+        _regen_check(paths)
+        return
+    from generator.regen import SCRIPT, ConflictError, apply, plan
+
+    if len(paths) != 1:
+        raise ScaffoldError(f"regen merges into one DIR at a time; got {len(paths)} ({' '.join(paths)})")
+    p = plan(paths[0], settings, to_version)
+    script = p.directory / SCRIPT
+    if p.up_to_date:
+        click.echo(f"{script} is up to date with its spec and scaffold {__version__}; nothing to merge")
+        return
+    apply(p)
+    changes = "; ".join(p.spec_changes()) or "template update only"
+    if not p.result.conflicts:
+        click.echo(f"merged the new render into {script} ({changes}); your edits are kept")
+        return
+    for c in p.result.conflicts:
+        click.echo(c.describe(str(script)), err=True)
+    raise ConflictError(
+        f"{len(p.result.conflicts)} conflicting region(s) in {script} ({changes}): edit each marked region "
+        f"and delete the markers; your previous file is {p.directory / 'train.py.orig'}"
+    )
+
+
+def _regen_check(paths) -> None:
     from generator.render import render
 
     dirs = sorted({p.parent.parent for path in paths for p in Path(path).glob("**/.scaffold/spec.json")})
@@ -142,6 +191,44 @@ def regen(paths, check):
     if drifted:
         raise click.ClickException(f"{len(drifted)} file(s) out of date; re-render with `scaffold new ... --force`")
     click.echo(f"{len(dirs)} script(s) match their templates")
+
+
+@cli.command("diff")
+@click.argument("directory", required=False, type=click.Path(exists=True, file_okay=False))
+@click.option("--set", "settings", multiple=True, metavar="KEY=VALUE", help=_SET_HELP)
+@click.option("--spec", "specs", multiple=True, type=click.Path(exists=True),
+              help="A spec.json (or a directory with .scaffold/spec.json); give it twice to compare two renders.")
+@_friendly
+def diff_(directory, settings, specs):
+    """Print the unified diff `scaffold regen DIR` would apply to DIR/train.py; write nothing.
+
+    \b
+    Examples:
+      scaffold diff runs/demo --set tricks=ac
+      scaffold diff --spec a/.scaffold/spec.json --spec b/.scaffold/spec.json
+    """
+    from generator.regen import SCRIPT, plan, unified_diff
+
+    if specs:
+        if directory or settings or len(specs) != 2:
+            raise ScaffoldError("--spec compares two renders: give exactly two --spec, and no DIR or --set")
+        from generator.render import render
+
+        texts = []
+        for s in specs:
+            path = Path(s) / SPEC_FILE if Path(s).is_dir() else Path(s)
+            texts.append(render(Spec.from_json(path.read_text(), source=str(path))))
+        click.echo(unified_diff(texts[0], texts[1], specs[0], specs[1]), nl=False)
+        return
+    if not directory:
+        raise ScaffoldError("give DIR (what regen would change) or two --spec files (how two renders differ)")
+    p = plan(directory, settings)
+    script = str(p.directory / SCRIPT)
+    click.echo(unified_diff(p.ours, p.result.text, script, f"{script} (after regen)"), nl=False)
+    if p.result.text == p.ours:
+        click.echo(f"regen would not change {script}", err=True)
+    for c in p.result.conflicts:
+        click.echo(f"regen would conflict: {c.describe(script)}", err=True)
 
 
 @cli.command()

@@ -31,7 +31,7 @@ def templates_dir() -> Path:
 
 
 def environment() -> jinja2.Environment:
-    return jinja2.Environment(
+    env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(templates_dir())),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
@@ -39,11 +39,48 @@ def environment() -> jinja2.Environment:
         lstrip_blocks=True,
         autoescape=False,
     )
+    env.filters["pyrepr"] = pyrepr
+    return env
+
+
+def pyrepr(value: str) -> str:
+    """A Python string literal that evaluates to exactly `value`: `{{ x | pyrepr }}`.
+
+    `repr` escapes quotes, backslashes, newlines and every non-printable character (U+2028, NUL,
+    ...), and keeps astral characters whole (JSON, i.e. `tojson`, writes them as surrogate pairs,
+    which Python reads as two characters). `{` becomes `\\x7b`, so no user value can look like
+    Jinja residue: a `{` in `repr` output is always a literal character, never part of an escape.
+    """
+    if not isinstance(value, str):
+        raise TypeError(f"pyrepr takes a str, got {type(value).__name__}: {value!r}")
+    return repr(value).replace("{", "\\x7b")
+
+
+def docstring_text(value: str) -> str:
+    """`value` escaped for the inside of a non-raw triple-quoted docstring, so that it reads back
+    as exactly `value` and can never end the docstring (a triple quote in a user path would
+    otherwise end it and inject code; a backslash would start an escape or break the parse)."""
+    out = []
+    for ch in value:
+        if ch in '\\"':
+            out.append("\\" + ch)
+        elif ch == "{":
+            out.append("\\x7b")
+        elif ch.isprintable():
+            out.append(ch)
+        else:
+            out.append(repr(ch)[1:-1])  # \n, \t, \x00, \u2028, ...
+    return "".join(out)
+
+
+# Answers printed inside the header docstring; they can hold user text (paths, dataset names).
+_DOCSTRING_ANSWERS = ("command", "model_name", "family")
 
 
 def render_raw(spec: Spec) -> str:
     """Jinja output before any post-processing (for debugging templates)."""
     answers = build_answers(spec)
+    answers.update({k: docstring_text(answers[k]) for k in _DOCSTRING_ANSWERS})
     return environment().get_template(RECIPES[spec.algo]).render(a=answers)
 
 

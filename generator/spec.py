@@ -46,7 +46,9 @@ class Spec:
         try:
             data = json.loads(text)["spec"]
         except (ValueError, KeyError, TypeError) as e:
-            raise SpecError(f"{source}: not a scaffold spec ({e}); re-create it with `scaffold new`") from e
+            raise SpecError(
+                f"{source}: not a scaffold spec ({e}); re-create it with `scaffold new`"
+            ) from e
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -88,16 +90,22 @@ def validate_spec(spec: Spec) -> None:
                 raise SpecError(f"--tricks {t} conflicts with {other}: choose one of them")
         for need in TRICKS[t].requires:
             if need not in spec.tricks:
-                raise SpecError(f"--tricks {t} needs {need}; add it: --tricks {','.join([*spec.tricks, need])}")
+                raise SpecError(
+                    f"--tricks {t} needs {need}; add it: --tricks {','.join([*spec.tricks, need])}"
+                )
     if spec.dtype not in DTYPES:
         raise SpecError(f"--dtype {spec.dtype!r}; valid: {', '.join(DTYPES)}")
     if spec.gpus < 1 or spec.nodes < 1:
         raise SpecError(f"--gpus {spec.gpus} and --nodes {spec.nodes} must both be >= 1")
     if not spec.dataset.strip():
-        raise SpecError("--dataset is empty; give a .json/.jsonl/.parquet path or a Hugging Face dataset name")
+        raise SpecError(
+            "--dataset is empty; give a .json/.jsonl/.parquet path or a Hugging Face dataset name"
+        )
 
 
 def _local_model_answers(path: Path) -> dict:
+    """Answers for `--model DIR`: its config.json (model_type llama, qwen2, qwen3 or qwen3_moe)
+    selects the family; an unsupported or broken config is a SpecError naming the file."""
     from runtime.models.llama import ModelArgs
 
     config_path = path / "config.json"
@@ -110,7 +118,7 @@ def _local_model_answers(path: Path) -> dict:
         "model_name": path.name,
         "model_path": str(path.resolve()),
         "hf_repo_id": "",
-        "family": hf.get("model_type", "llama"),
+        "family": args.model_type,
         "max_seq_len": min(2048, args.max_position_embeddings),
         "lr": 2e-5,
         "micro_batch_size": 4,
@@ -149,7 +157,8 @@ def build_answers(spec: Spec) -> dict:
         }
     else:
         model = _local_model_answers(Path(spec.model).expanduser())
-    ordered_tricks = [name for name in TRICKS if name in spec.tricks]  # registry order, not CLI order
+    # Registry order, not CLI order.
+    ordered_tricks = [name for name in TRICKS if name in spec.tricks]
     return {
         **model,
         "algo": spec.algo,

@@ -16,7 +16,8 @@ from runtime.generate import generate
 from runtime.hub import resolve_data_path, resolve_model_dir, scaffold_home
 from runtime.loss import IGNORE_INDEX, cross_entropy_sum
 from runtime.metrics import MetricsLogger, peak_memory_mib, transformer_flops_per_token
-from runtime.models.llama import KVCache, LlamaForCausalLM, ModelArgs, build_model
+from runtime.models.llama import CausalLM, KVCache, LlamaForCausalLM, ModelArgs, build_model
+from runtime.models.moe import load_balancing_loss
 from runtime.optim import cosine_schedule_with_warmup
 from runtime.parallel import (
     DistInfo,
@@ -30,6 +31,7 @@ from runtime.tokenizer import Tokenizer
 
 __all__ = [
     "IGNORE_INDEX",
+    "CausalLM",
     "ConfigError",
     "DistInfo",
     "KVCache",
@@ -47,6 +49,7 @@ __all__ = [
     "disable_fsdp_gradient_division",
     "generate",
     "init_distributed",
+    "load_balancing_loss",
     "load_hf_checkpoint",
     "load_rows",
     "parse_config",

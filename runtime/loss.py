@@ -28,3 +28,181 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     return F.cross_entropy(
         logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
     )
+
+
+_DEFAULT_NUM_CHUNKS = 8  # 1/8 of the tokens per chunk: peak logits memory is ~1/8 of plain CE's
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    num_chunks: int = _DEFAULT_NUM_CHUNKS,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """Summed cross-entropy of `hidden @ weight.T` without materialising the [T, V] logits.
+
+    Equals `F.cross_entropy(hidden @ weight.T, labels, ignore_index=IGNORE_INDEX, reduction="sum")`
+    (loss and gradients), but first drops the ignored positions, then runs the output projection,
+    logsumexp and its backward chunk by chunk, so at most one chunk's logits are alive at a time.
+
+    Backward strategy (recompute, as Cut Cross-Entropy): the forward keeps only the valid hidden
+    rows [T, D], the targets [T] and the fp32 logsumexp [T]; the backward recomputes each chunk's
+    logits, turns them into `softmax - one_hot` in place and accumulates the grads of hidden and
+    weight chunk by chunk. Cost: one extra [T, D] x [D, V] matmul (4 instead of 3, about +33% of
+    this layer's FLOPs); memory: nothing of size V is kept between forward and backward (Liger's
+    alternative, computing the grads in the forward, saves that matmul but holds a [V, D] fp32
+    weight gradient and a [T, D] hidden gradient from forward to backward, also under no_grad
+    evaluation). Peak extra memory: about 2 x chunk_tokens x V x 4 bytes (one chunk's fp32 logits
+    plus logsumexp's temporary, or the probabilities plus their bf16 copy), plus the [V, D] fp32
+    weight-gradient accumulator. Dropping ignored tokens needs their count on the host (one
+    device sync per call).
+
+    Numerics: logits are computed in the inputs' dtype (autocast is disabled inside, so bf16 inputs
+    give bf16 matmuls), then upcast to fp32 per chunk for the logsumexp, the softmax and the loss
+    sum; each chunk's weight gradient (a bf16 matmul for bf16 inputs: CPU has no bf16 x bf16 ->
+    fp32 matmul) is summed across chunks in fp32 and cast to weight.dtype at the end. float64
+    inputs stay float64 throughout (for gradcheck).
+
+    Tied embeddings: the returned weight gradient is an ordinary autograd gradient, so when
+    `weight` is also `embed_tokens.weight` it adds to the embedding's gradient in the same
+    parameter. FSDP2: pass the *unsharded* lm_head weight, i.e. call this inside the root module's
+    forward, or after `register_fsdp_forward_method(model, "forward_hidden")` and
+    `model.forward_hidden(...)` (the root keeps its parameters unsharded after forward, so
+    `model.lm_head.weight` is then a plain tensor and its gradient is reduce-scattered at the end
+    of backward like any other).
+
+    Loss parallel (vocab-sharded weight, later): the math is split so that it composes. Per chunk
+    and shard, `lse_local = logsumexp(z_local)` and the target logit (from the shard owning the
+    label, 0 elsewhere) are combined across shards by `lse = logsumexp(all_gather(lse_local))` and
+    a sum all-reduce; the backward is local per shard given the global `lse`:
+    `dz_local = exp(z_local - lse) - one_hot_local`, and grad_hidden needs a sum all-reduce.
+
+    Args:
+        hidden: [B, S, D] or [T, D] final hidden states (pre lm_head), fp32 or bf16.
+        weight: [V, D] output projection (lm_head.weight, possibly the tied embedding), same dtype
+            as hidden.
+        labels: [B, S] or [T] int64, pre-shifted (labels[..., t] is the target of position t),
+            IGNORE_INDEX = not supervised.
+        num_chunks: split the supervised tokens into this many chunks (ignored if chunk_size).
+        chunk_size: tokens per chunk; bounds the peak memory independently of the batch size.
+
+    Returns:
+        Scalar fp32 (float64 for float64 inputs): the sum of token losses; 0.0 (never NaN, with
+        zero gradients) when nothing is supervised. Divide by the global supervised-token count
+        of the optimizer step (all micro-batches and ranks), as with `cross_entropy_sum`.
+
+    Raises:
+        ValueError: mismatched shapes or dtypes, num_chunks < 1 or chunk_size < 1.
+        RuntimeError: weight is a DTensor (e.g. an FSDP2-sharded lm_head.weight used outside the
+            root's forward).
+
+    Reference:
+        Wijmans et al. 2024, "Cut Your Losses in Large-Vocabulary Language Models",
+        https://arxiv.org/abs/2411.09009 (Sec. 4: blockwise logsumexp, recomputation in backward);
+        Hsu et al. 2024, "Liger Kernel", https://arxiv.org/abs/2410.10989 (fused linear CE).
+        Differs from reference: PyTorch ops per chunk (no fused Triton kernel), so the chunk's
+        logits are materialised; no gradient filtering (the CCE paper's sparsity skip).
+    """
+    _check_lce_inputs(hidden, weight, labels, num_chunks, chunk_size)
+    D = hidden.shape[-1]
+    flat_labels = labels.reshape(-1)  # [B, S] -> [B*S]
+    valid = (flat_labels != IGNORE_INDEX).nonzero().squeeze(1)  # [T] positions of supervised tokens
+    hidden_valid = hidden.reshape(-1, D).index_select(0, valid)  # [B*S, D] -> [T, D]
+    targets = flat_labels.index_select(0, valid)  # [T]
+    T = targets.numel()
+    size = chunk_size if chunk_size is not None else -(-T // num_chunks)  # ceil(T / num_chunks)
+    return _LinearCrossEntropy.apply(hidden_valid, weight, targets, max(1, size))
+
+
+def _check_lce_inputs(hidden, weight, labels, num_chunks, chunk_size) -> None:
+    """Shape, dtype and layout checks for `linear_cross_entropy` (messages say what to fix)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(weight, DTensor):
+        raise RuntimeError(
+            f"linear_cross_entropy got a DTensor weight {tuple(weight.shape)} with placements "
+            f"{weight.placements}; under FSDP2 pass the unsharded lm_head.weight: call it inside the "
+            "root module's forward, or register_fsdp_forward_method(model, 'forward_hidden') and "
+            "call model.forward_hidden(...) first."
+        )
+    if hidden.shape[-1] != weight.shape[-1] or weight.ndim != 2:
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} disagree: expected "
+            "hidden [..., D] and weight [V, D] (lm_head.weight)."
+        )
+    if hidden.shape[:-1].numel() != labels.numel():
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)} has {hidden.shape[:-1].numel()} positions but labels "
+            f"{tuple(labels.shape)} has {labels.numel()}; pass labels [B, S] for hidden [B, S, D]."
+        )
+    if hidden.dtype != weight.dtype:
+        raise ValueError(
+            f"hidden is {hidden.dtype} but weight is {weight.dtype}; cast one of them (under FSDP2 "
+            "MixedPrecisionPolicy both are param_dtype)."
+        )
+    if num_chunks < 1 or (chunk_size is not None and chunk_size < 1):
+        raise ValueError(
+            f"num_chunks={num_chunks}, chunk_size={chunk_size}: both must be >= 1 (chunk_size "
+            "may be None)."
+        )
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Chunked CE over pre-filtered tokens; see `linear_cross_entropy` for the design."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_size):
+        """hidden [T, D], weight [V, D], targets [T] int64 (all valid) -> scalar fp32 loss sum."""
+        T = targets.numel()
+        acc_dtype = torch.promote_types(hidden.dtype, torch.float32)  # fp32 (fp64 for gradcheck)
+        lse = torch.empty(T, dtype=acc_dtype, device=hidden.device)  # [T] logsumexp
+        loss = torch.zeros((), dtype=acc_dtype, device=hidden.device)
+        with torch.autocast(hidden.device.type, enabled=False):  # compute in the inputs' dtype
+            for start in range(0, T, chunk_size):
+                end = min(start + chunk_size, T)
+                logits = (hidden[start:end] @ weight.T).to(acc_dtype)  # [C, V] fp32
+                lse[start:end] = torch.logsumexp(logits, dim=-1)
+                target_logits = logits.gather(1, targets[start:end, None]).squeeze(1)  # [C]
+                loss += (lse[start:end] - target_logits).sum()
+                del logits  # free the chunk before the next one is allocated
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.chunk_size = chunk_size
+        return loss
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss):
+        """grad_loss: scalar -> (grad hidden [T, D], grad weight [V, D], None, None)."""
+        hidden, weight, targets, lse = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        T = targets.numel()
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = (  # fp32 sum over chunks
+            torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
+            if need_weight
+            else None
+        )
+        rows = torch.arange(min(ctx.chunk_size, T), device=hidden.device)
+        partial = torch.empty_like(weight) if need_weight and weight.dtype != lse.dtype else None
+        with torch.autocast(hidden.device.type, enabled=False):
+            for start in range(0, T, ctx.chunk_size):
+                end = min(start + ctx.chunk_size, T)
+                h = hidden[start:end]  # [C, D]
+                probs = (h @ weight.T).to(lse.dtype)  # [C, V] fp32, recomputed
+                probs.sub_(lse[start:end, None]).exp_()  # softmax
+                probs[rows[: end - start], targets[start:end]] -= 1.0  # d loss / d logits
+                grad_logits = probs.mul_(grad_loss).to(hidden.dtype)  # [C, V]
+                del probs
+                if need_hidden:
+                    torch.mm(grad_logits, weight, out=grad_hidden[start:end])  # [C, D]
+                if need_weight:  # [V, D], summed over chunks in fp32 without a [V, D] temporary
+                    if grad_logits.dtype == grad_weight.dtype:
+                        grad_weight.addmm_(grad_logits.T, h)
+                    else:  # bf16 matmul into one reused bf16 buffer (no bf16 -> fp32 mm on CPU)
+                        partial = torch.mm(grad_logits.T, h, out=partial)
+                        grad_weight.add_(partial)
+                del grad_logits
+        if need_weight:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None

@@ -1,16 +1,33 @@
-"""Llama decoder (Llama 2/3, SmolLM2, ...) with Hugging Face module names, plus a KV cache.
+"""The decoder of the Llama, Qwen2/Qwen2.5, Qwen3 and Qwen3-MoE families, with HF module names.
 
-State-dict keys equal `transformers.LlamaForCausalLM`'s (`model.layers.0.self_attn.q_proj.weight`),
-so HF safetensors load 1:1 and vLLM weight sync needs no key map.
+One decoder serves every family; their differences are `ModelArgs` fields with Hugging Face's
+config names (`model_type`, `attention_bias`, `num_experts`, ...):
+
+| model_type | q/k/v bias     | o_proj bias    | q_norm/k_norm | mlp                       |
+|------------|----------------|----------------|---------------|---------------------------|
+| llama      | attention_bias | attention_bias | no            | SwiGLU (mlp_bias)         |
+| qwen2      | always         | never          | no            | SwiGLU                    |
+| qwen3      | attention_bias | attention_bias | per head      | SwiGLU                    |
+| qwen3_moe  | attention_bias | attention_bias | per head      | SparseMoeBlock (or SwiGLU |
+|            |                |                |               | on `mlp_only_layers`)     |
+
+State-dict keys equal the HF checkpoints' (`model.layers.0.self_attn.q_proj.weight`,
+`model.layers.0.mlp.experts.3.up_proj.weight`), so HF safetensors load 1:1 and vLLM weight sync
+needs no key map.
 
 Shape legend: B batch, S sequence (query tokens of this call), S_kv keys (cached + new),
-D hidden_size, H query heads, Hkv KV heads, Dh head_dim, V vocab_size, I intermediate_size.
+D hidden_size, H query heads, Hkv KV heads, Dh head_dim, V vocab_size, I intermediate_size,
+E num_experts.
 
 Reference:
     Touvron et al. 2023, "Llama 2", https://arxiv.org/abs/2307.09288 (pre-norm, RMSNorm,
     SwiGLU, RoPE, GQA); HF `transformers/models/llama/modeling_llama.py` (rotate_half RoPE).
     Grattafiori et al. 2024, "The Llama 3 Herd of Models", https://arxiv.org/abs/2407.21783
     (RoPE frequency scaling, rope_type "llama3").
+    Qwen Team 2024, "Qwen2.5 Technical Report", https://arxiv.org/abs/2412.15115 (QKV bias);
+    HF `models/qwen2/modeling_qwen2.py`.
+    Qwen Team 2025, "Qwen3 Technical Report", https://arxiv.org/abs/2505.09388 (QK-norm, no
+    QKV bias, MoE); HF `models/qwen3/modeling_qwen3.py`, `models/qwen3_moe/modeling_qwen3_moe.py`.
 """
 
 from __future__ import annotations
@@ -22,24 +39,46 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.models.moe import SparseMoeBlock
+
 _SUPPORTED_ROPE_TYPES = ("default", "llama3")
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor")
 _HF_DEFAULT_RMS_NORM_EPS = 1e-6  # LlamaConfig's default when config.json omits rms_norm_eps
 _HF_DEFAULT_ROPE_THETA = 10000.0  # LlamaConfig's default when config.json omits rope_theta
 
 
+# HF model_type -> the `architectures` entry transformers writes for it.
+HF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+_QK_NORM_TYPES = ("qwen3", "qwen3_moe")
+_QWEN3_DEFAULT_HEAD_DIM = 128  # Qwen3Config's default when config.json omits head_dim
+_HF_DEFAULT_ROUTER_AUX_LOSS_COEF = 0.001  # Qwen3MoeConfig's default
+
+
 @dataclass
 class ModelArgs:
-    """Llama dimensions, named exactly as Hugging Face's `LlamaConfig` fields.
+    """Decoder dimensions, named exactly as Hugging Face's config fields.
 
-    `head_dim=None` means `hidden_size // num_attention_heads`; `num_key_value_heads=None` means
-    `num_attention_heads` (no GQA). `rope_scaling` is the HF dict form, e.g. `{"rope_type": "llama3",
-    "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 8192}`; None or rope_type "default" means plain RoPE.
+    `model_type` selects the family (see the module docstring's table). `head_dim=None` means
+    `hidden_size // num_attention_heads`; `num_key_value_heads=None` means `num_attention_heads`
+    (no GQA). `rope_scaling` is the HF dict form, e.g. `{"rope_type": "llama3", "factor": 8.0,
+    "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}`;
+    None or rope_type "default" means plain RoPE.
+
+    Mixture of experts (qwen3_moe): layer i uses a `SparseMoeBlock` of `num_experts` SwiGLU
+    experts of width `moe_intermediate_size`, `num_experts_per_tok` per token, when
+    `num_experts > 0`, i is not in `mlp_only_layers` and `(i + 1) % decoder_sparse_step == 0`
+    (HF's rule); other layers use a dense SwiGLU of width `intermediate_size`.
+    `router_aux_loss_coef` is the weight a recipe gives `load_balancing_loss`.
 
     Raises:
-        ValueError: num_attention_heads not a multiple of num_key_value_heads, odd head_dim, or
-            an unsupported / incomplete rope_scaling.
+        ValueError: unknown model_type, num_attention_heads not a multiple of
+            num_key_value_heads, odd head_dim, an unsupported / incomplete rope_scaling, or
+            inconsistent MoE fields.
     """
 
     vocab_size: int
@@ -56,8 +95,21 @@ class ModelArgs:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
+    model_type: str = "llama"
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = _HF_DEFAULT_ROUTER_AUX_LOSS_COEF
 
     def __post_init__(self) -> None:
+        if self.model_type not in HF_ARCHITECTURES:
+            raise ValueError(
+                f"ModelArgs.model_type={self.model_type!r} is not supported; pick one of "
+                f"{list(HF_ARCHITECTURES)}."
+            )
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
@@ -73,55 +125,114 @@ class ModelArgs:
         self.rope_scaling = _normalize_rope_scaling(
             self.rope_scaling, self.max_position_embeddings, "ModelArgs.rope_scaling"
         )
+        self.mlp_only_layers = tuple(self.mlp_only_layers)  # HF writes a list; keep it hashable
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        if self.num_experts == 0:
+            return
+        if self.model_type != "qwen3_moe":
+            raise ValueError(
+                f"num_experts={self.num_experts} with model_type={self.model_type!r}: only "
+                "'qwen3_moe' has experts; set num_experts=0 or model_type='qwen3_moe'."
+            )
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts="
+                f"{self.num_experts}]: each token is sent to that many distinct experts."
+            )
+        if self.moe_intermediate_size < 1 or self.decoder_sparse_step < 1:
+            raise ValueError(
+                f"moe_intermediate_size={self.moe_intermediate_size} and decoder_sparse_step="
+                f"{self.decoder_sparse_step} must both be >= 1 when num_experts > 0."
+            )
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Bias on q/k/v_proj: Qwen2 always has it; the others follow attention_bias."""
+        return self.model_type == "qwen2" or self.attention_bias
+
+    @property
+    def o_bias(self) -> bool:
+        """Bias on o_proj: never for Qwen2 (its o_proj is bias-free); else attention_bias."""
+        return self.model_type != "qwen2" and self.attention_bias
+
+    @property
+    def use_qk_norm(self) -> bool:
+        """Qwen3 / Qwen3-MoE: RMSNorm over Dh of every q and k head, before RoPE."""
+        return self.model_type in _QK_NORM_TYPES
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx` has a SparseMoeBlock as its `mlp` (HF's Qwen3-MoE rule)."""
+        return (
+            self.num_experts > 0
+            and layer_idx not in self.mlp_only_layers
+            and (layer_idx + 1) % self.decoder_sparse_step == 0
+        )
 
     @classmethod
     def from_hf_config(cls, cfg: dict, source: str = "config.json") -> ModelArgs:
         """Build from a HF `config.json` dict (transformers 4.x or 5.x layout).
 
         Args:
-            cfg: the parsed config.json. 4.x keeps `rope_theta`/`rope_scaling` at top level; 5.x
-                nests them in `rope_parameters: {rope_theta, rope_type, factor, ...}`.
+            cfg: the parsed config.json, of model_type llama, qwen2, qwen3 or qwen3_moe. 4.x
+                keeps `rope_theta`/`rope_scaling` at top level; 5.x nests them in
+                `rope_parameters: {rope_theta, rope_type, factor, ...}`.
             source: where `cfg` came from, named in error messages.
 
         Returns:
             The ModelArgs of that checkpoint.
 
         Raises:
-            ValueError: not a Llama model, hidden_act other than silu, an unsupported rope type,
-                or a required field missing.
+            ValueError: an unsupported model_type or architecture, hidden_act other than silu,
+                an unsupported rope type, sliding-window attention, or a required field missing.
         """
         model_type = cfg.get("model_type")
-        archs = cfg.get("architectures") or ["LlamaForCausalLM"]
-        if model_type != "llama" or "LlamaForCausalLM" not in archs:
+        expected = HF_ARCHITECTURES.get(model_type)
+        archs = cfg.get("architectures") or [expected]
+        if expected is None or expected not in archs:
+            supported = ", ".join(f"{t!r} / {a}" for t, a in HF_ARCHITECTURES.items())
             raise ValueError(
-                f"{source}: model_type={model_type!r}, architectures={archs} is not supported by "
-                "runtime.models.llama, which loads model_type 'llama' / LlamaForCausalLM only; "
-                "use the runtime model builder for that family or a Llama checkpoint."
+                f"{source}: model_type={model_type!r}, architectures={archs} is not supported; "
+                f"the runtime decoder loads model_type / architectures {supported}. Use a "
+                "checkpoint of one of these families."
             )
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(
-                f"{source}: hidden_act={cfg['hidden_act']!r} is not supported; Llama's SwiGLU MLP "
+                f"{source}: hidden_act={cfg['hidden_act']!r} is not supported; the SwiGLU MLP "
                 "uses 'silu'. Use a checkpoint with hidden_act 'silu'."
+            )
+        layer_types = set(cfg.get("layer_types") or ["full_attention"])
+        if cfg.get("use_sliding_window", False) or layer_types != {"full_attention"}:
+            raise ValueError(
+                f"{source}: sliding-window attention (use_sliding_window="
+                f"{cfg.get('use_sliding_window', False)}, layer_types {sorted(layer_types)}) is not "
+                "supported: every layer here attends to the full causal context. Use a config with "
+                "use_sliding_window false and only 'full_attention' layers."
             )
         missing = [k for k in _REQUIRED_HF_KEYS if k not in cfg]
         if missing:
-            raise ValueError(f"{source}: missing required Llama fields {missing}; is it complete?")
+            raise ValueError(f"{source}: missing required {model_type} fields {missing}.")
         rope_theta, rope_scaling = _rope_from_hf(cfg, source)
+        default_head_dim = _QWEN3_DEFAULT_HEAD_DIM if model_type == "qwen3" else None
         return cls(
             **{k: cfg[k] for k in _REQUIRED_HF_KEYS},
             num_key_value_heads=cfg.get("num_key_value_heads"),
-            head_dim=cfg.get("head_dim"),
+            head_dim=cfg.get("head_dim") or default_head_dim,
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
             rms_norm_eps=cfg.get("rms_norm_eps", _HF_DEFAULT_RMS_NORM_EPS),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", False),
-            mlp_bias=cfg.get("mlp_bias", False),
+            # Qwen2 has no such field (its q/k/v bias is fixed); see ModelArgs.qkv_bias.
+            attention_bias=model_type != "qwen2" and cfg.get("attention_bias", False),
+            mlp_bias=model_type == "llama" and cfg.get("mlp_bias", False),
+            model_type=model_type,
+            **_moe_from_hf(cfg, source) if model_type == "qwen3_moe" else {},
         )
 
     def to_hf_config(self) -> dict:
-        """A config.json dict that transformers loads as `LlamaConfig` (4.x and 5.x readers).
+        """A config.json dict that transformers loads as the matching config class (4.x, 5.x).
 
         `rope_theta` is written at top level and in `rope_parameters` (5.x); llama3 scaling is
         also written as `rope_scaling` so 4.x readers (and vLLM on them) see it.
@@ -130,8 +241,8 @@ class ModelArgs:
         if self.rope_scaling is not None:
             rope_parameters.update(self.rope_scaling)
         cfg = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "architectures": [HF_ARCHITECTURES[self.model_type]],
+            "model_type": self.model_type,
             "hidden_act": "silu",
             **{k: getattr(self, k) for k in _REQUIRED_HF_KEYS},
             "num_key_value_heads": self.num_key_value_heads,
@@ -141,26 +252,58 @@ class ModelArgs:
             "rope_theta": self.rope_theta,
             "rope_parameters": rope_parameters,
             "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": self.attention_bias,
             "attention_dropout": 0.0,
-            "mlp_bias": self.mlp_bias,
         }
+        if self.model_type != "qwen2":
+            cfg["attention_bias"] = self.attention_bias
+        if self.model_type == "llama":
+            cfg["mlp_bias"] = self.mlp_bias
+        else:
+            cfg["use_sliding_window"] = False
+        if self.model_type == "qwen3_moe":
+            cfg.update({k: getattr(self, k) for k in _MOE_HF_KEYS})
+            cfg["mlp_only_layers"] = list(self.mlp_only_layers)
         if self.rope_scaling is not None:
             cfg["rope_scaling"] = dict(self.rope_scaling)
         return cfg
 
-    def num_params(self) -> int:
-        """Total parameter count (a tied embedding counted once)."""
-        D, inter = self.hidden_size, self.intermediate_size
-        q_dim = self.num_attention_heads * self.head_dim  # H * Dh
-        kv_dim = self.num_key_value_heads * self.head_dim  # Hkv * Dh
-        attn = 2 * D * q_dim + 2 * D * kv_dim  # q, o and k, v projections
-        if self.attention_bias:
-            attn += q_dim + 2 * kv_dim + D
-        mlp = 3 * D * inter + ((2 * inter + D) if self.mlp_bias else 0)
-        per_layer = attn + mlp + 2 * D  # + input/post-attention RMSNorm weights
+    def _attn_params(self) -> int:
+        D, Dh = self.hidden_size, self.head_dim
+        q_dim = self.num_attention_heads * Dh  # H * Dh
+        kv_dim = self.num_key_value_heads * Dh  # Hkv * Dh
+        n = 2 * D * q_dim + 2 * D * kv_dim  # q, o and k, v projections
+        n += (q_dim + 2 * kv_dim) if self.qkv_bias else 0
+        n += D if self.o_bias else 0
+        return n + (2 * Dh if self.use_qk_norm else 0)  # + q_norm, k_norm weights
+
+    def _mlp_params(self, layer_idx: int, active: bool) -> int:
+        D = self.hidden_size
+        if not self.is_moe_layer(layer_idx):
+            inter = self.intermediate_size
+            return 3 * D * inter + ((2 * inter + D) if self.mlp_bias else 0)
+        experts = self.num_experts_per_tok if active else self.num_experts
+        return experts * 3 * D * self.moe_intermediate_size + self.num_experts * D  # + router
+
+    def _count(self, active: bool) -> int:
+        D = self.hidden_size
+        layers = sum(
+            self._attn_params() + self._mlp_params(i, active) + 2 * D  # + the two RMSNorms
+            for i in range(self.num_hidden_layers)
+        )
         embed = self.vocab_size * D * (1 if self.tie_word_embeddings else 2)
-        return embed + self.num_hidden_layers * per_layer + D  # + final norm
+        return embed + layers + D  # + final norm
+
+    def num_params(self) -> int:
+        """Total parameter count (a tied embedding counted once; every expert counted)."""
+        return self._count(active=False)
+
+    def num_active_params(self) -> int:
+        """Parameters used per token: as `num_params`, but only `num_experts_per_tok` experts.
+
+        Embedding and head are included (the convention of "Qwen3-30B-A3B: 3.3B activated").
+        Equals `num_params()` for dense models.
+        """
+        return self._count(active=True)
 
 
 _REQUIRED_HF_KEYS = (
@@ -170,6 +313,40 @@ _REQUIRED_HF_KEYS = (
     "num_hidden_layers",
     "num_attention_heads",
 )
+_MOE_HF_KEYS = (
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "decoder_sparse_step",
+    "router_aux_loss_coef",
+)
+
+
+def _moe_from_hf(cfg: dict, source: str) -> dict:
+    """The MoE fields of a qwen3_moe config.json as ModelArgs kwargs (HF defaults if absent)."""
+    # transformers 5 writes `num_local_experts` (an attribute_map alias); Qwen writes num_experts.
+    num_experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    missing = [
+        k
+        for k, v in [
+            ("num_experts", num_experts),
+            ("num_experts_per_tok", cfg.get("num_experts_per_tok")),
+            ("moe_intermediate_size", cfg.get("moe_intermediate_size")),
+        ]
+        if v is None
+    ]
+    if missing:
+        raise ValueError(f"{source}: qwen3_moe config lacks {missing}; is it complete?")
+    return {
+        "num_experts": num_experts,
+        "num_experts_per_tok": cfg["num_experts_per_tok"],
+        "moe_intermediate_size": cfg["moe_intermediate_size"],
+        "norm_topk_prob": cfg.get("norm_topk_prob", False),
+        "decoder_sparse_step": cfg.get("decoder_sparse_step", 1),
+        "mlp_only_layers": tuple(cfg.get("mlp_only_layers") or ()),
+        "router_aux_loss_coef": cfg.get("router_aux_loss_coef", _HF_DEFAULT_ROUTER_AUX_LOSS_COEF),
+    }
 
 
 def _normalize_rope_scaling(scaling: dict | None, max_pos: int, source: str) -> dict | None:
@@ -200,7 +377,7 @@ def _rope_from_hf(cfg: dict, source: str) -> tuple[float, dict | None]:
     if any(isinstance(v, dict) for v in params.values()):
         raise ValueError(
             f"{source}: per-layer-type rope_parameters {sorted(params)} are not supported by "
-            "Llama; use a config with a single rope_parameters dict."
+            "this runtime; use a config with a single rope_parameters dict."
         )
     theta = params.get("rope_theta", cfg.get("rope_theta", _HF_DEFAULT_ROPE_THETA))
     max_pos = cfg.get("max_position_embeddings", 2048)
@@ -311,22 +488,28 @@ class LlamaRotaryEmbedding(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    """Grouped-query attention on `F.scaled_dot_product_attention`.
+    """Grouped-query attention on `F.scaled_dot_product_attention`, with Qwen3's QK-norm.
 
-    Reference: Ainslie et al. 2023 (GQA), https://arxiv.org/abs/2305.13245.
+    Reference: Ainslie et al. 2023 (GQA), https://arxiv.org/abs/2305.13245; QK-norm as HF
+    `Qwen3Attention` (RMSNorm over Dh of each head, after the projection, before RoPE).
     """
 
     def __init__(self, args: ModelArgs, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.head_dim = args.head_dim
-        D, bias = args.hidden_size, args.attention_bias
+        D = args.hidden_size
         q_dim = args.num_attention_heads * args.head_dim  # H * Dh
         kv_dim = args.num_key_value_heads * args.head_dim  # Hkv * Dh
-        self.q_proj = nn.Linear(D, q_dim, bias=bias)
-        self.k_proj = nn.Linear(D, kv_dim, bias=bias)
-        self.v_proj = nn.Linear(D, kv_dim, bias=bias)
-        self.o_proj = nn.Linear(q_dim, D, bias=bias)
+        self.q_proj = nn.Linear(D, q_dim, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(D, kv_dim, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(D, kv_dim, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(q_dim, D, bias=args.o_bias)
+        if args.use_qk_norm:
+            self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+            self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
 
     def forward(self, x, cos, sin, attention_mask, is_causal, kv_cache):
         """x: [B, S, D]; cos/sin: [B, S, Dh]; attention_mask: [B|1, 1, S, S_kv] bool or None.
@@ -335,9 +518,14 @@ class LlamaAttention(nn.Module):
         """
         B, S, _ = x.shape
         # -1 for the head count: tensor parallel shards heads, so a rank holds H/tp of them.
-        q = self.q_proj(x).view(B, S, -1, self.head_dim).transpose(1, 2)  # [B,S,H*Dh] -> [B,H,S,Dh]
-        k = self.k_proj(x).view(B, S, -1, self.head_dim).transpose(1, 2)  # -> [B, Hkv, S, Dh]
-        v = self.v_proj(x).view(B, S, -1, self.head_dim).transpose(1, 2)  # -> [B, Hkv, S, Dh]
+        q = self.q_proj(x).view(B, S, -1, self.head_dim)  # [B, S, H*Dh] -> [B, S, H, Dh]
+        k = self.k_proj(x).view(B, S, -1, self.head_dim)  # -> [B, S, Hkv, Dh]
+        v = self.v_proj(x).view(B, S, -1, self.head_dim)  # -> [B, S, Hkv, Dh]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # per head, over Dh
+        q = q.transpose(1, 2)  # [B, S, H, Dh] -> [B, H, S, Dh]
+        k = k.transpose(1, 2)  # [B, S, Hkv, Dh] -> [B, Hkv, S, Dh]
+        v = v.transpose(1, 2)  # [B, S, Hkv, Dh] -> [B, Hkv, S, Dh]
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)  # -> [B, Hkv, S_kv, Dh]
@@ -370,12 +558,21 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then h + mlp(norm(h))."""
+    """Pre-norm block: x + attn(norm(x)), then h + mlp(norm(h)); mlp is dense or MoE."""
 
     def __init__(self, args: ModelArgs, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(args, layer_idx)
-        self.mlp = LlamaMLP(args)
+        if args.is_moe_layer(layer_idx):
+            self.mlp = SparseMoeBlock(
+                args.hidden_size,
+                args.moe_intermediate_size,
+                args.num_experts,
+                args.num_experts_per_tok,
+                args.norm_topk_prob,
+            )
+        else:
+            self.mlp = LlamaMLP(args)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -429,8 +626,11 @@ def _causal_mask(S: int, S_kv: int, device) -> torch.Tensor:
     return ones.tril(diagonal=S_kv - S)[None, None]  # [S, S_kv] -> [1, 1, S, S_kv]
 
 
-class LlamaForCausalLM(nn.Module):
-    """Llama with an LM head; module tree and state-dict keys identical to HF's."""
+class CausalLM(nn.Module):
+    """Decoder plus LM head; module tree and state-dict keys identical to HF's `*ForCausalLM`.
+
+    One class for every `ModelArgs.model_type` (`LlamaForCausalLM` is the same class).
+    """
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -471,13 +671,33 @@ class LlamaForCausalLM(nn.Module):
             elif isinstance(module, RMSNorm):
                 module.reset_parameters()
 
-    def forward_hidden(self, input_ids, position_ids=None, attention_mask=None, kv_cache=None):
+    def forward_hidden(
+        self,
+        input_ids,
+        position_ids=None,
+        attention_mask=None,
+        kv_cache=None,
+        output_router_logits: bool = False,
+    ):
         """Final-norm hidden states [B, S, D] (pre lm_head), for a chunked linear-CE loss.
 
-        Args as `forward`. Under FSDP2, first `register_fsdp_forward_method(model,
-        "forward_hidden")` so the root's all-gather hooks run for this method too.
+        Args and the router-logits tuple as `forward`. Under FSDP2, first
+        `register_fsdp_forward_method(model, "forward_hidden")` so the root's all-gather hooks
+        run for this method too.
         """
-        return self.model(input_ids, position_ids, attention_mask, kv_cache)
+        hidden = self.model(input_ids, position_ids, attention_mask, kv_cache)
+        return (hidden, self.router_logits()) if output_router_logits else hidden
+
+    def router_logits(self) -> tuple[torch.Tensor, ...]:
+        """Each MoE layer's [T, E] router logits from the latest forward, in layer order.
+
+        Empty for dense models. Feed them to `load_balancing_loss`.
+        """
+        return tuple(
+            layer.mlp.router_logits
+            for layer in self.model.layers
+            if isinstance(layer.mlp, SparseMoeBlock)
+        )
 
     def forward(
         self,
@@ -485,7 +705,8 @@ class LlamaForCausalLM(nn.Module):
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
-    ) -> torch.Tensor:
+        output_router_logits: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """Logits of every position.
 
         Args:
@@ -495,11 +716,18 @@ class LlamaForCausalLM(nn.Module):
                 None = plain causal. Every query row should allow at least one key, else SDPA
                 returns NaN for that row.
             kv_cache: optional KVCache; the new k/v are appended and seq_len advances by S.
+            output_router_logits: also return every MoE layer's router logits.
 
         Returns:
-            [B, S, V] logits in lm_head's dtype.
+            [B, S, V] logits in lm_head's dtype; with output_router_logits, the tuple (logits,
+            router_logits), router_logits being L tensors [B*S, E] (empty for dense models),
+            for `load_balancing_loss`.
         """
-        return self.lm_head(self.forward_hidden(input_ids, position_ids, attention_mask, kv_cache))
+        logits = self.lm_head(self.model(input_ids, position_ids, attention_mask, kv_cache))
+        return (logits, self.router_logits()) if output_router_logits else logits
+
+
+LlamaForCausalLM = CausalLM  # the name emitted scripts and older code use
 
 
 class KVCache:
@@ -554,13 +782,13 @@ class KVCache:
 
 def build_model(
     args: ModelArgs, device: str | torch.device = "meta", dtype: torch.dtype = torch.float32
-) -> LlamaForCausalLM:
-    """Construct a LlamaForCausalLM on `device` in `dtype`.
+) -> CausalLM:
+    """Construct the `CausalLM` of `args.model_type` on `device` in `dtype`.
 
     On "meta" no memory is used: shard it, then `to_empty(device=...)`,
     `load_hf_checkpoint(...)` and `init_rope()`. On a real device the weights get PyTorch's
     default init (call `init_weights` for the test init) and RoPE is ready.
     """
     with torch.device(device):
-        model = LlamaForCausalLM(args)
+        model = CausalLM(args)
     return model.to(dtype=dtype)

@@ -1,0 +1,54 @@
+"""Model directory resolution: local path, scaffold cache, then the Hub (network may be off)."""
+
+from __future__ import annotations
+
+import pytest
+
+huggingface_hub = pytest.importorskip("huggingface_hub")
+
+from runtime.hub import HF_ALLOW_PATTERNS, resolve_model_dir  # noqa: E402
+
+
+def test_local_directory_and_cache_come_before_the_hub(tmp_path, monkeypatch):
+    def no_download(*args, **kwargs):
+        raise AssertionError("the Hub must not be asked when a local directory exists")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", no_download)
+    local = tmp_path / "local"
+    local.mkdir()
+    (local / "config.json").write_text("{}")
+    assert resolve_model_dir(str(local), "Qwen/Qwen3-0.6B") == local
+    monkeypatch.setenv("SCAFFOLD_HOME", str(tmp_path / "home"))
+    cached = tmp_path / "home" / "models" / "qwen3-0.6b"
+    cached.mkdir(parents=True)
+    (cached / "config.json").write_text("{}")
+    assert resolve_model_dir("qwen3-0.6b", "Qwen/Qwen3-0.6B") == cached
+
+
+def test_download_uses_allow_patterns(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_download(repo_id, allow_patterns):
+        calls.append((repo_id, allow_patterns))
+        return str(tmp_path / "snapshot")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    monkeypatch.setenv("SCAFFOLD_HOME", str(tmp_path / "home"))
+    assert resolve_model_dir("qwen3-0.6b", "Qwen/Qwen3-0.6B") == tmp_path / "snapshot"
+    assert calls == [("Qwen/Qwen3-0.6B", HF_ALLOW_PATTERNS)]
+    assert "*.safetensors" in HF_ALLOW_PATTERNS and "config.json" in HF_ALLOW_PATTERNS
+    assert not any(p.endswith((".bin", ".pt", ".pth")) for p in HF_ALLOW_PATTERNS)
+
+
+def test_network_unavailable_error_names_local_directory_alternative(tmp_path, monkeypatch):
+    def offline(*args, **kwargs):
+        raise OSError("Failed to resolve 'huggingface.co' (network is unreachable)")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    monkeypatch.setenv("SCAFFOLD_HOME", str(tmp_path / "home"))
+    with pytest.raises(FileNotFoundError) as err:
+        resolve_model_dir("qwen3-8b", "Qwen/Qwen3-8B")
+    msg = str(err.value)
+    assert "hub:Qwen/Qwen3-8B (OSError: Failed to resolve 'huggingface.co'" in msg
+    assert str(tmp_path / "home" / "models" / "qwen3-8b") in msg  # where it looked
+    assert "local Hugging Face directory" in msg  # the alternative
