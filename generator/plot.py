@@ -32,7 +32,9 @@ def plot_metrics(run_dir: Path, out: Path | None = None) -> Path:
     candidates = [run_dir / "metrics.jsonl", run_dir / "out" / "metrics.jsonl"]
     path = next((p for p in candidates if p.is_file()), None)
     if path is None:
-        raise ScaffoldError(f"no metrics.jsonl in {run_dir} or {run_dir / 'out'}; run train.py first")
+        raise ScaffoldError(
+            f"no metrics.jsonl in {run_dir} or {run_dir / 'out'}; run train.py first"
+        )
     try:
         import matplotlib
 

@@ -42,9 +42,16 @@ def tiny_model_dir(tmp_path_factory, smollm2_dir) -> Path:
     """2-layer, hidden-64 Llama (random, seed 0) with SmolLM2's real tokenizer (vocab 49152)."""
     out = tmp_path_factory.mktemp("tiny_llama")
     args = ModelArgs(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=100000.0,
-        max_position_embeddings=8192, tie_word_embeddings=True,
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_theta=100000.0,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
     )
     model = build_model(args, device="cpu")
     model.init_weights(generator=torch.Generator().manual_seed(0))

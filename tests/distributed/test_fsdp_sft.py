@@ -13,19 +13,27 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _grads(rank, world_size, model_dir, data_path):
+    from runtime import Tokenizer
     from tests.conftest import import_script
 
-    from runtime import Tokenizer
-
     script = import_script(REPO / "examples" / "sft_smollm2" / "train.py", "sft_train_dist")
-    cfg = script.Config(model=model_dir, dataset=data_path, dtype="fp32", max_grad_norm=0.0,
-                        device="cpu", max_seq_len=64, val_fraction=0.0)
+    cfg = script.Config(
+        model=model_dir,
+        dataset=data_path,
+        dtype="fp32",
+        max_grad_norm=0.0,
+        device="cpu",
+        max_seq_len=64,
+        val_fraction=0.0,
+    )
     dist_info, mesh = script.setup_distributed(cfg)
     tokenizer = Tokenizer.from_dir(model_dir)
     train_set, _ = script.build_datasets(cfg, tokenizer)
     examples = train_set[:8]  # the same global batch everywhere; each rank takes its half
     mine = examples[rank::world_size]
-    micro_batches = [script.collate(mine[i : i + 2], tokenizer.pad_token_id) for i in range(0, len(mine), 2)]
+    micro_batches = [
+        script.collate(mine[i : i + 2], tokenizer.pad_token_id) for i in range(0, len(mine), 2)
+    ]
     model = script.build_sft_model(cfg, Path(model_dir), mesh, dist_info.device)
     before = {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
     opt = torch.optim.SGD(model.parameters(), lr=1.0)  # update == gradient
@@ -37,13 +45,15 @@ def _grads(rank, world_size, model_dir, data_path):
 
 def test_fsdp2_two_ranks_equal_one(tiny_model_dir, small_dataset):
     args = (str(tiny_model_dir), str(small_dataset))
-    (ref_metrics, ref_grads), = spawn(_grads, world_size=1, args=args)
+    ((ref_metrics, ref_grads),) = spawn(_grads, world_size=1, args=args)
     results = spawn(_grads, world_size=2, args=args)
     for metrics, grads in results:
         assert metrics["num_supervised"] == ref_metrics["num_supervised"]
         assert abs(metrics["loss"] - ref_metrics["loss"]) < 1e-5
         # clip_grad_norm_'s fp32 reduction is itself ~1e-4 off a float64 norm (1 rank and 2 ranks
         # alike, measured), so the norms agree to that; the gradients below agree to 1e-6.
-        assert abs(metrics["grad_norm"] - ref_metrics["grad_norm"]) < 1e-3 * ref_metrics["grad_norm"]
+        assert (
+            abs(metrics["grad_norm"] - ref_metrics["grad_norm"]) < 1e-3 * ref_metrics["grad_norm"]
+        )
         for name, g in ref_grads.items():
             torch.testing.assert_close(grads[name], g, atol=1e-6, rtol=1e-5, msg=name)

@@ -24,11 +24,15 @@ TRICK_SETS = [
 ]
 MATRIX = [
     Spec(model=m, tricks=t, dtype=d, gpus=g, out="runs/x")
-    for m, t, d, g in itertools.product(["smollm2-135m", "llama3.3-70b"], TRICK_SETS, ["bf16", "fp32"], [1, 8])
+    for m, t, d, g in itertools.product(
+        ["smollm2-135m", "llama3.3-70b"], TRICK_SETS, ["bf16", "fp32"], [1, 8]
+    )
 ]
 
 
-@pytest.mark.parametrize("spec", MATRIX, ids=lambda s: f"{s.model}-{'+'.join(s.tricks) or 'none'}-{s.dtype}-g{s.gpus}")
+@pytest.mark.parametrize(
+    "spec", MATRIX, ids=lambda s: f"{s.model}-{'+'.join(s.tricks) or 'none'}-{s.dtype}-g{s.gpus}"
+)
 def test_matrix_renders_clean(spec, tmp_path):
     text = render(spec)
     assert render(spec) == text  # deterministic
@@ -39,23 +43,57 @@ def test_matrix_renders_clean(spec, tmp_path):
     path = tmp_path / "train.py"
     path.write_text(text)
     ruff = subprocess.run(
-        [sys.executable, "-m", "ruff", "check", "--isolated", "--select", "E,F,W,I,B", "--ignore", "E501", str(path)],
-        capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "ruff",
+            "check",
+            "--isolated",
+            "--select",
+            "E,F,W,I,B",
+            "--ignore",
+            "E501",
+            str(path),
+        ],
+        capture_output=True,
+        text=True,
     )
     assert ruff.returncode == 0, ruff.stdout
-    fmt = subprocess.run([sys.executable, "-m", "ruff", "format", "--isolated", "--line-length", "100", "--check", str(path)], capture_output=True, text=True)
+    fmt = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ruff",
+            "format",
+            "--isolated",
+            "--line-length",
+            "100",
+            "--check",
+            str(path),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert fmt.returncode == 0, fmt.stdout
     banners = [line for line in text.splitlines() if line.startswith("# === ")]
     assert banners == [
-        "# === 1. Imports ===", "# === 2. Config ===", "# === 3. Distributed + mesh ===",
-        "# === 4. Model ===", "# === 5. Loss ===", "# === 6. Optimizer + LR schedule ===",
-        "# === 7. Data ===", "# === 9. train_step ===", "# === 10. main ===",
+        "# === 1. Imports ===",
+        "# === 2. Config ===",
+        "# === 3. Distributed + mesh ===",
+        "# === 4. Model ===",
+        "# === 5. Loss ===",
+        "# === 6. Optimizer + LR schedule ===",
+        "# === 7. Data ===",
+        "# === 9. train_step ===",
+        "# === 10. main ===",
     ]
 
 
 def test_unused_trick_leaves_no_trace():
     plain = render(Spec(out="o"))
-    assert "        checkpoint(layer)" not in plain and "enable_activation_checkpointing" not in plain
+    assert (
+        "        checkpoint(layer)" not in plain and "enable_activation_checkpointing" not in plain
+    )
     with_ac = render(Spec(out="o", tricks=("ac",)))
     assert "from torch.distributed._composable import checkpoint" in with_ac
     assert "enable_activation_checkpointing: bool = True" in with_ac
@@ -80,7 +118,9 @@ def test_regen_check_detects_drift(tmp_path):
 def test_new_writes_spec_and_base_and_refuses_overwrite(tmp_path):
     runner = CliRunner()
     out = tmp_path / "run"
-    result = runner.invoke(cli, ["new", "--algo", "sft", "--model", "smollm2-135m", "--out", str(out)])
+    result = runner.invoke(
+        cli, ["new", "--algo", "sft", "--model", "smollm2-135m", "--out", str(out)]
+    )
     assert result.exit_code == 0, result.output
     text = (out / "train.py").read_text()
     assert (out / ".scaffold" / "train.py.base").read_text() == text

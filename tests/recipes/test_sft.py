@@ -28,10 +28,17 @@ def run_script(tmp: Path, args: list[str], nproc: int = 1, timeout: int = 600) -
     launcher = [sys.executable]
     if nproc > 1:
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2")}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"),
+    }
     proc = subprocess.run(
         [*launcher, str(SCRIPT), *args, "--out_dir", str(out)],
-        cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout,
+        cwd=tmp,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -48,7 +55,9 @@ def test_tokenize_example_masks_prompt_keeps_end_of_turn(sft_script, smollm2_dir
         assert len(ids) == len(labels) and labels[-1] == IGNORE_INDEX
         targets = [t for t in labels if t != IGNORE_INDEX]
         # exactly the reply and its end-of-turn token are learned, though pad == eos == <|im_end|>
-        assert tokenizer.decode(targets, skip_special_tokens=False) == rows[i]["output"] + "<|im_end|>"
+        assert (
+            tokenizer.decode(targets, skip_special_tokens=False) == rows[i]["output"] + "<|im_end|>"
+        )
         assert targets[-1] == tokenizer.eos_token_id == tokenizer.pad_token_id
         first = next(t for t, y in enumerate(labels) if y != IGNORE_INDEX)
         prompt = tokenizer.decode(ids[: first + 1], skip_special_tokens=False)
@@ -61,18 +70,25 @@ def test_tokenize_example_masks_prompt_keeps_end_of_turn(sft_script, smollm2_dir
 
 def test_collate_pads_with_ignore_index(sft_script):
     batch = sft_script.collate(
-        [{"input_ids": [5, 6, 7], "labels": [6, 7, IGNORE_INDEX]}, {"input_ids": [9], "labels": [IGNORE_INDEX]}],
+        [
+            {"input_ids": [5, 6, 7], "labels": [6, 7, IGNORE_INDEX]},
+            {"input_ids": [9], "labels": [IGNORE_INDEX]},
+        ],
         pad_token_id=2,
     )
     assert batch["input_ids"].tolist() == [[5, 6, 7], [9, 2, 2]]
     assert batch["labels"].tolist() == [[6, 7, -100], [-100, -100, -100]]
     assert batch["num_tokens"].item() == 4
-    assert sft_script.collate([{"input_ids": [1], "labels": [-100]}], 0, pad_to=4)["input_ids"].shape == (1, 4)
+    assert sft_script.collate([{"input_ids": [1], "labels": [-100]}], 0, pad_to=4)[
+        "input_ids"
+    ].shape == (1, 4)
 
 
 def test_no_supervised_token_is_a_setup_error(sft_script, tiny_model_dir, tmp_path):
     path = tmp_path / "empty_replies.jsonl"
-    path.write_text("\n".join(json.dumps({"instruction": "hi " * 50, "output": "ok"}) for _ in range(3)))
+    path.write_text(
+        "\n".join(json.dumps({"instruction": "hi " * 50, "output": "ok"}) for _ in range(3))
+    )
     cfg = sft_script.Config(model=str(tiny_model_dir), dataset=str(path), max_seq_len=16)
     with pytest.raises(ValueError, match="no example has a supervised token"):
         sft_script.build_datasets(cfg, Tokenizer.from_dir(tiny_model_dir))
@@ -80,7 +96,13 @@ def test_no_supervised_token_is_a_setup_error(sft_script, tiny_model_dir, tmp_pa
 
 def test_gradient_accumulation_equals_one_big_batch(sft_script, tiny_model_dir, small_dataset):
     """2 micro-batches of very different lengths give the loss and gradient of one batch of both."""
-    cfg = sft_script.Config(model=str(tiny_model_dir), dataset=str(small_dataset), dtype="fp32", max_grad_norm=0.0, device="cpu")
+    cfg = sft_script.Config(
+        model=str(tiny_model_dir),
+        dataset=str(small_dataset),
+        dtype="fp32",
+        max_grad_norm=0.0,
+        device="cpu",
+    )
     dist_info, mesh = sft_script.setup_distributed(cfg)
     tokenizer = Tokenizer.from_dir(tiny_model_dir)
     train_set, _ = sft_script.build_datasets(cfg, tokenizer)
@@ -106,9 +128,30 @@ def test_gradient_accumulation_equals_one_big_batch(sft_script, tiny_model_dir, 
 
 
 def test_tiny_run_learns_and_saves_hf_model(tiny_model_dir, small_dataset, tmp_path):
-    args = ["--model", str(tiny_model_dir), "--dataset", str(small_dataset), "--dtype", "fp32",
-            "--max_steps", "8", "--warmup_steps", "0", "--lr", "3e-3", "--micro_batch_size", "4",
-            "--max_seq_len", "128", "--eval_every_steps", "4", "--sample_max_new_tokens", "4", "--val_fraction", "0.1"]
+    args = [
+        "--model",
+        str(tiny_model_dir),
+        "--dataset",
+        str(small_dataset),
+        "--dtype",
+        "fp32",
+        "--max_steps",
+        "8",
+        "--warmup_steps",
+        "0",
+        "--lr",
+        "3e-3",
+        "--micro_batch_size",
+        "4",
+        "--max_seq_len",
+        "128",
+        "--eval_every_steps",
+        "4",
+        "--sample_max_new_tokens",
+        "4",
+        "--val_fraction",
+        "0.1",
+    ]
     rows = run_script(tmp_path, args)
     losses = [r["loss"] for r in rows]
     assert len(rows) == 8 and all(r["step"] == i + 1 for i, r in enumerate(rows))
@@ -118,7 +161,9 @@ def test_tiny_run_learns_and_saves_hf_model(tiny_model_dir, small_dataset, tmp_p
     for key in ("lr", "grad_norm", "tokens_per_s", "peak_mem_mib", "num_tokens"):
         assert all(r[key] > 0 for r in rows), key
     saved = tmp_path / "out_1" / "model"
-    assert {"config.json", "model.safetensors", "tokenizer.json", "training_config.json"} <= {p.name for p in saved.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "training_config.json"} <= {
+        p.name for p in saved.iterdir()
+    }
     transformers = pytest.importorskip("transformers")
     hf = transformers.AutoModelForCausalLM.from_pretrained(saved)
     from runtime import LlamaForCausalLM, ModelArgs, load_hf_checkpoint, read_hf_config
@@ -131,10 +176,30 @@ def test_tiny_run_learns_and_saves_hf_model(tiny_model_dir, small_dataset, tmp_p
 
 def test_two_processes_match_one(tiny_model_dir, small_dataset, tmp_path):
     """torchrun with 2 gloo ranks (micro-batch 2 each) gives the losses of 1 rank with micro-batch 4."""
-    common = ["--model", str(tiny_model_dir), "--dataset", str(small_dataset), "--dtype", "fp32",
-              "--max_steps", "3", "--warmup_steps", "0", "--lr", "1e-3", "--max_seq_len", "96",
-              "--eval_every_steps", "0", "--sample_max_new_tokens", "0", "--val_fraction", "0.1",
-              "--gradient_accumulation_steps", "2"]
+    common = [
+        "--model",
+        str(tiny_model_dir),
+        "--dataset",
+        str(small_dataset),
+        "--dtype",
+        "fp32",
+        "--max_steps",
+        "3",
+        "--warmup_steps",
+        "0",
+        "--lr",
+        "1e-3",
+        "--max_seq_len",
+        "96",
+        "--eval_every_steps",
+        "0",
+        "--sample_max_new_tokens",
+        "0",
+        "--val_fraction",
+        "0.1",
+        "--gradient_accumulation_steps",
+        "2",
+    ]
     one = run_script(tmp_path, [*common, "--micro_batch_size", "4"], nproc=1)
     two = run_script(tmp_path, [*common, "--micro_batch_size", "2"], nproc=2)
     for a, b in zip(one, two):
@@ -152,9 +217,30 @@ def test_real_smollm2_learns_and_bf16_tracks_fp32(smollm2_dir, alpaca_path, tmp_
     data.write_text(json.dumps(rows))
     curves = {}
     for dtype in ("fp32", "bf16"):
-        args = ["--model", str(smollm2_dir), "--dataset", str(data), "--dtype", dtype, "--max_steps", "6",
-                "--warmup_steps", "0", "--lr", "1e-4", "--micro_batch_size", "4", "--max_seq_len", "160",
-                "--val_fraction", "0", "--eval_every_steps", "0", "--sample_max_new_tokens", "0"]
+        args = [
+            "--model",
+            str(smollm2_dir),
+            "--dataset",
+            str(data),
+            "--dtype",
+            dtype,
+            "--max_steps",
+            "6",
+            "--warmup_steps",
+            "0",
+            "--lr",
+            "1e-4",
+            "--micro_batch_size",
+            "4",
+            "--max_seq_len",
+            "160",
+            "--val_fraction",
+            "0",
+            "--eval_every_steps",
+            "0",
+            "--sample_max_new_tokens",
+            "0",
+        ]
         (tmp_path / dtype).mkdir()
         curves[dtype] = [r["loss"] for r in run_script(tmp_path / dtype, args, timeout=900)]
     for dtype, losses in curves.items():

@@ -16,11 +16,36 @@ TRICK_EXAMPLES = sorted(p.parent.name for p in (REPO / "examples").glob("sft_smo
 
 def _losses(example: str, tmp: Path, model_dir: Path, data: Path) -> list[float]:
     out = tmp / example
-    args = ["--model", str(model_dir), "--dataset", str(data), "--dtype", "fp32", "--max_steps", "2",
-            "--warmup_steps", "0", "--lr", "1e-3", "--micro_batch_size", "2", "--max_seq_len", "64",
-            "--val_fraction", "0", "--sample_max_new_tokens", "0", "--out_dir", str(out)]
-    proc = subprocess.run([sys.executable, str(REPO / "examples" / example / "train.py"), *args],
-                          capture_output=True, text=True, timeout=600)
+    args = [
+        "--model",
+        str(model_dir),
+        "--dataset",
+        str(data),
+        "--dtype",
+        "fp32",
+        "--max_steps",
+        "2",
+        "--warmup_steps",
+        "0",
+        "--lr",
+        "1e-3",
+        "--micro_batch_size",
+        "2",
+        "--max_seq_len",
+        "64",
+        "--val_fraction",
+        "0",
+        "--sample_max_new_tokens",
+        "0",
+        "--out_dir",
+        str(out),
+    ]
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "examples" / example / "train.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -45,8 +70,12 @@ def test_activation_checkpointing_saves_less(tiny_model_dir):
     script = import_script(REPO / "examples" / "sft_smollm2_ac" / "train.py", "sft_ac_train")
     saved = {}
     for enabled in (False, True):
-        cfg = script.Config(model=str(tiny_model_dir), dtype="fp32", device="cpu",
-                            enable_activation_checkpointing=enabled)
+        cfg = script.Config(
+            model=str(tiny_model_dir),
+            dtype="fp32",
+            device="cpu",
+            enable_activation_checkpointing=enabled,
+        )
         dist_info, mesh = script.setup_distributed(cfg)
         model = script.build_sft_model(cfg, tiny_model_dir, mesh, dist_info.device)
         total, inside = [0], [False]  # count only what the transformer blocks save
@@ -60,7 +89,10 @@ def test_activation_checkpointing_saves_less(tiny_model_dir):
             layer.register_forward_pre_hook(lambda *a, inside=inside: inside.__setitem__(0, True))
             layer.register_forward_hook(lambda *a, inside=inside: inside.__setitem__(0, False))
 
-        batch = {"input_ids": torch.randint(0, 1000, (2, 64)), "labels": torch.randint(0, 1000, (2, 64))}
+        batch = {
+            "input_ids": torch.randint(0, 1000, (2, 64)),
+            "labels": torch.randint(0, 1000, (2, 64)),
+        }
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = script.sft_loss(model, batch)
         loss.backward()  # recomputation works under FSDP2

@@ -26,7 +26,18 @@ def test_defaults_and_overrides():
 
 
 def test_types():
-    cfg = parse(Cfg, ["--lr=1", "--compile=false", "--lora_target_modules=q_proj,v_proj", "--betas", "0.9,0.95", "--limit", "none"])
+    cfg = parse(
+        Cfg,
+        [
+            "--lr=1",
+            "--compile=false",
+            "--lora_target_modules=q_proj,v_proj",
+            "--betas",
+            "0.9,0.95",
+            "--limit",
+            "none",
+        ],
+    )
     assert cfg.lr == 1.0 and isinstance(cfg.lr, float)
     assert cfg.compile is False
     assert cfg.lora_target_modules == ["q_proj", "v_proj"]
@@ -37,7 +48,9 @@ def test_types():
 
 
 def test_unknown_key_suggests_closest():
-    with pytest.raises(ConfigError, match=r"unknown config key 'max_step'; did you mean --max_steps\?"):
+    with pytest.raises(
+        ConfigError, match=r"unknown config key 'max_step'; did you mean --max_steps\?"
+    ):
         parse(Cfg, ["--max_step", "3"])
 
 

@@ -31,7 +31,11 @@ def test_jsonl_logger_and_plot(tmp_path):
 
 def test_plot_errors_are_one_line(tmp_path):
     result = CliRunner().invoke(cli, ["plot", str(tmp_path)])
-    assert result.exit_code == 1 and "no metrics.jsonl" in result.output and "Traceback" not in result.output
+    assert (
+        result.exit_code == 1
+        and "no metrics.jsonl" in result.output
+        and "Traceback" not in result.output
+    )
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n{not json\n')
     result = CliRunner().invoke(cli, ["plot", str(tmp_path)])
     assert result.exit_code == 1 and "metrics.jsonl:2: invalid JSON" in result.output
