@@ -2,7 +2,8 @@
 
 Dimensions are the published `config.json` values; `scaffold list` and `scaffold plan` use them
 through `runtime.models.llama.ModelArgs` (parameter counts come from the same code that builds the
-model). `family` is the HF `model_type` (a key of FAMILIES), which selects the runtime blocks. `source` says how the weights are obtained: "embedded" = built by `scaffold assets` from a
+model). `family` is the HF `model_type` (a key of FAMILIES), which selects the runtime blocks.
+`source` says how the weights are obtained: "embedded" = built by `scaffold assets` from a
 registry package (no hub needed); "hub" = `huggingface_hub.snapshot_download(hf_repo_id)` or a
 local directory passed as --model.
 """

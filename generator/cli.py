@@ -47,18 +47,39 @@ def cli():
 
 
 @cli.command()
-@click.option("--algo", default="sft", show_default=True, help=f"Training algorithm: {', '.join(ALGOS)}.")
-@click.option("--model", default="smollm2-135m", show_default=True,
-              help="Catalog name (see `scaffold list models`) or a local Hugging Face directory.")
-@click.option("--tricks", default="", help=f"Comma-separated memory/speed tricks: {', '.join(TRICKS)}.")
+@click.option(
+    "--algo", default="sft", show_default=True, help=f"Training algorithm: {', '.join(ALGOS)}."
+)
+@click.option(
+    "--model",
+    default="smollm2-135m",
+    show_default=True,
+    help="Catalog name (see `scaffold list models`) or a local Hugging Face directory.",
+)
+@click.option(
+    "--tricks", default="", help=f"Comma-separated memory/speed tricks: {', '.join(TRICKS)}."
+)
 @click.option("--gpus", default=1, show_default=True, type=int, help="Processes (GPUs) per node.")
 @click.option("--nodes", default=1, show_default=True, type=int, help="Number of nodes.")
-@click.option("--dtype", default="bf16", show_default=True,
-              help="bf16 (bf16 compute, fp32 master weights and optimizer state) or fp32.")
-@click.option("--dataset", default="alpaca_en_demo.json", show_default=True,
-              help="A .json/.jsonl/.parquet file, a file in $SCAFFOLD_HOME/data, or a HF dataset name.")
-@click.option("--out", "out", required=True, type=click.Path(file_okay=False),
-              help="Directory to write train.py (and .scaffold/) into.")
+@click.option(
+    "--dtype",
+    default="bf16",
+    show_default=True,
+    help="bf16 (bf16 compute, fp32 master weights and optimizer state) or fp32.",
+)
+@click.option(
+    "--dataset",
+    default="alpaca_en_demo.json",
+    show_default=True,
+    help="A .json/.jsonl/.parquet file, a file in $SCAFFOLD_HOME/data, or a HF dataset name.",
+)
+@click.option(
+    "--out",
+    "out",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="Directory to write train.py (and .scaffold/) into.",
+)
 @click.option("--force", is_flag=True, help="Overwrite an existing train.py.")
 @_friendly
 def new(algo, model, tricks, gpus, nodes, dtype, dataset, out, force):
@@ -72,8 +93,14 @@ def new(algo, model, tricks, gpus, nodes, dtype, dataset, out, force):
     from generator.render import render
 
     spec = Spec(
-        algo=algo, model=model, tricks=tuple(t.strip() for t in tricks.split(",") if t.strip()),
-        gpus=gpus, nodes=nodes, dtype=dtype, dataset=dataset, out=out,
+        algo=algo,
+        model=model,
+        tricks=tuple(t.strip() for t in tricks.split(",") if t.strip()),
+        gpus=gpus,
+        nodes=nodes,
+        dtype=dtype,
+        dataset=dataset,
+        out=out,
     )
     out_dir = Path(out)
     script = out_dir / "train.py"
@@ -102,12 +129,16 @@ def list_(what):
     from runtime.models.llama import ModelArgs
 
     if what in (None, "models"):
-        click.echo(f"{'model':16} {'family':8} {'params':>9} {'context':>8} {'bf16 weights':>13}  source")
+        click.echo(
+            f"{'model':16} {'family':10} {'params':>9} {'context':>8} {'bf16 weights':>13}  source"
+        )
         for e in MODELS.values():
             n = ModelArgs.from_hf_config(e.config, source=f"catalog:{e.name}").num_params()
             ctx = e.config["max_position_embeddings"]
-            click.echo(f"{e.name:16} {e.family:8} {n / 1e9:8.2f}B {ctx:8d} {n * 2 / 2**30:9.1f} GiB  "
-                       f"{e.source}: {e.hf_repo_id}")
+            click.echo(
+                f"{e.name:16} {e.family:10} {n / 1e9:8.2f}B {ctx:8d} {n * 2 / 2**30:9.1f} GiB  "
+                f"{e.source}: {e.hf_repo_id}"
+            )
     if what in (None, "algos"):
         click.echo("\nalgorithms:" if what is None else "algorithms:")
         for name, summary in ALGOS.items():
@@ -125,12 +156,26 @@ _SET_HELP = (
 
 
 @cli.command()
-@click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
+@click.argument(
+    "paths",
+    nargs=-1,
+    required=True,
+    metavar="DIR...",
+    type=click.Path(exists=True, file_okay=False),
+)
 @click.option("--set", "settings", multiple=True, metavar="KEY=VALUE", help=_SET_HELP)
-@click.option("--to-version", default="current", show_default=True, type=click.Choice(["current"]),
-              help="Template release to move to (only the installed one can be rendered).")
-@click.option("--check", is_flag=True,
-              help="Exit non-zero if any train.py under PATHS differs from a fresh render of its spec.")
+@click.option(
+    "--to-version",
+    default="current",
+    show_default=True,
+    type=click.Choice(["current"]),
+    help="Template release to move to (only the installed one can be rendered).",
+)
+@click.option(
+    "--check",
+    is_flag=True,
+    help="Exit non-zero if any train.py under PATHS differs from a fresh render of its spec.",
+)
 @_friendly
 def regen(paths, settings, to_version, check):
     """Merge a new render of DIR's spec (changed by --set) into DIR/train.py, keeping your edits.
@@ -148,17 +193,23 @@ def regen(paths, settings, to_version, check):
     """
     if check:
         if settings:
-            raise ScaffoldError("--check re-renders the recorded specs as they are; it takes no --set")
+            raise ScaffoldError(
+                "--check re-renders the recorded specs as they are; it takes no --set"
+            )
         _regen_check(paths)
         return
     from generator.regen import SCRIPT, ConflictError, apply, plan
 
     if len(paths) != 1:
-        raise ScaffoldError(f"regen merges into one DIR at a time; got {len(paths)} ({' '.join(paths)})")
+        raise ScaffoldError(
+            f"regen merges into one DIR at a time; got {len(paths)} ({' '.join(paths)})"
+        )
     p = plan(paths[0], settings, to_version)
     script = p.directory / SCRIPT
     if p.up_to_date:
-        click.echo(f"{script} is up to date with its spec and scaffold {__version__}; nothing to merge")
+        click.echo(
+            f"{script} is up to date with its spec and scaffold {__version__}; nothing to merge"
+        )
         return
     apply(p)
     changes = "; ".join(p.spec_changes()) or "template update only"
@@ -176,7 +227,9 @@ def regen(paths, settings, to_version, check):
 def _regen_check(paths) -> None:
     from generator.render import render
 
-    dirs = sorted({p.parent.parent for path in paths for p in Path(path).glob("**/.scaffold/spec.json")})
+    dirs = sorted(
+        {p.parent.parent for path in paths for p in Path(path).glob("**/.scaffold/spec.json")}
+    )
     if not dirs:
         raise ScaffoldError(f"no .scaffold/spec.json under {', '.join(paths)}")
     drifted = []
@@ -189,15 +242,24 @@ def _regen_check(paths) -> None:
     for d in drifted:
         click.echo(f"drift: {d} differs from a fresh render of its spec", err=True)
     if drifted:
-        raise click.ClickException(f"{len(drifted)} file(s) out of date; re-render with `scaffold new ... --force`")
+        raise click.ClickException(
+            f"{len(drifted)} file(s) out of date; re-render with `scaffold new ... --force`"
+        )
     click.echo(f"{len(dirs)} script(s) match their templates")
 
 
 @cli.command("diff")
-@click.argument("directory", required=False, type=click.Path(exists=True, file_okay=False))
+@click.argument(
+    "directory", required=False, metavar="[DIR]", type=click.Path(exists=True, file_okay=False)
+)
 @click.option("--set", "settings", multiple=True, metavar="KEY=VALUE", help=_SET_HELP)
-@click.option("--spec", "specs", multiple=True, type=click.Path(exists=True),
-              help="A spec.json (or a directory with .scaffold/spec.json); give it twice to compare two renders.")
+@click.option(
+    "--spec",
+    "specs",
+    multiple=True,
+    type=click.Path(exists=True),
+    help="A spec.json (or a directory with .scaffold/spec.json); give it twice to compare two renders.",
+)
 @_friendly
 def diff_(directory, settings, specs):
     """Print the unified diff `scaffold regen DIR` would apply to DIR/train.py; write nothing.
@@ -211,7 +273,9 @@ def diff_(directory, settings, specs):
 
     if specs:
         if directory or settings or len(specs) != 2:
-            raise ScaffoldError("--spec compares two renders: give exactly two --spec, and no DIR or --set")
+            raise ScaffoldError(
+                "--spec compares two renders: give exactly two --spec, and no DIR or --set"
+            )
         from generator.render import render
 
         texts = []
@@ -221,7 +285,9 @@ def diff_(directory, settings, specs):
         click.echo(unified_diff(texts[0], texts[1], specs[0], specs[1]), nl=False)
         return
     if not directory:
-        raise ScaffoldError("give DIR (what regen would change) or two --spec files (how two renders differ)")
+        raise ScaffoldError(
+            "give DIR (what regen would change) or two --spec files (how two renders differ)"
+        )
     p = plan(directory, settings)
     script = str(p.directory / SCRIPT)
     click.echo(unified_diff(p.ours, p.result.text, script, f"{script} (after regen)"), nl=False)

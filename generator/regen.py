@@ -3,8 +3,9 @@
 A 3-way line merge in the spirit of `copier update` (`merge3`): base = the pristine render the user
 started from (`.scaffold/train.py.base`), ours = the user's `train.py`, theirs = the render of the
 (possibly `--set`-changed) spec with the installed templates. Regions only one side changed are taken
-from that side; regions both changed differently become a conflict, written with diff3-style markers
-(yours / base / new render), so a user's edit is never dropped silently.
+from that side; regions both changed differently (or changes that touch, with no unchanged line
+between them) become a conflict, written with diff3-style markers (yours / base / new render), so a
+user's edit is never dropped silently.
 
 Merge base after a conflict: `.scaffold/train.py.base` and `spec.json` move to the new render at once,
 exactly as after a clean merge. The marked `train.py` already contains every line of the new render
@@ -111,10 +112,12 @@ def merge(base: str, ours: str, theirs: str) -> MergeResult:
 
 
 def _lines(text: str) -> list[str]:
-    """Lines with their newline; a missing final newline is added (so markers start a line)."""
+    """Lines split at "\n" only, as editors and Python count them (`str.splitlines` would also
+    split at form feeds, U+2028, ...), each with its newline; a missing final newline is added, so
+    every conflict marker starts a line."""
     if text and not text.endswith("\n"):
         text += "\n"
-    return text.splitlines(keepends=True)
+    return [line + "\n" for line in text.split("\n")[:-1]]
 
 
 def section_of_lines(lines: list[str]) -> list[str]:
@@ -128,8 +131,14 @@ def section_of_lines(lines: list[str]) -> list[str]:
 
 
 def marker_lines(text: str) -> list[int]:
-    """1-based numbers of lines that are conflict markers."""
-    return [i for i, line in enumerate(text.splitlines(), 1) if _MARKER.match(line)]
+    """1-based numbers of lines that are conflict markers. A lone `=======` (an RST underline in
+    a docstring) does not count unless a `<<<<<<<`, `|||||||` or `>>>>>>>` line is there too."""
+    found = [
+        (i, m.group(1)) for i, line in enumerate(text.split("\n"), 1) if (m := _MARKER.match(line))
+    ]
+    if all(kind == "=======" for _, kind in found):
+        return []
+    return [i for i, _ in found]
 
 
 def parse_settings(settings: tuple[str, ...] | list[str], spec: Spec) -> Spec:
@@ -193,7 +202,7 @@ class Plan:
 
 
 def _show(value) -> str:
-    return ",".join(value) or "(none)" if isinstance(value, tuple) else repr(value)
+    return (",".join(value) or "(none)") if isinstance(value, tuple) else repr(value)
 
 
 def plan(directory: str | Path, settings=(), to_version: str = "current") -> Plan:
@@ -225,7 +234,7 @@ def plan(directory: str | Path, settings=(), to_version: str = "current") -> Pla
     if markers:
         raise ConflictError(
             f"{script} still has conflict markers at line(s) {', '.join(map(str, markers))}: "
-            f"resolve them (your previous file is {d / ORIG}), then run regen again"
+            f"resolve them first (your previous file is {d / ORIG})"
         )
     spec_text = spec_path.read_text()
     old_spec = Spec.from_json(spec_text, source=str(spec_path))
@@ -233,7 +242,7 @@ def plan(directory: str | Path, settings=(), to_version: str = "current") -> Pla
     new_spec = parse_settings(settings, old_spec)
     base = base_path.read_text()
     theirs = render(new_spec)
-    crlf = "\r\n" in ours
+    crlf = "\r\n" in ours and ours.count("\r\n") == ours.count("\n")  # all CRLF, not mixed
     merged = merge(base, ours.replace("\r\n", "\n") if crlf else ours, theirs)
     if crlf:  # a Windows editor rewrote the line endings: merge on \n, give the file back in CRLF
         merged = MergeResult(merged.text.replace("\n", "\r\n"), merged.conflicts)

@@ -113,7 +113,9 @@ class _UnusedImportRemover(cst.CSTTransformer):
         kept = self._keep(original.names)
         if not kept:
             return cst.RemoveFromParent()
-        return updated.with_changes(names=[a.with_changes(comma=cst.MaybeSentinel.DEFAULT) for a in kept])
+        return updated.with_changes(
+            names=[a.with_changes(comma=cst.MaybeSentinel.DEFAULT) for a in kept]
+        )
 
     def leave_ImportFrom(self, original, updated):
         if isinstance(original.names, cst.ImportStar) or (
@@ -156,7 +158,15 @@ def _top_name(node: cst.BaseExpression) -> str:
 
 def ruff_format(source: str) -> str:
     """Sort imports and format with the pinned ruff, isolated from any user configuration."""
-    common = ["--isolated", "--line-length", str(LINE_LENGTH), "--target-version", "py310", "--stdin-filename", "train.py"]
+    common = [
+        "--isolated",
+        "--line-length",
+        str(LINE_LENGTH),
+        "--target-version",
+        "py310",
+        "--stdin-filename",
+        "train.py",
+    ]
     steps = [
         ["check", "--select", "I", "--fix", "--quiet", "--exit-zero", *common, "-"],
         ["format", *common, "-"],
@@ -166,6 +176,8 @@ def ruff_format(source: str) -> str:
             [sys.executable, "-m", "ruff", *step], input=source, capture_output=True, text=True
         )
         if proc.returncode != 0:
-            raise RenderError(f"ruff {step[0]} failed on the rendered script: {proc.stderr.strip()}")
+            raise RenderError(
+                f"ruff {step[0]} failed on the rendered script: {proc.stderr.strip()}"
+            )
         source = proc.stdout
     return source

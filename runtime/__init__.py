@@ -14,11 +14,12 @@ from runtime.cli import parse as parse_config
 from runtime.data import load_rows, split_train_val, to_messages
 from runtime.generate import generate
 from runtime.hub import resolve_data_path, resolve_model_dir, scaffold_home
-from runtime.loss import IGNORE_INDEX, cross_entropy_sum
+from runtime.loss import IGNORE_INDEX, cross_entropy_sum, linear_cross_entropy
 from runtime.metrics import MetricsLogger, peak_memory_mib, transformer_flops_per_token
 from runtime.models.llama import CausalLM, KVCache, LlamaForCausalLM, ModelArgs, build_model
 from runtime.models.moe import load_balancing_loss
 from runtime.optim import cosine_schedule_with_warmup
+from runtime.optim_in_backward import setup_optimizer_in_backward
 from runtime.parallel import (
     DistInfo,
     all_reduce_sum,
@@ -49,6 +50,7 @@ __all__ = [
     "disable_fsdp_gradient_division",
     "generate",
     "init_distributed",
+    "linear_cross_entropy",
     "load_balancing_loss",
     "load_hf_checkpoint",
     "load_rows",
@@ -59,6 +61,7 @@ __all__ = [
     "resolve_model_dir",
     "save_hf_checkpoint",
     "scaffold_home",
+    "setup_optimizer_in_backward",
     "split_train_val",
     "to_messages",
     "transformer_flops_per_token",

@@ -46,23 +46,9 @@ def linear_cross_entropy(
     (loss and gradients), but first drops the ignored positions, then runs the output projection,
     logsumexp and its backward chunk by chunk, so at most one chunk's logits are alive at a time.
 
-    Backward strategy (recompute, as Cut Cross-Entropy): the forward keeps only the valid hidden
-    rows [T, D], the targets [T] and the fp32 logsumexp [T]; the backward recomputes each chunk's
-    logits, turns them into `softmax - one_hot` in place and accumulates the grads of hidden and
-    weight chunk by chunk. Cost: one extra [T, D] x [D, V] matmul (4 instead of 3, about +33% of
-    this layer's FLOPs); memory: nothing of size V is kept between forward and backward (Liger's
-    alternative, computing the grads in the forward, saves that matmul but holds a [V, D] fp32
-    weight gradient and a [T, D] hidden gradient from forward to backward, also under no_grad
-    evaluation). Peak extra memory: about 2 x chunk_tokens x V x 4 bytes (one chunk's fp32 logits
-    plus logsumexp's temporary, or the probabilities plus their bf16 copy), plus the [V, D] fp32
-    weight-gradient accumulator. Dropping ignored tokens needs their count on the host (one
-    device sync per call).
-
-    Numerics: logits are computed in the inputs' dtype (autocast is disabled inside, so bf16 inputs
-    give bf16 matmuls), then upcast to fp32 per chunk for the logsumexp, the softmax and the loss
-    sum; each chunk's weight gradient (a bf16 matmul for bf16 inputs: CPU has no bf16 x bf16 ->
-    fp32 matmul) is summed across chunks in fp32 and cast to weight.dtype at the end. float64
-    inputs stay float64 throughout (for gradcheck).
+    Memory: nothing of size V is kept for backward, and the peak is about two chunks of fp32
+    logits plus the [V, D] fp32 weight-gradient accumulator; time: one extra logits matmul in
+    backward (recompute). See `_LinearCrossEntropy` for the strategy, numerics and trade-off.
 
     Tied embeddings: the returned weight gradient is an ordinary autograd gradient, so when
     `weight` is also `embed_tokens.weight` it adds to the embedding's gradient in the same
@@ -71,12 +57,6 @@ def linear_cross_entropy(
     `model.forward_hidden(...)` (the root keeps its parameters unsharded after forward, so
     `model.lm_head.weight` is then a plain tensor and its gradient is reduce-scattered at the end
     of backward like any other).
-
-    Loss parallel (vocab-sharded weight, later): the math is split so that it composes. Per chunk
-    and shard, `lse_local = logsumexp(z_local)` and the target logit (from the shard owning the
-    label, 0 elsewhere) are combined across shards by `lse = logsumexp(all_gather(lse_local))` and
-    a sum all-reduce; the backward is local per shard given the global `lse`:
-    `dz_local = exp(z_local - lse) - one_hot_local`, and grad_hidden needs a sum all-reduce.
 
     Args:
         hidden: [B, S, D] or [T, D] final hidden states (pre lm_head), fp32 or bf16.
@@ -149,7 +129,32 @@ def _check_lce_inputs(hidden, weight, labels, num_chunks, chunk_size) -> None:
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """Chunked CE over pre-filtered tokens; see `linear_cross_entropy` for the design."""
+    """Chunked CE over pre-filtered tokens (all targets valid); `linear_cross_entropy` is the API.
+
+    Backward strategy (recompute, as Cut Cross-Entropy): the forward keeps only the valid hidden
+    rows [T, D], the targets [T] and the fp32 logsumexp [T]; the backward recomputes each chunk's
+    logits, turns them into `softmax - one_hot` in place and accumulates the grads of hidden and
+    weight chunk by chunk. Cost: one extra [T, D] x [D, V] matmul (4 instead of 3, about +33% of
+    this layer's FLOPs); memory: nothing of size V is kept between forward and backward (Liger's
+    alternative, computing the grads in the forward, saves that matmul but holds a [V, D] fp32
+    weight gradient and a [T, D] hidden gradient from forward to backward, also under no_grad
+    evaluation). Peak extra memory: about 2 x chunk_tokens x V x 4 bytes (one chunk's fp32 logits
+    plus logsumexp's temporary, or the probabilities plus their bf16 copy), plus the [V, D] fp32
+    weight-gradient accumulator (and for bf16 one reused [V, D] bf16 partial). Dropping ignored tokens needs their count on the host (one
+    device sync per call).
+
+    Numerics: logits are computed in the inputs' dtype (autocast is disabled inside, so bf16 inputs
+    give bf16 matmuls), then upcast to fp32 per chunk for the logsumexp, the softmax and the loss
+    sum; each chunk's weight gradient (a bf16 matmul for bf16 inputs: CPU has no bf16 x bf16 ->
+    fp32 matmul) is summed across chunks in fp32 and cast to weight.dtype at the end. float64
+    inputs stay float64 throughout (for gradcheck).
+
+    Loss parallel (vocab-sharded weight, later): the math is split so that it composes. Per chunk
+    and shard, `lse_local = logsumexp(z_local)` and the target logit (from the shard owning the
+    label, 0 elsewhere) are combined across shards by `lse = logsumexp(all_gather(lse_local))` and
+    a sum all-reduce; the backward is local per shard given the global `lse`:
+    `dz_local = exp(z_local - lse) - one_hot_local`, and grad_hidden needs a sum all-reduce.
+    """
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk_size):

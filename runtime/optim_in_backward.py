@@ -10,7 +10,8 @@ gradient_accumulation_steps=1. Supports what the usual implementations refuse:
 - exact resume: `state_dict()` / `load_state_dict()` of every per-parameter optimizer;
 - `gradient_accumulation_steps > 1`: hooks step only on the micro-batch the train loop marks as
   last (gradients then live across micro-batches, so that part of the memory saving is gone);
-- `max_grad_norm` clipping, exactly as `clip_grad_norm_`, by two backward passes (see
+- `max_grad_norm` clipping, exactly as `clip_grad_norm_`, by running each step's micro-batches
+  twice (a norm pass, then a step pass: 2x forward + backward time, no extra memory; see
   `OptimizerInBackward.backward_passes`);
 - FSDP2 DTensor parameters (FSDP2 runs the hooks on the sharded parameter after its
   reduce-scatter) and the grad norm for logging.
@@ -20,7 +21,7 @@ Reference:
     (https://pytorch.org/tutorials/intermediate/optimizer_step_in_backward_tutorial.html);
     torchtune `OptimizerInBackwardWrapper` (torchtune/training/memory.py); Lv et al. 2023, "Full
     Parameter Fine-tuning for Large Language Models with Limited Resources" (LOMO,
-    https://arxiv.org/abs/2306.09782), Sec. 3.2 (fused update; their clipping also needs 2 passes).
+    https://arxiv.org/abs/2306.09782) (fused update; their exact clipping also takes a 2nd pass).
     Differs from reference: torchtune refuses accumulation, clipping and a plain LRScheduler; here
     all three are exact.
 """
@@ -141,7 +142,6 @@ class OptimizerInBackward(torch.optim.Optimizer):
     def __init__(self, params, optimizers, gradient_accumulation_steps, max_grad_norm):
         self.params = params
         self.optimizers = optimizers
-        self.param_groups = [g for opt in optimizers for g in opt.param_groups]
         self.defaults = optimizers[0].defaults
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.max_grad_norm = max_grad_norm
@@ -151,6 +151,12 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self._norms: list[torch.Tensor | None] = [None] * len(params)  # local L2 norm per param
         self._grads_seen = [0] * len(params)  # micro-batch gradients since the last step
         self._hook_handles = []
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """The per-parameter optimizers' own group dicts (one per parameter), read afresh each
+        time: `load_state_dict` replaces those dicts, and the scheduler must write the new ones."""
+        return [g for opt in self.optimizers for g in opt.param_groups]
 
     @property
     def state(self) -> dict:
@@ -226,6 +232,10 @@ class OptimizerInBackward(torch.optim.Optimizer):
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the latest step's gradients (before clipping), like clip_grad_norm_.
 
+        Bit-identical to `clip_grad_norm_` over the parameters in this optimizer's order (plain
+        tensors); another order (e.g. model.parameters() when the groups split decay/no-decay)
+        differs in the last bit, as any reordered fp32 sum would.
+
         Returns:
             Scalar fp32 tensor (a plain tensor, also under FSDP). A collective under FSDP with
             more than one rank: call it on every rank.
@@ -275,7 +285,8 @@ class OptimizerInBackward(torch.optim.Optimizer):
             opt.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict:
-        """Every per-parameter optimizer's state_dict, in parameter order (DCP-saveable)."""
+        """Every per-parameter optimizer's state_dict, in parameter order (under FSDP2 the
+        states are DTensor shards, as a regular optimizer's would be)."""
         return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
 
     def load_state_dict(self, state_dict: dict) -> None:

@@ -79,15 +79,18 @@ class SparseMoeBlock(nn.Module):
 
     After each forward, `router_logits` holds that call's [T, E] router logits (with their
     autograd graph), so a recipe can add `load_balancing_loss` (see
-    `CausalLM.forward(output_router_logits=True)`).
+    `CausalLM.forward(output_router_logits=True)`). Under activation checkpointing use the
+    non-reentrant kind (PyTorch's default): the reentrant one runs the forward without autograd,
+    so the aux loss would get no gradient.
 
     Differs from reference: HF loops over the experts hit and gathers their tokens with a
     one-hot mask per expert; here tokens are sorted by expert once and split into contiguous
     groups (one host sync per layer instead of one per expert), and every expert runs, possibly
     on zero tokens, so an unused expert gets a zero gradient rather than None (FSDP and
-    optimizers then see the same parameters every step). Same math, same summation order. A
-    grouped GEMM (`F.grouped_mm`) would need the experts stacked in 3-D, which would break the
-    1:1 checkpoint keys.
+    optimizers then see the same parameters every step). Same math, and on CPU the same
+    summation order (k outputs added per token in expert order). A grouped GEMM
+    (`F.grouped_mm`) would need the experts stacked in 3-D, which would break the 1:1
+    checkpoint keys.
     """
 
     def __init__(

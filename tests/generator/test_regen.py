@@ -234,6 +234,20 @@ def test_crlf_file_is_merged_and_kept_crlf(tmp_path):
     assert merged.count("\r\n") == merged.count("\n")
 
 
+def test_markers_and_line_numbers():
+    assert marker_lines("Title\n=======\n") == []  # an RST underline alone is not a marker
+    assert marker_lines("a\n<<<<<<< yours\nb\n=======\nc\n>>>>>>> new render\n") == [2, 4, 6]
+    # A form feed inside a line is not a line break: conflict lines are the editor's line numbers.
+    result = merge("a\nb\nc\nd\n", "a\nb\x0cX\nc\nd\n", "a\nb\nc2\nd\n")
+    (conflict,) = result.conflicts
+    lines = result.text.split("\n")
+    assert (conflict.start, conflict.end) == (2, 11)  # 3 sides of 2 lines + 4 markers
+    assert (
+        lines[1] == "<<<<<<< yours" and lines[2] == "b\x0cX" and lines[10] == ">>>>>>> new render"
+    )
+    assert conflict.sections == (HEADER,) and (conflict.ours, conflict.theirs) == (2, 2)
+
+
 # ---------------------------------------------------------------------------------------------
 # diff
 

@@ -1,0 +1,281 @@
+"""Optimizer-in-backward vs the standard `clip_grad_norm_` + `opt.step()` loop: identical
+parameters (fp32 CPU, torch.equal) with AdamW + weight decay + the warmup/cosine LambdaLR, with
+gradient accumulation and clipping; exact resume; FSDP2 (1-process gloo); torchao AdamW8bit."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import io
+
+import pytest
+import torch
+
+from runtime import ModelArgs, build_model, cosine_schedule_with_warmup
+from runtime.loss import IGNORE_INDEX, cross_entropy_sum
+from runtime.optim_in_backward import setup_optimizer_in_backward
+
+ARGS = ModelArgs(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+)  # fmt: skip
+LR, WEIGHT_DECAY, WARMUP, MAX_STEPS = 1e-2, 0.1, 2, 6
+CLIP = 0.5  # below the tiny model's grad norm (~1.5-3 here), so clipping is active
+
+
+def _model():
+    model = build_model(ARGS, device="cpu")
+    model.init_weights(generator=torch.Generator().manual_seed(0))
+    return model
+
+
+def _micro_batches(step: int, n: int) -> list[dict]:
+    """n micro-batches of [2, 16] tokens for optimizer step `step` (deterministic)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    out = []
+    for _ in range(n):
+        input_ids = torch.randint(0, ARGS.vocab_size, (2, 16), generator=g)
+        labels = torch.randint(0, ARGS.vocab_size, (2, 16), generator=g)
+        labels[:, :4] = IGNORE_INDEX  # a masked prompt
+        out.append({"input_ids": input_ids, "labels": labels})
+    return out
+
+
+def _loss(model, mb: dict, num_supervised: int) -> torch.Tensor:
+    return cross_entropy_sum(model(mb["input_ids"]), mb["labels"]) / num_supervised
+
+
+def _groups(model):
+    """The script's groups: decay on matrices, none on norms."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": WEIGHT_DECAY},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+
+
+def _reference_steps(model, steps, accum, max_grad_norm, fused=None):
+    """The standard loop. Returns the per-step grad norms."""
+    opt = torch.optim.AdamW(_groups(model), lr=LR, fused=fused)
+    sched = cosine_schedule_with_warmup(opt, WARMUP, MAX_STEPS)
+    norms = []
+    for step in range(steps):
+        mbs = _micro_batches(step, accum)
+        num_supervised = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in mbs)
+        for mb in mbs:
+            _loss(model, mb, num_supervised).backward()
+        clip = max_grad_norm if max_grad_norm is not None else float("inf")
+        # over the optimizer's parameter order: the norm of a stack is order-sensitive at 1 ulp
+        params = [p for g in opt.param_groups for p in g["params"]]
+        norms.append(torch.nn.utils.clip_grad_norm_(params, clip))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+    return norms
+
+
+def _build_in_backward(model, accum, max_grad_norm, optimizer_cls=torch.optim.AdamW, **kwargs):
+    opt = setup_optimizer_in_backward(
+        _groups(model), functools.partial(optimizer_cls, lr=LR, **kwargs), accum, max_grad_norm
+    )
+    return opt, cosine_schedule_with_warmup(opt, WARMUP, MAX_STEPS)
+
+
+def _in_backward_steps(model, opt, sched, steps, accum, start=0):
+    """The train loop of `setup_optimizer_in_backward`'s docstring. Returns per-step grad norms."""
+    norms = []
+    for step in range(start, start + steps):
+        mbs = _micro_batches(step, accum)
+        num_supervised = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in mbs)
+        for _ in opt.backward_passes():
+            for i, mb in enumerate(mbs):
+                opt.is_last_micro_batch = i == len(mbs) - 1
+                _loss(model, mb, num_supervised).backward()
+        norms.append(opt.grad_norm())
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    return norms
+
+
+def _assert_params_equal(a, b, exact=True):
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        pa = pa.full_tensor() if hasattr(pa, "full_tensor") else pa
+        if exact:
+            assert torch.equal(pa, pb), f"{name}: max diff {(pa - pb).abs().max():.3e}"
+        else:
+            torch.testing.assert_close(pa, pb, atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize(
+    "accum,max_grad_norm,fused",
+    [(1, None, None), (2, None, None), (1, CLIP, None), (2, CLIP, None), (2, CLIP, True)],
+    ids=["plain", "accum2", "clip", "accum2_clip", "accum2_clip_fused"],
+)  # fmt: skip
+def test_equals_standard_loop(accum, max_grad_norm, fused):
+    ref, model = _model(), _model()
+    ref_norms = _reference_steps(ref, 4, accum, max_grad_norm, fused)
+    opt, sched = _build_in_backward(model, accum, max_grad_norm, fused=fused)
+    norms = _in_backward_steps(model, opt, sched, 4, accum)
+    _assert_params_equal(model, ref)  # bit-identical
+    assert [n.item() for n in norms] == [n.item() for n in ref_norms]  # logged norm: exact too
+    assert (
+        sched.get_last_lr()[0]
+        == cosine_schedule_with_warmup(
+            torch.optim.SGD([torch.zeros(1)], lr=LR), WARMUP, MAX_STEPS
+        ).lr_lambdas[0](4)
+        * LR
+    )  # the scheduler drove every per-parameter optimizer
+    assert len({g["lr"] for g in opt.param_groups}) == 1
+    if max_grad_norm is not None:
+        assert max(n.item() for n in ref_norms) > max_grad_norm, "clipping was never active"
+
+
+def test_gradients_freed_one_at_a_time():
+    model = _model()
+    live = []
+
+    class RecordingAdamW(torch.optim.AdamW):
+        def step(self, closure=None):
+            live.append(sum(p.grad is not None for p in model.parameters()))
+            return super().step(closure)
+
+    opt, sched = _build_in_backward(model, 1, None, RecordingAdamW)
+    _in_backward_steps(model, opt, sched, 1, 1)
+    assert len(live) == len(list(model.parameters()))  # one step per parameter
+    assert max(live) == 1  # only the stepping parameter's gradient exists at any step
+    assert all(p.grad is None for p in model.parameters())
+
+
+def _round_trip(obj):
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize(
+    "accum,max_grad_norm", [(1, None), (2, CLIP)], ids=["plain", "accum2_clip"]
+)
+def test_resume_is_exact(accum, max_grad_norm):
+    """3 steps, save model + optimizer + scheduler, rebuild everything fresh, load, 2 more steps
+    == 5 continuous steps (torch.equal)."""
+    continuous = _model()
+    opt, sched = _build_in_backward(continuous, accum, max_grad_norm)
+    _in_backward_steps(continuous, opt, sched, 5, accum)
+
+    first = _model()
+    opt, sched = _build_in_backward(first, accum, max_grad_norm)
+    _in_backward_steps(first, opt, sched, 3, accum)
+    checkpoint = _round_trip(
+        {
+            "model": first.state_dict(),
+            "optimizer": opt.state_dict(),
+            "scheduler": sched.state_dict(),
+        }
+    )
+    resumed = _model()
+    resumed.load_state_dict(checkpoint["model"])
+    opt, sched = _build_in_backward(resumed, accum, max_grad_norm)
+    opt.load_state_dict(checkpoint["optimizer"])
+    sched.load_state_dict(checkpoint["scheduler"])
+    _in_backward_steps(resumed, opt, sched, 2, accum, start=3)
+    _assert_params_equal(resumed, continuous)
+
+
+def test_misuse_raises():
+    model = _model()
+    opt, _ = _build_in_backward(model, 2, None)
+    mb = _micro_batches(0, 1)[0]
+    # the loop forgot is_last_micro_batch: the first backward would step after 1 of 2
+    with pytest.raises(RuntimeError, match="is_last_micro_batch"):
+        _loss(model, mb, 1).backward()
+    model = _model()
+    opt, _ = _build_in_backward(model, 2, None)
+    opt.is_last_micro_batch = False
+    _loss(model, mb, 1).backward()
+    with pytest.raises(RuntimeError, match="still hold gradients"):
+        opt.step()  # nothing was stepped: must not pass silently
+    model = _model()
+    opt, _ = _build_in_backward(model, 1, CLIP)
+    with pytest.raises(RuntimeError, match="backward_passes"):
+        _loss(model, mb, 1).backward()  # clipping outside the two-pass loop
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        _build_in_backward(_model(), 1, 0.0)
+    with pytest.raises(ValueError, match="gradient_accumulation_steps"):
+        _build_in_backward(_model(), 0, None)
+    with pytest.raises(ValueError, match="twice"):
+        p = torch.nn.Parameter(torch.zeros(2))
+        setup_optimizer_in_backward([p, p], torch.optim.AdamW)
+    with pytest.raises(ValueError, match="require grad"):
+        setup_optimizer_in_backward([torch.zeros(2)], torch.optim.AdamW)
+
+
+@pytest.fixture(scope="module")
+def process_group():
+    """A 1-process gloo group in this process (torn down only if this module created it)."""
+    import torch.distributed as dist
+
+    from runtime.parallel import init_distributed
+
+    created = not dist.is_initialized()
+    init_distributed("cpu")
+    yield
+    if created:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_one_process_equals_plain(process_group):
+    """Hooks on FSDP2's sharded DTensor parameters (run after reduce-scatter), with accumulation
+    and clipping: the same parameters and grad norms as the standard non-FSDP loop."""
+    from torch.distributed.fsdp import fully_shard
+
+    from runtime.parallel import build_mesh, disable_fsdp_gradient_division
+
+    ref, model = _model(), _model()
+    ref_norms = _reference_steps(ref, 3, 2, CLIP)
+    mesh = build_mesh("cpu")
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp_shard"])
+    fully_shard(model, mesh=mesh["dp_shard"])
+    disable_fsdp_gradient_division(model)
+    opt, sched = _build_in_backward(model, 2, CLIP)
+    assert all(hasattr(p, "device_mesh") for p in opt.params)  # hooks sit on DTensor params
+    norms = _in_backward_steps(model, opt, sched, 3, 2)
+    _assert_params_equal(model, ref, exact=False)
+    torch.testing.assert_close(torch.stack(norms), torch.stack(ref_norms), atol=0, rtol=1e-5)
+
+
+def test_torchao_adamw8bit_smoke():
+    """One tiny case (the first step compiles for a few seconds): parameters move, the 8-bit state
+    and the scheduler drive it, and resume after 1 step equals 2 continuous steps."""
+    AdamW8bit = pytest.importorskip("torchao.optim").AdamW8bit
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 64, bias=False)  # 4096 elements: big enough for 8-bit blocks
+    x = torch.randn(8, 64)
+
+    def run(module, steps, state=None):
+        opt = setup_optimizer_in_backward(module, functools.partial(AdamW8bit, lr=1e-2))
+        sched = cosine_schedule_with_warmup(opt, 1, 4)
+        if state is not None:
+            opt.load_state_dict(state[0])
+            sched.load_state_dict(state[1])
+        for _ in range(steps):
+            module(x).square().mean().backward()
+            opt.step()
+            sched.step()
+        return opt, sched
+
+    continuous = copy.deepcopy(layer)
+    opt, _ = run(continuous, 2)
+    assert not torch.equal(continuous.weight, layer.weight)
+    (state,) = opt.state.values()
+    assert type(state["exp_avg"]).__name__ == "OptimState8bit"
+    first = copy.deepcopy(layer)
+    opt, sched = run(first, 1)
+    assert opt.param_groups[0]["lr"].item() == pytest.approx(1e-2)  # warmup 1/2 -> full lr
+    checkpoint = _round_trip((first.state_dict(), opt.state_dict(), sched.state_dict()))
+    resumed = copy.deepcopy(layer)
+    resumed.load_state_dict(checkpoint[0])
+    run(resumed, 1, checkpoint[1:])
+    torch.testing.assert_close(resumed.weight, continuous.weight, atol=0, rtol=0)
