@@ -37,7 +37,7 @@ lint:
 
 examples:
 	$(BIN)/scaffold new --algo sft --model smollm2-135m --out examples/sft_smollm2 --force
-	$(BIN)/scaffold new --algo sft --model smollm2-135m --tricks ac --out examples/sft_smollm2_ac --force
+	$(BIN)/scaffold new --algo sft --model smollm2-135m --tricks ac,lce,optim-in-bwd --out examples/sft_smollm2_memory --force
 
 bench:
 	$(BIN)/python benchmarks/sft_cpu.py

@@ -30,5 +30,15 @@ TRICKS: dict[str, Trick] = {
             "activation_checkpointing",
             "activation checkpointing per transformer block (recompute in backward)",
         ),
+        Trick(
+            "lce",
+            "linear_cross_entropy",
+            "chunked linear cross-entropy: no [B, S, V] logits (forward or backward)",
+        ),
+        Trick(
+            "optim-in-bwd",
+            "optimizer_in_backward",
+            "optimizer step inside backward per parameter; gradients freed at once",
+        ),
     ]
 }

@@ -125,7 +125,13 @@ def _local_model_answers(path: Path) -> dict:
     }
 
 
-SLOTS = ("imports", "config_fields", "validate", "model_setup", "step", "docstring_notes")
+# Additive slots collect every enabled feature's lines; override slots (loss, optimizer,
+# backward_and_step) replace the skeleton's default body, so at most one feature may fill each.
+SLOTS = (
+    "imports", "config_fields", "validate", "model_setup", "after_shard", "loss", "optimizer",
+    "backward_and_step", "docstring_notes",
+)  # fmt: skip
+OVERRIDE_SLOTS = ("loss", "optimizer", "backward_and_step")
 
 
 def feature_slots(templates: list[str]) -> dict[str, list[str]]:
@@ -138,6 +144,9 @@ def feature_slots(templates: list[str]) -> dict[str, list[str]]:
         for slot in SLOTS:
             if hasattr(module, slot):
                 filled[slot].append(name)
+    for slot in OVERRIDE_SLOTS:
+        if len(filled[slot]) > 1:
+            raise SpecError(f"tricks {filled[slot]} both replace the {slot!r} section; choose one")
     return filled
 
 

@@ -170,7 +170,7 @@ def build_sft_model(cfg: Config, model_dir: Path, mesh, device: torch.device) ->
 
 
 # === 5. Loss ===
-def sft_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+def sft_loss(model: torch.nn.Module, batch: dict, cfg: Config) -> torch.Tensor:
     """Summed cross-entropy of one micro-batch.
 
     Args:
@@ -300,7 +300,7 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], cfg: Conf
     loss_sum = torch.zeros((), device=device)
     for mb in micro_batches:
         batch = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
-        loss = sft_loss(model, batch) / global_supervised.clamp(min=1)
+        loss = sft_loss(model, batch, cfg) / global_supervised.clamp(min=1)
         loss.backward()
         loss_sum += loss.detach()
     max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
@@ -321,13 +321,13 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], cfg: Conf
 
 
 @torch.no_grad()
-def evaluate(model, loader: DataLoader, device) -> float:
+def evaluate(model, loader: DataLoader, cfg: Config, device) -> float:
     """Mean validation loss per supervised token over the whole (sharded) validation set."""
     model.eval()
     totals = torch.zeros(2, device=device)
     for mb in loader:
         batch = {k: v.to(device) for k, v in mb.items()}
-        totals[0] += sft_loss(model, batch)
+        totals[0] += sft_loss(model, batch, cfg)
         totals[1] += (batch["labels"] != IGNORE_INDEX).sum()
     model.train()
     all_reduce_sum(totals)
@@ -419,7 +419,7 @@ def main(argv: list[str] | None = None) -> dict:
         if (cfg.eval_every_steps and step % cfg.eval_every_steps == 0) or (
             is_last and len(val_set)
         ):
-            metrics["val_loss"] = evaluate(model, val_loader, device)
+            metrics["val_loss"] = evaluate(model, val_loader, cfg, device)
         if is_main and (step % cfg.log_every_steps == 0 or is_last or "val_loss" in metrics):
             logger.log(metrics, step)
             progress.set_postfix(

@@ -22,7 +22,9 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "sft_smollm2" / "train.py"
 
 
-def run_script(tmp: Path, args: list[str], nproc: int = 1, timeout: int = 600) -> list[dict]:
+def run_script(
+    tmp: Path, args: list[str], nproc: int = 1, timeout: int = 600, script: Path = SCRIPT
+) -> list[dict]:
     """Run the example script (1 process, or torchrun gloo) and return its metrics.jsonl rows."""
     out = tmp / f"out_{nproc}"
     launcher = [sys.executable]
@@ -33,7 +35,7 @@ def run_script(tmp: Path, args: list[str], nproc: int = 1, timeout: int = 600) -
         "OMP_NUM_THREADS": "1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"),
     }
     proc = subprocess.run(
-        [*launcher, str(SCRIPT), *args, "--out_dir", str(out)],
+        [*launcher, str(script), *args, "--out_dir", str(out)],
         cwd=tmp,
         env=env,
         capture_output=True,
@@ -174,8 +176,11 @@ def test_tiny_run_learns_and_saves_hf_model(tiny_model_dir, small_dataset, tmp_p
     torch.testing.assert_close(hf(ids).logits, ours(ids), atol=1e-5, rtol=1e-5)
 
 
-def test_two_processes_match_one(tiny_model_dir, small_dataset, tmp_path):
-    """torchrun with 2 gloo ranks (micro-batch 2 each) gives the losses of 1 rank with micro-batch 4."""
+@pytest.mark.parametrize("example", ["sft_smollm2", "sft_smollm2_memory"])
+def test_two_processes_match_one(example, tiny_model_dir, small_dataset, tmp_path):
+    """torchrun with 2 gloo ranks (micro-batch 2 each) gives the losses of 1 rank with micro-batch 4,
+    for the plain script and with ac + lce + optim-in-bwd (sharded lm_head, norm all-reduce)."""
+    script = REPO / "examples" / example / "train.py"
     common = [
         "--model",
         str(tiny_model_dir),
@@ -200,8 +205,8 @@ def test_two_processes_match_one(tiny_model_dir, small_dataset, tmp_path):
         "--gradient_accumulation_steps",
         "2",
     ]
-    one = run_script(tmp_path, [*common, "--micro_batch_size", "4"], nproc=1)
-    two = run_script(tmp_path, [*common, "--micro_batch_size", "2"], nproc=2)
+    one = run_script(tmp_path, [*common, "--micro_batch_size", "4"], nproc=1, script=script)
+    two = run_script(tmp_path, [*common, "--micro_batch_size", "2"], nproc=2, script=script)
     for a, b in zip(one, two):
         assert a["num_tokens"] == b["num_tokens"] and a["num_supervised"] == b["num_supervised"]
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)

@@ -3,48 +3,29 @@ losses as the plain script (the tricks change memory and speed, not the math).""
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
+
+from generator.cli import cli
+from generator.features import TRICKS
 
 REPO = Path(__file__).resolve().parents[2]
-TRICK_EXAMPLES = sorted(p.parent.name for p in (REPO / "examples").glob("sft_smollm2_*/train.py"))
+COMBOS = [c for n in range(1, len(TRICKS) + 1) for c in itertools.combinations(TRICKS, n)]
 
 
-def _losses(example: str, tmp: Path, model_dir: Path, data: Path) -> list[float]:
-    out = tmp / example
-    args = [
-        "--model",
-        str(model_dir),
-        "--dataset",
-        str(data),
-        "--dtype",
-        "fp32",
-        "--max_steps",
-        "2",
-        "--warmup_steps",
-        "0",
-        "--lr",
-        "1e-3",
-        "--micro_batch_size",
-        "2",
-        "--max_seq_len",
-        "64",
-        "--val_fraction",
-        "0",
-        "--sample_max_new_tokens",
-        "0",
-        "--out_dir",
-        str(out),
-    ]
+def _losses(script: Path, out: Path, model_dir: Path, data: Path) -> list[float]:
+    args = ["--model", str(model_dir), "--dataset", str(data), "--dtype", "fp32", "--max_steps", "2",
+            "--warmup_steps", "0", "--lr", "1e-3", "--micro_batch_size", "2", "--max_seq_len", "64",
+            "--gradient_accumulation_steps", "2", "--val_fraction", "0", "--sample_max_new_tokens", "0",
+            "--out_dir", str(out)]  # fmt: skip
     proc = subprocess.run(
-        [sys.executable, str(REPO / "examples" / example / "train.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -52,13 +33,24 @@ def _losses(example: str, tmp: Path, model_dir: Path, data: Path) -> list[float]
 
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory, tiny_model_dir, small_dataset):
-    return _losses("sft_smollm2", tmp_path_factory.mktemp("base"), tiny_model_dir, small_dataset)
+    out = tmp_path_factory.mktemp("base")
+    return _losses(
+        REPO / "examples" / "sft_smollm2" / "train.py", out, tiny_model_dir, small_dataset
+    )
 
 
-@pytest.mark.parametrize("example", TRICK_EXAMPLES)
-def test_trick_matches_plain_script(example, baseline, tmp_path, tiny_model_dir, small_dataset):
-    losses = _losses(example, tmp_path, tiny_model_dir, small_dataset)
-    assert losses == pytest.approx(baseline, abs=1e-5), (example, losses, baseline)
+@pytest.mark.parametrize("tricks", COMBOS, ids="+".join)
+def test_trick_combination_matches_plain_script(
+    tricks, baseline, tmp_path, tiny_model_dir, small_dataset
+):
+    """Every allowed combination renders, runs 2 steps (gradient accumulation 2, clipping on) and
+    gives the plain script's losses."""
+    result = CliRunner().invoke(
+        cli, ["new", "--tricks", ",".join(tricks), "--out", str(tmp_path / "run")]
+    )
+    assert result.exit_code == 0, result.output
+    losses = _losses(tmp_path / "run" / "train.py", tmp_path / "out", tiny_model_dir, small_dataset)
+    assert losses == pytest.approx(baseline, abs=1e-5), (tricks, losses, baseline)
 
 
 def test_activation_checkpointing_saves_less(tiny_model_dir):
@@ -67,7 +59,9 @@ def test_activation_checkpointing_saves_less(tiny_model_dir):
 
     from tests.conftest import import_script
 
-    script = import_script(REPO / "examples" / "sft_smollm2_ac" / "train.py", "sft_ac_train")
+    script = import_script(
+        REPO / "examples" / "sft_smollm2_memory" / "train.py", "sft_memory_train"
+    )
     saved = {}
     for enabled in (False, True):
         cfg = script.Config(
@@ -94,7 +88,7 @@ def test_activation_checkpointing_saves_less(tiny_model_dir):
             "labels": torch.randint(0, 1000, (2, 64)),
         }
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = script.sft_loss(model, batch)
+            loss = script.sft_loss(model, batch, cfg)
         loss.backward()  # recomputation works under FSDP2
         saved[enabled] = total[0]
     assert saved[True] < 0.2 * saved[False], saved
