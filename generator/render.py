@@ -18,6 +18,7 @@ from generator.spec import ScaffoldError, Spec, build_answers
 RECIPES = {"sft": "recipes/sft.py.jinja"}
 LINE_LENGTH = 100
 _RESIDUE = ("{{", "{%", "{#")
+FIRST_PARTY = ["--config", "lint.isort.known-first-party = ['runtime']"]
 
 
 class RenderError(ScaffoldError, RuntimeError):
@@ -147,7 +148,55 @@ def remove_unused_imports(source: str) -> str:
                     bound = alias.asname.name.value if alias.asname else _top_name(alias.name)
                     if bound == assignment.name:
                         unused.add(alias)
-    return wrapper.module.visit(_UnusedImportRemover(unused)).code
+    return wrapper.module.visit(_UnusedImportRemover(unused)).visit(_DuplicateImportMerger()).code
+
+
+class _DuplicateImportMerger(cst.CSTTransformer):
+    """Merge `from X import a` statements of the same module into the first one.
+
+    Features add their own `from runtime import ...` lines; the script should show one.
+    """
+
+    def leave_Module(self, original, updated):
+        names: dict[str, list[cst.ImportAlias]] = {}
+        for stmt in updated.body:
+            if not isinstance(stmt, cst.SimpleStatementLine):
+                continue
+            for node in stmt.body:
+                if isinstance(node, cst.ImportFrom) and self._mergeable(node):
+                    names.setdefault(self._key(node), []).extend(node.names)
+        seen: set[str] = set()
+        body = []
+        for stmt in updated.body:
+            node = (
+                stmt.body[0]
+                if isinstance(stmt, cst.SimpleStatementLine) and len(stmt.body) == 1
+                else None
+            )
+            if isinstance(node, cst.ImportFrom) and self._mergeable(node):
+                key = self._key(node)
+                if key in seen:
+                    continue
+                seen.add(key)
+                unique = {cst.Module([]).code_for_node(a): a for a in names[key]}
+                merged = [a.with_changes(comma=cst.MaybeSentinel.DEFAULT) for a in unique.values()]
+                stmt = stmt.with_changes(
+                    body=[node.with_changes(names=merged, lpar=None, rpar=None)]
+                )
+            body.append(stmt)
+        return updated.with_changes(body=body)
+
+    @staticmethod
+    def _mergeable(node: cst.ImportFrom) -> bool:
+        return (
+            not node.relative
+            and not isinstance(node.names, cst.ImportStar)
+            and node.module is not None
+        )
+
+    @staticmethod
+    def _key(node: cst.ImportFrom) -> str:
+        return cst.Module([]).code_for_node(node.module)
 
 
 def _top_name(node: cst.BaseExpression) -> str:
@@ -168,7 +217,8 @@ def ruff_format(source: str) -> str:
         "train.py",
     ]
     steps = [
-        ["check", "--select", "I", "--fix", "--quiet", "--exit-zero", *common, "-"],
+        # known-first-party: the import groups must not depend on the directory we render from
+        ["check", "--select", "I", "--fix", "--quiet", "--exit-zero", *FIRST_PARTY, *common, "-"],
         ["format", *common, "-"],
     ]
     for step in steps:

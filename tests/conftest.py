@@ -72,3 +72,14 @@ def small_dataset(tmp_path_factory, alpaca_path) -> Path:
 @pytest.fixture(scope="session")
 def sft_script():
     return import_script(EXAMPLES / "sft_smollm2" / "train.py", "sft_smollm2_train")
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_process_group():
+    """Tests that build the emitted script's model in-process create a 1-process group; destroy it
+    afterwards so the next test can create its own."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()

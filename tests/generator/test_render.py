@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from generator.catalog import MODELS
 from generator.cli import cli
 from generator.features import TRICKS
-from generator.render import render
+from generator.render import FIRST_PARTY, render
 from generator.spec import Spec, SpecError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,6 +49,9 @@ def test_matrix_renders_clean(spec, tmp_path):
             "ruff",
             "check",
             "--isolated",
+            *FIRST_PARTY,
+            "--line-length",
+            "100",
             "--select",
             "E,F,W,I,B",
             "--ignore",
