@@ -76,10 +76,12 @@ def sft_script():
 
 @pytest.fixture(autouse=True)
 def _no_leftover_process_group():
-    """Tests that build the emitted script's model in-process create a 1-process group; destroy it
-    afterwards so the next test can create its own."""
-    yield
+    """Tests that build the emitted script's model in-process create a 1-process group; destroy a
+    group the test itself created, so the next test can create its own (module-scoped fixtures
+    that own a group are left alone)."""
     import torch.distributed as dist
 
-    if dist.is_initialized():
+    existed = dist.is_initialized()
+    yield
+    if not existed and dist.is_initialized():
         dist.destroy_process_group()
