@@ -45,7 +45,8 @@ sys.path.insert(0, str(HERE))
 import peers  # noqa: E402
 from sft_data import data_path, model_dir  # noqa: E402
 
-TOOLS = ("scaffold", "trl", "torchtune")
+TOOLS = ("scaffold", "scaffold+lce", "trl", "torchtune")
+SCAFFOLD_TRICKS = {"scaffold": "", "scaffold+lce": "lce"}  # variants of our emitted script
 DTYPES = ("fp32", "bf16")
 SECTION_BEGIN = "<!-- benchmark:sft_cpu:begin -->"
 SECTION_END = "<!-- benchmark:sft_cpu:end -->"
@@ -58,8 +59,8 @@ MM_SIZE = 2048
 # --------------------------------------------------------------------------------------------
 
 
-def scaffold_generate_command(run_dir: Path) -> list[str]:
-    """`scaffold new` writing the SFT script for SmolLM2-135M into `run_dir`."""
+def scaffold_generate_command(run_dir: Path, tricks: str = "") -> list[str]:
+    """`scaffold new` writing the SFT script for SmolLM2-135M (with `tricks`) into `run_dir`."""
     cli = Path(sys.executable).parent / "scaffold"
     prefix = [str(cli)] if cli.is_file() else [sys.executable, "-m", "generator.cli"]
     return [
@@ -72,6 +73,7 @@ def scaffold_generate_command(run_dir: Path) -> list[str]:
         "--out",
         str(run_dir),
         "--force",
+        *(["--tricks", tricks] if tricks else []),
     ]
 
 
@@ -248,8 +250,8 @@ class RunResult:
 def run_tool(tool: str, dtype: str, repeat: int, args, env: dict) -> RunResult:
     """Run one training job in a fresh subprocess and turn its output into a RunResult."""
     log_stem = WORK_DIR / "logs" / f"{tool}_{dtype}_r{repeat}"
-    if tool == "scaffold":
-        run_dir = WORK_DIR / "scaffold"
+    if tool in SCAFFOLD_TRICKS:
+        run_dir = WORK_DIR / tool.replace("+", "_")
         shutil.rmtree(run_dir / "out", ignore_errors=True)
         cmd = scaffold_command(dtype, args.steps, args.micro_batch_size, args.max_seq_len, run_dir)
         cwd = run_dir
@@ -263,7 +265,7 @@ def run_tool(tool: str, dtype: str, repeat: int, args, env: dict) -> RunResult:
         result.error = f"exit {proc.returncode}: {last_line(proc.stderr)}"
         return result
     try:
-        if tool == "scaffold":
+        if tool in SCAFFOLD_TRICKS:
             metrics = run_dir / "out" / "metrics.jsonl"
             raw = parse_scaffold_metrics(metrics)
             # Keep the metrics with the logs; drop the saved model (0.5 GB per run).
@@ -288,13 +290,13 @@ def prepare_tools(tools: list[str], env: dict) -> dict[str, str]:
     errors: dict[str, str] = {}
     for tool in tools:
         try:
-            if tool == "scaffold":
-                run_dir = WORK_DIR / "scaffold"
+            if tool in SCAFFOLD_TRICKS:
+                run_dir = WORK_DIR / tool.replace("+", "_")
                 proc = run_process(
-                    scaffold_generate_command(run_dir),
+                    scaffold_generate_command(run_dir, SCAFFOLD_TRICKS[tool]),
                     REPO_ROOT,
                     env,
-                    WORK_DIR / "logs" / "scaffold_new",
+                    WORK_DIR / "logs" / f"{tool.replace('+', '_')}_new",
                     timeout_s=600,
                 )
                 if proc.returncode != 0:
@@ -497,7 +499,7 @@ def versions(tools: list[str]) -> dict[str, str]:
         scaffold = "not installed"
     out["scaffold"] = f"{scaffold} (git {git.stdout.strip() or 'unknown'})"
     for tool in tools:
-        if tool != "scaffold" and peers.venv_python(tool).is_file():
+        if tool not in SCAFFOLD_TRICKS and peers.venv_python(tool).is_file():
             for dist, v in peers.peer_versions(tool).items():
                 out[f"{dist} ({tool} venv)"] = v
     return out
@@ -526,10 +528,11 @@ NOTES = """\
 - Step time: TRL from `on_step_begin` to `on_step_end` (batch fetch outside); torchtune its own
   per-step timer (includes the batch fetch); Scaffold its `step_time_s`.
 - AdamW (betas 0.9/0.999, weight decay 0), lr 2e-5 without warmup, grad-norm clipping at 1.0.
-  TRL and torchtune keep the lr constant; Scaffold's generated script decays it by its cosine
-  schedule over the N steps, so its loss curve is not directly comparable with the peers'.
-- Scaffold draws a different sample order (it shuffles for its train/validation split) and, after
-  the timed steps, computes a validation loss and saves the final model (included in peak RSS).
+  Every tool keeps the lr constant (Scaffold: `--min_lr_ratio 1.0`, `--warmup_steps 0`).
+- Scaffold draws a different sample order (its own DistributedSampler shuffle; `--val_fraction 0`,
+  so no validation split or pass) and, after the timed steps, saves the final model in HF layout
+  (included in its peak RSS). "scaffold+lce" is the same script rendered with `--tricks lce`
+  (chunked linear cross-entropy; torchtune's config also uses its chunked CE).
 """
 
 

@@ -40,5 +40,12 @@ TRICKS: dict[str, Trick] = {
             "optimizer_in_backward",
             "optimizer step inside backward per parameter; gradients freed at once",
         ),
+        # adamw4bit is not offered yet: torchao 0.18's AdamW4bit over FSDP2 DTensor parameters
+        # fails on CPU in its compiled step ("wrong number of dimensions1"), plain tensors work.
+        Trick(
+            "adamw8bit",
+            "adamw8bit",
+            "torchao AdamW with 8-bit optimizer state (4x smaller)",
+        ),
     ]
 }

@@ -128,10 +128,10 @@ def _local_model_answers(path: Path) -> dict:
 # Additive slots collect every enabled feature's lines; override slots (loss, optimizer,
 # backward_and_step) replace the skeleton's default body, so at most one feature may fill each.
 SLOTS = (
-    "imports", "config_fields", "validate", "model_setup", "after_shard", "loss", "optimizer",
-    "backward_and_step", "docstring_notes",
+    "imports", "config_fields", "validate", "model_setup", "after_shard", "loss", "optimizer_cls",
+    "optimizer", "backward_and_step", "docstring_notes",
 )  # fmt: skip
-OVERRIDE_SLOTS = ("loss", "optimizer", "backward_and_step")
+OVERRIDE_SLOTS = ("loss", "optimizer_cls", "optimizer", "backward_and_step")
 
 
 def feature_slots(templates: list[str]) -> dict[str, list[str]]:

@@ -195,7 +195,8 @@ def build_optimizer(cfg: Config, model: torch.nn.Module):
     ]
     # fused: one kernel over all tensors; on CPU measured 0.36 s/step vs 1.3 s for foreach (135M
     # params) and 0.5 GB less peak memory, because foreach materialises per-step temporaries
-    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), fused=True)
+    optimizer_cls = functools.partial(torch.optim.AdamW, fused=True)
+    optimizer = optimizer_cls(groups, lr=cfg.lr, betas=tuple(cfg.betas))
     scheduler = cosine_schedule_with_warmup(
         optimizer, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio
     )
@@ -307,7 +308,7 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], cfg: Conf
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP: the norm over all shards
         grad_norm = grad_norm.full_tensor()
-    lr = scheduler.get_last_lr()[0]
+    lr = float(scheduler.get_last_lr()[0])  # a tensor under torchao optimizers
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()

