@@ -21,6 +21,7 @@ import json
 import os
 import platform
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -88,7 +89,7 @@ def tracker_child(script: str, argv: list[str]) -> None:
             s.train_step(model, optimizer, scheduler, micro, cfg, dist_info.device)
     peak = tracker.get_tracker_snapshot("peak")
     snap = next(v for k, v in peak.items() if torch.device(k).type == "cpu")
-    print(json.dumps({str(k): v for k, v in snap.items()}))
+    print(json.dumps({getattr(k, "value", str(k)): v for k, v in snap.items()}))
 
 
 def run_tracker(script: Path, argv: list[str]) -> dict:
@@ -106,6 +107,7 @@ def run_tracker(script: Path, argv: list[str]) -> dict:
 
 def run_timed(script: Path, argv: list[str], out_dir: Path) -> dict:
     env = {**os.environ, "GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072"}
+    shutil.rmtree(out_dir, ignore_errors=True)  # metrics.jsonl appends: start from an empty run
     start = time.perf_counter()
     proc = subprocess.Popen(
         [sys.executable, str(script), *argv],
@@ -141,7 +143,9 @@ def table(results: dict, args) -> str:
         f"alpaca rows padded to {args.max_seq_len} tokens, micro-batch {args.micro_batch_size}, "
         "max_grad_norm 0 (so optim-in-bwd runs one backward per step), constant lr.",
         "",
-        "Peak by category = PyTorch's MemTracker over 3 steps (tensor bytes, MiB). Peak RSS = the "
+        "Peak by category = PyTorch's MemTracker over 3 steps (tensor bytes, MiB). Under FSDP2 it "
+        "does not label gradients (sharded-gradient and reduce-scatter buffers land in activations/"
+        "temp; optim-in-bwd shows what removing them saves in the total). Peak RSS = the "
         "unmodified script in a fresh process with `GLIBC_TUNABLES=glibc.malloc.mmap_threshold=131072`"
         " (includes the Python heap, libraries and the tokenized dataset).",
         "",
