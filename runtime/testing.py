@@ -63,3 +63,16 @@ def spawn(fn, world_size: int = 2, backend: str = "gloo", args: tuple = ()) -> l
         raise RuntimeError("\n".join(errors))
     ordered = sorted(results, key=lambda t: t[0])
     return [torch.load(io.BytesIO(res), weights_only=False) for _, _, res in ordered]
+
+
+# STYLE.md §9's tiny random config for parity tests (HF config names): 2 layers, hidden 64, 4 heads,
+# 2 KV heads, head_dim 16, intermediate 128, vocab 256. Tests add what they vary.
+TINY_CONFIG = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+)

@@ -16,18 +16,13 @@ from runtime.checkpoint import (
     save_hf_checkpoint,
 )
 from runtime.models.llama import ModelArgs, build_model
+from runtime.testing import TINY_CONFIG
 
 transformers = pytest.importorskip("transformers")
 
 # STYLE §9 tiny config.
 TINY = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
+    **TINY_CONFIG,
     rms_norm_eps=1e-5,
 )
 IDS = torch.randint(0, TINY["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1))

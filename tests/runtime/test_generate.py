@@ -8,16 +8,11 @@ import torch
 from runtime.checkpoint import load_hf_checkpoint, read_hf_config
 from runtime.generate import generate, sample_next_token
 from runtime.models.llama import ModelArgs, build_model
+from runtime.testing import TINY_CONFIG
 
 # STYLE §9 tiny config.
 TINY = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
+    **TINY_CONFIG,
     rms_norm_eps=1e-5,
 )
 PROMPTS = [[5, 17, 99, 3, 250, 42, 7], [11, 12], [200, 1, 2, 3, 4]]

@@ -6,18 +6,13 @@ import pytest
 import torch
 
 from runtime.models.llama import KVCache, ModelArgs, build_model
+from runtime.testing import TINY_CONFIG
 
 transformers = pytest.importorskip("transformers")
 
 # STYLE §9 tiny config: 2 layers, hidden 64, 4 heads, 2 KV heads, Dh 16, I 128, vocab 256.
 TINY = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
+    **TINY_CONFIG,
     rms_norm_eps=1e-5,
     max_position_embeddings=131072,
 )

@@ -14,19 +14,14 @@ from runtime.checkpoint import load_hf_checkpoint, read_hf_config, save_hf_check
 from runtime.generate import generate
 from runtime.models.llama import KVCache, ModelArgs, build_model
 from runtime.models.moe import SparseMoeBlock, load_balancing_loss, route_top_k
+from runtime.testing import TINY_CONFIG
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.qwen3_moe import modeling_qwen3_moe  # noqa: E402
 
 # STYLE §9 tiny config; MoE: 4 experts, top-2, expert width 32.
 TINY = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
+    **TINY_CONFIG,
     rms_norm_eps=1e-6,
     max_position_embeddings=4096,
 )
