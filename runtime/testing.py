@@ -76,3 +76,16 @@ TINY_CONFIG = dict(
     num_key_value_heads=2,
     head_dim=16,
 )
+
+
+def safetensors_keys(model_dir) -> set[str]:
+    """Every tensor name stored in the `*.safetensors` files of `model_dir` (single or sharded)."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    keys: set[str] = set()
+    for path in Path(model_dir).glob("*.safetensors"):
+        with safe_open(path, framework="pt") as f:
+            keys |= set(f.keys())
+    return keys

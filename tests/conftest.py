@@ -13,6 +13,7 @@ import torch
 
 from generator.assets import ensure_dataset, ensure_smollm2
 from runtime import ModelArgs, build_model, copy_tokenizer_files, save_hf_checkpoint
+from runtime.testing import TINY_CONFIG
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
@@ -42,13 +43,7 @@ def tiny_model_dir(tmp_path_factory, smollm2_dir) -> Path:
     """2-layer, hidden-64 Llama (random, seed 0) with SmolLM2's real tokenizer (vocab 49152)."""
     out = tmp_path_factory.mktemp("tiny_llama")
     args = ModelArgs(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
+        **{**TINY_CONFIG, "vocab_size": 49152},
         rope_theta=100000.0,
         max_position_embeddings=8192,
         tie_word_embeddings=True,
@@ -72,6 +67,20 @@ def small_dataset(tmp_path_factory, alpaca_path) -> Path:
 @pytest.fixture(scope="session")
 def sft_script():
     return import_script(EXAMPLES / "sft_smollm2" / "train.py", "sft_smollm2_train")
+
+
+@pytest.fixture(scope="module")
+def process_group():
+    """A 1-process gloo group in this process (torn down only if this fixture created it)."""
+    import torch.distributed as dist
+
+    from runtime.parallel import init_distributed
+
+    created = not dist.is_initialized()
+    init_distributed("cpu")
+    yield
+    if created:
+        dist.destroy_process_group()
 
 
 @pytest.fixture(autouse=True)

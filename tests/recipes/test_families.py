@@ -13,12 +13,9 @@ from click.testing import CliRunner
 
 from generator.cli import cli
 from runtime import ModelArgs, build_model, copy_tokenizer_files, save_hf_checkpoint
+from runtime.testing import TINY_CONFIG
 
-TINY = dict(
-    vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=100000.0,
-    max_position_embeddings=4096,
-)  # fmt: skip
+TINY = {**TINY_CONFIG, "vocab_size": 49152, "rope_theta": 100000.0, "max_position_embeddings": 4096}
 FAMILIES = {
     "qwen2": dict(model_type="qwen2", tie_word_embeddings=True),
     "qwen3": dict(model_type="qwen3", tie_word_embeddings=False),

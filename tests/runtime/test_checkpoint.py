@@ -16,7 +16,7 @@ from runtime.checkpoint import (
     save_hf_checkpoint,
 )
 from runtime.models.llama import ModelArgs, build_model
-from runtime.testing import TINY_CONFIG
+from runtime.testing import TINY_CONFIG, safetensors_keys
 
 transformers = pytest.importorskip("transformers")
 
@@ -36,14 +36,6 @@ def tiny_model(tie: bool = False, seed: int = 0):
     return model
 
 
-def file_keys(model_dir) -> set[str]:
-    keys = set()
-    for path in model_dir.glob("*.safetensors"):
-        with safe_open(path, framework="pt") as f:
-            keys |= set(f.keys())
-    return keys
-
-
 @torch.no_grad()
 def assert_same_logits(ours, hf) -> None:
     torch.testing.assert_close(ours(IDS), hf(IDS).logits, atol=1e-5, rtol=1e-5)
@@ -60,11 +52,11 @@ def test_our_save_loads_in_transformers(tmp_path, tie, max_shard_bytes):
     assert (out / "model.safetensors").is_file() == (not sharded)
     if sharded:
         index = json.loads((out / "model.safetensors.index.json").read_text())
-        assert set(index["weight_map"]) == file_keys(out)
+        assert set(index["weight_map"]) == safetensors_keys(out)
         assert len(set(index["weight_map"].values())) > 1
         num_shards = len(list(out.glob("*.safetensors")))
         assert (out / f"model-00001-of-{num_shards:05d}.safetensors").is_file()
-    assert ("lm_head.weight" in file_keys(out)) == (not tie)
+    assert ("lm_head.weight" in safetensors_keys(out)) == (not tie)
     assert not list(tmp_path.glob(".out.tmp-*")), "temp dir left behind"
     hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert hf.dtype == torch.float32

@@ -205,20 +205,6 @@ def test_input_errors():
         linear_cross_entropy(hidden, weight, labels, num_chunks=0)
 
 
-@pytest.fixture(scope="module")
-def process_group():
-    """A 1-process gloo group in this process (torn down only if this module created it)."""
-    import torch.distributed as dist
-
-    from runtime.parallel import init_distributed
-
-    created = not dist.is_initialized()
-    init_distributed("cpu")
-    yield
-    if created:
-        dist.destroy_process_group()
-
-
 def test_fsdp2_forward_hidden_equals_plain_model(process_group):
     """The documented FSDP2 use: register forward_hidden, pass the (then unsharded) lm_head weight.
     Tied embeddings, 1-process gloo group: loss and full gradients equal the plain model + CE."""

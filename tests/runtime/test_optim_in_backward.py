@@ -211,20 +211,6 @@ def test_misuse_raises():
         setup_optimizer_in_backward([torch.zeros(2)], torch.optim.AdamW)
 
 
-@pytest.fixture(scope="module")
-def process_group():
-    """A 1-process gloo group in this process (torn down only if this module created it)."""
-    import torch.distributed as dist
-
-    from runtime.parallel import init_distributed
-
-    created = not dist.is_initialized()
-    init_distributed("cpu")
-    yield
-    if created:
-        dist.destroy_process_group()
-
-
 def test_fsdp2_one_process_equals_plain(process_group):
     """Hooks on FSDP2's sharded DTensor parameters (run after reduce-scatter), with accumulation
     and clipping: the same parameters and grad norms as the standard non-FSDP loop."""

@@ -7,14 +7,13 @@ import json
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from runtime.checkpoint import load_hf_checkpoint, read_hf_config, save_hf_checkpoint
 from runtime.generate import generate
 from runtime.models.llama import KVCache, ModelArgs, build_model
 from runtime.models.moe import SparseMoeBlock, load_balancing_loss, route_top_k
-from runtime.testing import TINY_CONFIG
+from runtime.testing import TINY_CONFIG, safetensors_keys
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.qwen3_moe import modeling_qwen3_moe  # noqa: E402
@@ -244,14 +243,6 @@ def test_aux_loss_and_its_grads_match_hf_model():
     assert dense(IDS, output_router_logits=True)[1] == ()
 
 
-def file_keys(model_dir) -> set[str]:
-    keys = set()
-    for path in model_dir.glob("*.safetensors"):
-        with safe_open(path, framework="pt") as f:
-            keys |= set(f.keys())
-    return keys
-
-
 @torch.no_grad()
 def assert_same_logits(ours, hf) -> None:
     torch.testing.assert_close(ours(IDS), hf(IDS).logits, atol=1e-5, rtol=1e-5)
@@ -275,7 +266,7 @@ def test_transformers_save_loads_into_meta_built_model(tmp_path, family, tie):
     assert (tmp_path / "model.safetensors.index.json").is_file()
     args = ModelArgs.from_hf_config(read_hf_config(tmp_path), source=str(tmp_path))
     model = build_model(args, device="meta")
-    assert set(model.state_dict()) >= file_keys(tmp_path)  # HF's on-disk keys are ours
+    assert set(model.state_dict()) >= safetensors_keys(tmp_path)  # HF's on-disk keys are ours
     model.to_empty(device="cpu")
     model.init_rope()
     load_hf_checkpoint(model, tmp_path)
@@ -289,7 +280,7 @@ def test_our_save_loads_in_transformers_and_back(tmp_path, family, tie):
     model = ours_from_hf(hf_ref)
     out = tmp_path / "out"
     save_hf_checkpoint(model, out, model.args.to_hf_config(), max_shard_bytes=100_000)
-    keys = file_keys(out)
+    keys = safetensors_keys(out)
     assert ("lm_head.weight" in keys) == (not tie)
     if family == "qwen3_moe":
         assert "model.layers.1.mlp.experts.3.gate_proj.weight" in keys  # on-disk layout
