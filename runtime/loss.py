@@ -17,8 +17,8 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     """Summed next-token cross-entropy over supervised positions.
 
     Args:
-        logits: [B, S, V] any float dtype; upcast to fp32 for the softmax.
-        labels: [B, S] int64, pre-shifted (labels[:, t] is the target of position t),
+        logits: [B, S, V] or [T, V], any float dtype; upcast to fp32 for the softmax.
+        labels: [B, S] or [T] int64, pre-shifted (labels[:, t] is the target of position t),
             IGNORE_INDEX = not supervised.
 
     Returns:
@@ -26,7 +26,7 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
         the global number of supervised tokens of the optimizer step, not per micro-batch.
     """
     return F.cross_entropy(
-        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
     )
 
 

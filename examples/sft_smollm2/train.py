@@ -179,8 +179,10 @@ def sft_loss(model: torch.nn.Module, batch: dict, cfg: Config) -> torch.Tensor:
     Returns:
         Scalar fp32: sum of token losses (divide by the step's global supervised-token count).
     """
-    logits = model(batch["input_ids"])  # [B, S, V]
-    return cross_entropy_sum(logits, batch["labels"])
+    supervised = batch["labels"] != IGNORE_INDEX  # [B, S]
+    # prompt and padding positions skip lm_head: [T, V] logits of the T supervised positions only
+    logits = model(batch["input_ids"], logits_mask=supervised)
+    return cross_entropy_sum(logits, batch["labels"][supervised])
 
 
 # === 6. Optimizer + LR schedule ===

@@ -383,8 +383,9 @@ class CausalLM(nn.Module):
         attention_mask: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
         output_router_logits: bool = False,
+        logits_mask: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """Logits of every position.
+        """Logits of every position, or only of the positions in `logits_mask`.
 
         Args:
             input_ids: [B, S] int64 token ids.
@@ -394,13 +395,21 @@ class CausalLM(nn.Module):
                 returns NaN for that row.
             kv_cache: optional KVCache; the new k/v are appended and seq_len advances by S.
             output_router_logits: also return every MoE layer's router logits.
+            logits_mask: [B, S] bool, True = compute this position's logits. The other hidden
+                states never reach lm_head (in SFT about half the positions are prompt or
+                padding: that share of the [D, V] projection, its backward and the softmax is
+                skipped, and no [B, S, V] tensor exists).
 
         Returns:
-            [B, S, V] logits in lm_head's dtype; with output_router_logits, the tuple (logits,
+            [B, S, V] logits in lm_head's dtype ([T, V] with T = logits_mask.sum(), positions in
+            row-major order, when logits_mask is given); with output_router_logits, the tuple (logits,
             router_logits), router_logits being L tensors [B*S, E] (empty for dense models),
             for `load_balancing_loss`.
         """
-        logits = self.lm_head(self.model(input_ids, position_ids, attention_mask, kv_cache))
+        hidden = self.model(input_ids, position_ids, attention_mask, kv_cache)  # [B, S, D]
+        if logits_mask is not None:
+            hidden = hidden[logits_mask]  # [T, D]
+        logits = self.lm_head(hidden)
         return (logits, self.router_logits()) if output_router_logits else logits
 
 

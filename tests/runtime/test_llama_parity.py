@@ -129,6 +129,29 @@ def test_forward_hidden_is_pre_lm_head():
         torch.testing.assert_close(ours.lm_head(hidden), ours(ids))
 
 
+def test_logits_mask_selects_positions_and_their_gradients():
+    """Masked logits == full logits at the kept positions; the dropped positions get no gradient
+    through lm_head, and the loss's parameter gradients equal the full-logits loss's."""
+    ours = ours_from_hf(hf_tiny_model())
+    ids = torch.randint(0, TINY["vocab_size"], (B, S))
+    labels = torch.randint(0, TINY["vocab_size"], (B, S))
+    keep = torch.rand(B, S) < 0.5
+    keep[0, 0] = True
+    full = ours(ids)
+    masked = ours(ids, logits_mask=keep)
+    assert masked.shape == (int(keep.sum()), TINY["vocab_size"])
+    torch.testing.assert_close(masked, full[keep])
+    loss_full = torch.nn.functional.cross_entropy(
+        full.flatten(0, 1), labels.masked_fill(~keep, -100).flatten(), reduction="sum"
+    )
+    grads_full = torch.autograd.grad(loss_full, list(ours.parameters()))
+    loss_masked = torch.nn.functional.cross_entropy(masked, labels[keep], reduction="sum")
+    grads_masked = torch.autograd.grad(loss_masked, list(ours.parameters()))
+    torch.testing.assert_close(loss_masked, loss_full)
+    for g_full, g_masked in zip(grads_full, grads_masked, strict=True):
+        torch.testing.assert_close(g_masked, g_full, atol=1e-6, rtol=1e-5)
+
+
 def test_kv_cache_chunks_equal_full_forward():
     ours = ours_from_hf(hf_tiny_model())
     args = ours.args
