@@ -278,16 +278,20 @@ def _from_alpaca(row: dict, where: str) -> list[dict]:
 
 
 def split_train_val(items: list, val_fraction: float, seed: int) -> tuple[list, list]:
-    """Shuffle deterministically and split off a validation part.
+    """Split off a random validation part; both parts keep the items' original order.
+
+    The training part is shuffled by the sampler, so keeping the file order here means that with
+    val_fraction=0 the sampler sees exactly the file's items in the file's order, as torchtune's
+    and TRL's samplers do (same seed, same sample sequence).
 
     Args:
         items: the examples (any objects).
         val_fraction: share of items for validation, in [0, 1). When > 0 and there are at least
             2 items, validation gets at least 1 item and training keeps at least 1.
-        seed: shuffle seed; the same items and seed always give the same split.
+        seed: selects the validation items; the same items and seed always give the same split.
 
     Returns:
-        (train, val): lists of the items, each in shuffled order.
+        (train, val): lists of the items, each in the original relative order.
 
     Raises:
         ValueError: val_fraction outside [0, 1).
@@ -301,6 +305,7 @@ def split_train_val(items: list, val_fraction: float, seed: int) -> tuple[list, 
     n_val = int(len(items) * val_fraction)
     if val_fraction > 0 and len(items) >= 2:
         n_val = min(max(n_val, 1), len(items) - 1)
-    val = [items[i] for i in order[:n_val]]
-    train = [items[i] for i in order[n_val:]]
+    val_ids = set(order[:n_val])
+    val = [item for i, item in enumerate(items) if i in val_ids]
+    train = [item for i, item in enumerate(items) if i not in val_ids]
     return train, val
