@@ -29,6 +29,14 @@ from runtime.parallel import (
     init_distributed,
 )
 from runtime.tokenizer import Tokenizer
+from runtime.train_state import (
+    ResumableDistributedSampler,
+    TrainState,
+    load_train_state,
+    read_checkpoint_config,
+    resolve_resume,
+    save_train_state,
+)
 
 __all__ = [
     "IGNORE_INDEX",
@@ -38,8 +46,10 @@ __all__ = [
     "KVCache",
     "LlamaForCausalLM",
     "MetricsLogger",
+    "ResumableDistributedSampler",
     "ModelArgs",
     "Tokenizer",
+    "TrainState",
     "all_reduce_sum",
     "build_mesh",
     "build_model",
@@ -54,12 +64,16 @@ __all__ = [
     "load_balancing_loss",
     "load_hf_checkpoint",
     "load_rows",
+    "load_train_state",
     "parse_config",
     "peak_memory_mib",
+    "read_checkpoint_config",
     "read_hf_config",
+    "resolve_resume",
     "resolve_data_path",
     "resolve_model_dir",
     "save_hf_checkpoint",
+    "save_train_state",
     "scaffold_home",
     "setup_optimizer_in_backward",
     "split_train_val",

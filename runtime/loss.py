@@ -26,7 +26,10 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
         the global number of supervised tokens of the optimizer step, not per micro-batch.
     """
     return F.cross_entropy(
-        logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+        logits.reshape(-1, logits.size(-1)).float(),
+        labels.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
     )
 
 

@@ -74,7 +74,11 @@ class MetricsLogger:
             self._wandb = wandb.init(config=config or {}, dir=str(self.out_dir))
 
     def log(self, metrics: dict, step: int) -> None:
-        """Record `metrics` (name -> number) at optimizer step `step`."""
+        """Record `metrics` at optimizer step `step`.
+
+        Numbers go to every logger; other JSON values (e.g. the step's sample ids, a list) only
+        to metrics.jsonl.
+        """
         clean = {
             k: (None if isinstance(v, float) and not math.isfinite(v) else v)
             for k, v in metrics.items()
@@ -82,11 +86,12 @@ class MetricsLogger:
         if self._jsonl:
             self._jsonl.write(json.dumps({"step": step, **clean}) + "\n")
             self._jsonl.flush()
+        scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
         if self._tb:
-            for k, v in metrics.items():
+            for k, v in scalars.items():
                 self._tb.add_scalar(k, v, step)
         if self._wandb:
-            self._wandb.log(metrics, step=step)
+            self._wandb.log(scalars, step=step)
 
     def close(self) -> None:
         if self._jsonl:

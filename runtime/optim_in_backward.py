@@ -180,7 +180,8 @@ class OptimizerInBackward(torch.optim.Optimizer):
         clip_coef and step). Clipping needs the global norm before the first step, and any
         one-pass scheme would either keep all gradients (losing the memory saving) or clip with a
         stale norm (a different optimizer). Cost: 2x forward + backward per step; memory: as
-        without clipping. The step pass must replay the same micro-batches (and the same RNG
+        without clipping. A non-finite global norm ends the step after the norm pass: no
+        parameter is updated and `grad_norm()` returns that norm. The step pass must replay the same micro-batches (and the same RNG
         state if the model uses dropout) so that its gradients are the ones that were measured.
         """
         self._norms = [None] * len(self.params)
@@ -189,6 +190,8 @@ class OptimizerInBackward(torch.optim.Optimizer):
                 self._phase, self._clip_coef = "norm", None
                 yield "norm"
                 total_norm = self.grad_norm()
+                if not torch.isfinite(total_norm):  # NaN/inf before any step: skip the step
+                    return  # pass, no weight changes; grad_norm() reports it to the train loop
                 self._clip_coef = torch.clamp(
                     self.max_grad_norm / (total_norm + _CLIP_EPS), max=1.0
                 )

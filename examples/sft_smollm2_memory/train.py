@@ -41,14 +41,16 @@ from pathlib import Path
 import torch
 from torch.distributed._composable import checkpoint
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from runtime import (
     IGNORE_INDEX,
     MetricsLogger,
     ModelArgs,
+    ResumableDistributedSampler,
     Tokenizer,
+    TrainState,
     all_reduce_sum,
     build_mesh,
     build_model,
@@ -61,12 +63,16 @@ from runtime import (
     linear_cross_entropy,
     load_hf_checkpoint,
     load_rows,
+    load_train_state,
     parse_config,
     peak_memory_mib,
+    read_checkpoint_config,
     read_hf_config,
     resolve_data_path,
     resolve_model_dir,
+    resolve_resume,
     save_hf_checkpoint,
+    save_train_state,
     setup_optimizer_in_backward,
     split_train_val,
     to_messages,
@@ -105,7 +111,9 @@ class Config:
     out_dir: str = "out"  # metrics.jsonl, checkpoints and the final model go here
     log_every_steps: int = 1
     eval_every_steps: int = 25  # 0 = only at the end
-    save_every_steps: int = 0  # intermediate HF-layout checkpoints (0 = only the final model)
+    save_every_steps: int = 0  # resumable checkpoints in out_dir/checkpoints (0 = none)
+    keep_last_checkpoints: int = 2  # older complete checkpoints are deleted
+    resume: str = "auto"  # "auto" (newest complete checkpoint), "none", or a checkpoint dir
     loggers: list[str] = field(default_factory=lambda: ["jsonl"])  # also "tensorboard", "wandb"
     seed: int = 0
     sample_prompt: str = "What is the capital of France?"  # generated from at the end
@@ -143,6 +151,8 @@ def validate(cfg: Config) -> None:
     ):
         if getattr(cfg, name) < 0:
             errors.append(f"{name}={getattr(cfg, name)}: must be >= 0")
+    if cfg.keep_last_checkpoints < 1:
+        errors.append(f"keep_last_checkpoints={cfg.keep_last_checkpoints}: must be >= 1")
     if cfg.lce_num_chunks < 1:
         errors.append(f"lce_num_chunks={cfg.lce_num_chunks}: must be >= 1")
     if errors:
@@ -258,9 +268,9 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer) -> tuple[list[dict], list[
     source = resolve_data_path(cfg.dataset)
     rows = load_rows(source)
     examples = [
-        tokenize_example(to_messages(row, i, source), tokenizer, cfg.max_seq_len)
+        {"id": i, **tokenize_example(to_messages(row, i, source), tokenizer, cfg.max_seq_len)}
         for i, row in enumerate(rows)
-    ]
+    ]  # "id" = row number in the file: logged per step as sample_ids
     kept = [ex for ex in examples if any(t != IGNORE_INDEX for t in ex["labels"])]
     if not kept:
         raise ValueError(
@@ -275,7 +285,7 @@ def collate(examples: list[dict], pad_token_id: int, pad_to: int = 0) -> dict:
 
     Returns:
         input_ids [B, S] int64 (pad_token_id on padding), labels [B, S] int64 (IGNORE_INDEX on
-        padding), num_tokens: scalar int64, the non-padding input tokens.
+        padding), num_tokens: scalar int64, the non-padding input tokens, sample_ids [B] int64.
     """
     S = max(pad_to, max(len(ex["input_ids"]) for ex in examples))
     input_ids = torch.full((len(examples), S), pad_token_id, dtype=torch.long)
@@ -284,14 +294,23 @@ def collate(examples: list[dict], pad_token_id: int, pad_to: int = 0) -> dict:
         input_ids[i, : len(ex["input_ids"])] = torch.tensor(ex["input_ids"])
         labels[i, : len(ex["labels"])] = torch.tensor(ex["labels"])
     num_tokens = torch.tensor(sum(len(ex["input_ids"]) for ex in examples))
-    return {"input_ids": input_ids, "labels": labels, "num_tokens": num_tokens}
+    sample_ids = torch.tensor([ex["id"] for ex in examples])
+    return {
+        "input_ids": input_ids,
+        "labels": labels,
+        "num_tokens": num_tokens,
+        "sample_ids": sample_ids,
+    }
 
 
 def build_dataloader(
     cfg: Config, examples: list[dict], pad_token_id: int, dp_rank: int, dp_size: int, train: bool
 ) -> DataLoader:
-    """Each data-parallel rank reads a disjoint shard; training shuffles and drops the last partial batch."""
-    sampler = DistributedSampler(
+    """Each data-parallel rank reads a disjoint shard; training shuffles and drops the last partial batch.
+
+    The epoch's order depends only on (seed, epoch); the sampler can start part-way (resume).
+    """
+    sampler = ResumableDistributedSampler(
         examples, num_replicas=dp_size, rank=dp_rank, shuffle=train, seed=cfg.seed, drop_last=train
     )
     pad_to = cfg.max_seq_len if cfg.pad_to_max_seq_len else 0
@@ -304,14 +323,18 @@ def build_dataloader(
     )
 
 
-def infinite_batches(loader: DataLoader):
-    """Yield (epoch, batch) forever, reshuffling every epoch."""
-    epoch = 0
+def infinite_batches(loader: DataLoader, epoch: int = 0, batches_consumed: int = 0):
+    """Yield ((epoch, batches_consumed), batch) forever, reshuffling every epoch.
+
+    Starts at micro-batch `batches_consumed` of `epoch` (a resumed run); the yielded position is
+    the one after that batch, i.e. what a checkpoint saved right then must record.
+    """
     while True:
-        loader.sampler.set_epoch(epoch)
+        loader.sampler.set_position(epoch, batches_consumed * loader.batch_size)
         for batch in loader:
-            yield epoch, batch
-        epoch += 1
+            batches_consumed += 1
+            yield (epoch, batches_consumed), batch
+        epoch, batches_consumed = epoch + 1, 0
 
 
 # === 9. train_step ===
@@ -344,6 +367,7 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], cfg: Conf
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
     return {
+        "sample_ids": torch.cat([mb["sample_ids"] for mb in micro_batches]).tolist(),  # this rank's
         "loss": all_reduce_sum(loss_sum).item(),
         "grad_norm": grad_norm.item(),
         "lr": lr,
@@ -428,20 +452,44 @@ def main(argv: list[str] | None = None) -> dict:
             f"{len(train_set)} train / {len(val_set)} val examples | global batch {global_batch} "
             f"sequences (<= {global_batch * cfg.max_seq_len} tokens) | {dist_info.world_size} process(es) on {device.type}"
         )
-    batches = infinite_batches(train_loader)
+    ckpt_dir = out_dir / "checkpoints"
+    state = TrainState()
+    resume_from = resolve_resume(cfg.resume, ckpt_dir)
+    if resume_from:
+        state = load_train_state(resume_from, model, optimizer, scheduler)
+        saved_cfg = read_checkpoint_config(resume_from)
+        changed = sorted(k for k, v in dataclasses.asdict(cfg).items() if saved_cfg.get(k) != v)
+        if is_main:
+            print(
+                f"resuming from {resume_from}: step {state.step}, epoch {state.epoch}, "
+                f"micro-batch {state.batches_consumed}"
+                + (f"; config changed: {changed}" if changed else "")
+            )
+    batches = infinite_batches(train_loader, state.epoch, state.batches_consumed)
     progress = tqdm(
-        range(1, cfg.max_steps + 1), disable=not is_main, desc="train", dynamic_ncols=True
+        range(state.step + 1, cfg.max_steps + 1),
+        initial=state.step,
+        total=cfg.max_steps,
+        disable=not is_main,
+        desc="train",
+        dynamic_ncols=True,
     )
     metrics: dict = {}
     for step in progress:
-        micro_batches = [next(batches)[1] for _ in range(cfg.gradient_accumulation_steps)]
+        micro_batches = []
+        for _ in range(cfg.gradient_accumulation_steps):
+            (state.epoch, state.batches_consumed), micro_batch = next(batches)
+            micro_batches.append(micro_batch)
         start = time.perf_counter()
         metrics = train_step(model, optimizer, scheduler, micro_batches, cfg, device)
         step_time = time.perf_counter() - start
-        if not math.isfinite(metrics["loss"]):
-            raise RuntimeError(
-                f"step {step}: loss is {metrics['loss']}; lower --lr or check the data"
+        if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
+            last_good = state.path or "none (set --save_every_steps)"
+            raise FloatingPointError(
+                f"step {step}: loss {metrics['loss']}, grad_norm {metrics['grad_norm']} is not finite; "
+                f"stopped without saving this step (last good checkpoint: {last_good}); lower --lr or check the data"
             )
+        state.step = step
         metrics.update(
             step_time_s=step_time,
             tokens_per_s=metrics["num_tokens"] / step_time,
@@ -463,14 +511,10 @@ def main(argv: list[str] | None = None) -> dict:
                 + f" | lr {metrics['lr']:.2e} | grad_norm {metrics['grad_norm']:.3f}"
                 f" | {metrics['tokens_per_s']:.0f} tok/s | peak {metrics['peak_mem_mib']:.0f} MiB"
             )
-        if cfg.save_every_steps and step % cfg.save_every_steps == 0 and not is_last:
-            save(
-                model,
-                tokenizer,
-                model_dir,
-                cfg,
-                out_dir / "checkpoints" / f"step_{step:06d}",
-                is_main,
+        if cfg.save_every_steps and (step % cfg.save_every_steps == 0 or is_last):
+            config = dataclasses.asdict(cfg)
+            state.path = save_train_state(
+                ckpt_dir, state, model, optimizer, scheduler, config, cfg.keep_last_checkpoints
             )
     save(model, tokenizer, model_dir, cfg, out_dir / "model", is_main)
     if cfg.sample_max_new_tokens:
@@ -487,5 +531,6 @@ def main(argv: list[str] | None = None) -> dict:
 if __name__ == "__main__":
     try:
         main()
-    except (ValueError, OSError) as e:  # bad config, data or paths: the message names what to fix
+    # bad config, data or paths, a non-finite loss: the message names what to fix
+    except (ValueError, OSError, FloatingPointError) as e:
         raise SystemExit(f"error: {e}") from None

@@ -1,0 +1,297 @@
+"""Resumable training checkpoints: atomic, complete, sharded (torch.distributed.checkpoint).
+
+A checkpoint directory `step_000120/` holds everything needed to continue bit-exactly:
+
+    dcp/                      model + optimizer state (DCP: each rank writes its own shards)
+    rng_rank{r}.pt            torch CPU (+ CUDA) and Python `random` RNG states of rank r
+    scheduler.pt              the LR scheduler's state_dict
+    trainer_state.json        step, data position (epoch, batches consumed), seed, config
+    COMPLETE                  written last: a directory without it is not a checkpoint
+
+Atomicity: everything is written into `step_000120.tmp/`, every file is fsynced, rank 0 writes
+COMPLETE (fsynced), renames the directory to `step_000120/` (one atomic rename on POSIX) and
+fsyncs the parent. A crash at any point leaves either the previous checkpoints untouched plus a
+`.tmp` directory (ignored and removed by the next save), or a complete new checkpoint.
+
+Optimizer state: `torch.distributed.checkpoint.state_dict.get_state_dict`, keyed by parameter
+names, so the checkpoint is independent of parameter order and of the sharding (a checkpoint
+written by 4 ranks loads on 2). The same call covers torch optimizers, torchao's low-bit
+optimizers and the per-parameter optimizers of `OptimizerInBackward` (their `optimizers` list).
+
+Reference: torchtitan's `CheckpointManager` (DCP + a step-numbered folder per save), PyTorch
+"Getting started with distributed checkpoint" tutorial.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.utils.data import DistributedSampler
+
+COMPLETE_MARKER = "COMPLETE"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+@dataclass
+class TrainState:
+    """Where training stands after `step` optimizer steps.
+
+    Attributes:
+        step: optimizer steps done.
+        epoch: current epoch of the data loader (0-based).
+        batches_consumed: micro-batches of `epoch` already used (this rank's loader).
+        path: the checkpoint this state was read from (None for a fresh start).
+    """
+
+    step: int = 0
+    epoch: int = 0
+    batches_consumed: int = 0
+    path: Path | None = None
+
+
+class ResumableDistributedSampler(DistributedSampler):
+    """`DistributedSampler` that can start an epoch part-way through, for exact resume.
+
+    The order of an epoch depends only on (seed, epoch), so skipping the first `start_index`
+    indices of it continues exactly where a run stopped, without loading or collating the
+    skipped examples.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.start_index = 0
+
+    def set_position(self, epoch: int, start_index: int) -> None:
+        """Next iteration yields epoch `epoch`'s indices from position `start_index` on."""
+        self.set_epoch(epoch)
+        self.start_index = start_index
+
+    def __iter__(self):
+        return itertools.islice(super().__iter__(), self.start_index, None)
+
+    def __len__(self) -> int:
+        return max(super().__len__() - self.start_index, 0)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
+    """The torch Optimizer instances behind `optimizer` (OptimizerInBackward: its per-parameter
+    optimizers)."""
+    return list(getattr(optimizer, "optimizers", [optimizer]))
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file under root, then every directory (so the names are durable too)."""
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def checkpoint_dirs(root: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints under root (those with the COMPLETE marker), oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and (child / COMPLETE_MARKER).is_file():
+            found.append((int(match.group(1)), child))
+    return [path for _, path in sorted(found)]
+
+
+def resolve_resume(resume: str, root: str | os.PathLike) -> Path | None:
+    """The checkpoint to resume from.
+
+    Args:
+        resume: "auto" (the newest complete checkpoint under root, or None), "none" (start
+            fresh even if checkpoints exist), or the path of one checkpoint directory.
+        root: the run's checkpoint directory (`out_dir/checkpoints`).
+
+    Raises:
+        ValueError: resume is a path that is not a complete checkpoint (names what is missing).
+    """
+    if resume == "none":
+        return None
+    if resume == "auto":
+        found = checkpoint_dirs(root)
+        return found[-1] if found else None
+    path = Path(resume)
+    if not path.is_dir():
+        raise ValueError(
+            f"resume={resume!r}: no such checkpoint directory; use auto, none or a step_N dir"
+        )
+    if not (path / COMPLETE_MARKER).is_file():
+        raise ValueError(
+            f"resume={resume!r}: {path / COMPLETE_MARKER} is missing, so this checkpoint was not "
+            "finished (the run stopped while writing it); resume from an earlier one"
+        )
+    return path
+
+
+def save_train_state(
+    root: str | os.PathLike,
+    state: TrainState,
+    model: nn.Module,
+    optimizer,
+    scheduler,
+    config: dict,
+    keep_last: int = 2,
+) -> Path:
+    """Write a complete resumable checkpoint `root/step_{state.step:06d}` atomically.
+
+    Collective: every rank must call it (each writes its shards and RNG state).
+
+    Args:
+        root: the checkpoint directory (created if missing).
+        state: step and data position after that step.
+        model: the (FSDP2-sharded or plain) model.
+        optimizer: a torch/torchao optimizer or an OptimizerInBackward.
+        scheduler: the LR scheduler (its state_dict is saved).
+        config: the resolved run config (JSON-serialisable), saved for reference and comparison.
+        keep_last: complete checkpoints to keep (older ones are deleted after this one is
+            complete); >= 1.
+
+    Returns:
+        The final checkpoint directory.
+
+    Raises:
+        OSError: writing failed (e.g. disk full); the partial directory is removed and the
+            earlier checkpoints are untouched. The message names the path.
+    """
+    root = Path(root)
+    final = root / f"step_{state.step:06d}"
+    tmp = root / f"step_{state.step:06d}.tmp"
+    rank = _rank()
+    try:
+        if rank == 0:
+            for stale in root.glob("step_*.tmp"):  # leftovers of a run killed mid-save
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir(parents=True, exist_ok=True)
+        _barrier()
+        model_sd, optim_sd = get_state_dict(model, _torch_optimizers(optimizer))
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        torch.save(rng, tmp / f"rng_rank{rank}.pt")
+        if rank == 0:
+            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+            trainer_state = {
+                "step": state.step,
+                "epoch": state.epoch,
+                "batches_consumed": state.batches_consumed,
+                "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                "config": config,
+            }
+            (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
+        _fsync_tree(tmp)  # every rank its own files (rank 0 walks all: harmless)
+        _barrier()
+        if rank == 0:
+            if final.exists():  # a complete checkpoint of the same step (a repeated save)
+                shutil.rmtree(final)
+            marker = tmp / COMPLETE_MARKER
+            marker.write_text(f"step {state.step}\n")
+            _fsync_tree(tmp)
+            os.replace(tmp, final)
+            _fsync_dir(root)
+            for old in checkpoint_dirs(root)[: -max(keep_last, 1)]:
+                shutil.rmtree(old, ignore_errors=True)
+        _barrier()
+    except OSError as e:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise OSError(
+            e.errno,
+            f"saving checkpoint {final} failed ({e.strerror or e}); nothing was overwritten, the "
+            f"last complete checkpoint is still in {root}",
+        ) from e
+    return final
+
+
+def load_train_state(path: str | os.PathLike, model: nn.Module, optimizer, scheduler) -> TrainState:
+    """Restore model, optimizer, scheduler and this rank's RNG states from a checkpoint.
+
+    Collective (every rank). Build the model, optimizer and scheduler exactly as for a fresh
+    run first; their state is overwritten here.
+
+    Returns:
+        TrainState with the step and data position to continue from.
+
+    Raises:
+        ValueError: the checkpoint is incomplete or does not match the model/optimizer (the
+            message names the checkpoint and the first mismatching keys).
+    """
+    path = Path(path)
+    if not (path / COMPLETE_MARKER).is_file():
+        raise ValueError(f"{path}: no {COMPLETE_MARKER} marker; not a finished checkpoint")
+    optimizers = _torch_optimizers(optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizers)
+    state_dict = {"model": model_sd, "optim": optim_sd}
+    try:
+        dcp.load(state_dict, checkpoint_id=str(path / "dcp"))
+    except (CheckpointException, ValueError, RuntimeError) as e:  # CheckpointException wraps
+        # each rank's failure and is a BaseException, not an Exception
+        raise ValueError(
+            f"{path / 'dcp'}: does not match this model/optimizer ({str(e).strip().splitlines()[-1][:300]}); "
+            "resume with the same model, trainable parameters and optimizer, or --resume none"
+        ) from e
+    set_state_dict(
+        model,
+        optimizers,
+        model_state_dict=state_dict["model"],
+        optim_state_dict=state_dict["optim"],
+    )
+    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
+    rng_file = path / f"rng_rank{_rank()}.pt"
+    if not rng_file.is_file():
+        raise ValueError(
+            f"{rng_file} is missing: this checkpoint was written by fewer ranks; resume with the "
+            "same number of processes for an exact continuation"
+        )
+    rng = torch.load(rng_file, weights_only=False)
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    meta = json.loads((path / "trainer_state.json").read_text())
+    return TrainState(meta["step"], meta["epoch"], meta["batches_consumed"], path)
+
+
+def read_checkpoint_config(path: str | os.PathLike) -> dict:
+    """The config a checkpoint was written with (trainer_state.json's "config")."""
+    return json.loads((Path(path) / "trainer_state.json").read_text())["config"]

@@ -1,0 +1,265 @@
+"""Never lose work: kill -9 at chosen points, resume, and end bit-identical to an uninterrupted run.
+
+Every run is a real subprocess of an emitted script (tiny random Llama + real SmolLM2 tokenizer +
+40 real alpaca rows, fp32, deterministic CPU). Kills are `SIGKILL` sent by the process to itself
+from a patched hook (no cleanup runs, exactly like `kill -9`), at a chosen step or inside a
+checkpoint write, so the points are reproducible instead of timing-dependent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from generator.render import render
+from generator.spec import Spec
+
+REPO = Path(__file__).resolve().parents[2]
+SFT = REPO / "examples" / "sft_smollm2" / "train.py"
+MEMORY = REPO / "examples" / "sft_smollm2_memory" / "train.py"
+
+# Runs the script's main() in this process after installing one kill point:
+#   after_step K: SIGKILL right after step K was logged (before that step's checkpoint, if any)
+#   in_save K:    SIGKILL inside the K-th checkpoint save of this process, after all its files
+#                 and the COMPLETE marker are written and fsynced, just before the atomic rename
+DRIVER = r"""
+import importlib.util, os, signal, sys
+script, mode, k, argv = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]
+spec = importlib.util.spec_from_file_location("train", script)
+train = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(train)
+import runtime.train_state as ts
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+if mode == "after_step":
+    log = train.MetricsLogger.log
+    def log_then_die(self, metrics, step):
+        log(self, metrics, step)
+        if step == k:
+            die()
+    train.MetricsLogger.log = log_then_die
+elif mode == "in_save":
+    replace, calls = ts.os.replace, [0]
+    def replace_or_die(src, dst):
+        calls[0] += 1
+        if calls[0] == k:
+            die()
+        replace(src, dst)
+    ts.os.replace = replace_or_die
+train.main(argv)
+"""
+
+
+def common_args(model_dir: Path, data: Path, out: Path, max_steps: int) -> list[str]:
+    return [
+        "--model", str(model_dir), "--dataset", str(data), "--out_dir", str(out),
+        "--dtype", "fp32", "--max_steps", str(max_steps), "--lr", "1e-3", "--warmup_steps", "0",
+        "--max_seq_len", "96", "--micro_batch_size", "4", "--val_fraction", "0",
+        "--eval_every_steps", "0", "--sample_max_new_tokens", "0", "--save_every_steps", "2",
+        "--keep_last_checkpoints", "2",
+    ]  # fmt: skip
+
+
+def run(
+    script: Path, args: list[str], kill: tuple[str, int] | None = None
+) -> subprocess.CompletedProcess:
+    """Run the script (optionally with a kill point); returns the finished process."""
+    cmd = [sys.executable, str(script), *args]
+    if kill:
+        cmd = [sys.executable, "-c", DRIVER, str(script), kill[0], str(kill[1]), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+def assert_ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+def assert_killed(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == -signal.SIGKILL, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+def steps_logged(out: Path) -> dict[int, dict]:
+    """metrics.jsonl rows by step; a step re-run after a resume keeps its last row."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {row["step"]: row for row in rows if "loss" in row}
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    wa, wb = (
+        load_file(a / "model" / "model.safetensors"),
+        load_file(b / "model" / "model.safetensors"),
+    )
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        assert torch.equal(wa[key], wb[key]), key
+
+
+def test_kills_at_steps_epoch_boundary_and_mid_save_resume_bit_exactly(
+    tiny_model_dir, small_dataset, tmp_path
+):
+    """40 rows (all kept at max_seq_len 96) / micro-batch 4 = 10 micro-batches per epoch; 14 steps cross one epoch boundary.
+    Checkpoints every 2 steps. The interrupted run is killed three times: after step 5 (resumes
+    from step 4), after step 11, just past the epoch boundary (resumes from step 10, whose data
+    position is the end of epoch 0), and inside the write of the step-12 checkpoint (that
+    checkpoint must not count; resumes from step 10 again). Final weights, the per-step
+    losses and the sample sequence equal an uninterrupted run's, bit for bit."""
+    steps = 14
+    ref_out, out = tmp_path / "ref", tmp_path / "killed"
+    assert_ok(run(SFT, common_args(tiny_model_dir, small_dataset, ref_out, steps)))
+    args = common_args(tiny_model_dir, small_dataset, out, steps)
+
+    assert_killed(run(SFT, args, kill=("after_step", 5)))
+    assert [p.name for p in sorted((out / "checkpoints").iterdir())] == [
+        "step_000002",
+        "step_000004",
+    ]
+    assert_killed(run(SFT, args, kill=("after_step", 11)))
+    # resumes from step 10, saves step 12 (its 1st save), dies inside the step-14 save (2nd)
+    proc = run(SFT, args, kill=("in_save", 2))
+    assert_killed(proc)
+    assert "resuming from" in proc.stdout and "step_000010" in proc.stdout
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert names == ["step_000010", "step_000012", "step_000014.tmp"], names  # .tmp not valid
+    proc = run(SFT, args)
+    assert_ok(proc)
+    assert "step_000012" in proc.stdout  # the half-written step 14 was skipped
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000012", "step_000014"]
+
+    ref, got = steps_logged(ref_out), steps_logged(out)
+    assert sorted(got) == list(range(1, steps + 1))
+    for step in range(1, steps + 1):
+        assert got[step]["sample_ids"] == ref[step]["sample_ids"], step
+        assert got[step]["loss"] == ref[step]["loss"], step
+        assert got[step]["lr"] == ref[step]["lr"], step
+    epoch0 = [i for step in range(1, 11) for i in ref[step]["sample_ids"]]
+    assert sorted(epoch0) == list(range(40))  # each row exactly once per epoch
+    assert_same_weights(ref_out, out)
+
+
+def test_two_resumes_in_one_epoch_replay_the_same_samples(tiny_model_dir, small_dataset, tmp_path):
+    """Two resumes inside one epoch (from steps 2 and 6) consume exactly the continuous run's
+    sample sequence; a kill inside the very first checkpoint write leaves nothing valid, and
+    the next run starts from scratch."""
+    steps = 8
+    ref_out, out = tmp_path / "ref", tmp_path / "killed"
+    assert_ok(run(SFT, common_args(tiny_model_dir, small_dataset, ref_out, steps)))
+    args = common_args(tiny_model_dir, small_dataset, out, steps)
+    assert_killed(run(SFT, args, kill=("in_save", 1)))  # dies in the step-2 save
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_000002.tmp"]
+    assert_killed(run(SFT, args, kill=("after_step", 3)))  # started fresh (no valid checkpoint)
+    assert_killed(run(SFT, args, kill=("after_step", 7)))  # resumed from step 2
+    proc = run(SFT, args)  # resumes from step 6
+    assert_ok(proc)
+    assert "step_000006" in proc.stdout
+    ref, got = steps_logged(ref_out), steps_logged(out)
+    assert [got[s]["sample_ids"] for s in range(1, steps + 1)] == [
+        ref[s]["sample_ids"] for s in range(1, steps + 1)
+    ]
+    assert_same_weights(ref_out, out)
+
+
+def _optimizer_state(checkpoint: Path) -> dict:
+    """The optimizer part of a DCP checkpoint as plain tensors."""
+    import torchao.optim  # noqa: F401  (registers its low-bit state classes for torch.load)
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    target = checkpoint.parent / f"{checkpoint.name}.pt"
+    dcp_to_torch_save(checkpoint / "dcp", target)
+    return torch.load(target, weights_only=False)["optim"]
+
+
+@pytest.mark.parametrize("tricks", ["ac,lce,optim-in-bwd", "optim-in-bwd,adamw8bit"])
+def test_optimizer_in_backward_resumes_lr_and_states_exactly(
+    tricks, tiny_model_dir, small_dataset, tmp_path
+):
+    """Optimizer-in-backward (per-parameter AdamW, or torchao AdamW8bit), warmup over the resume
+    point and clipping on: after a kill at step 3 and a resume from step 2, the learning rates,
+    losses, final weights and every per-parameter optimizer state equal an uninterrupted run's."""
+    if tricks == "ac,lce,optim-in-bwd":
+        script = MEMORY
+    else:
+        out_dir = tmp_path / "script"
+        spec = Spec(model="smollm2-135m", tricks=tuple(tricks.split(",")), out=str(out_dir))
+        out_dir.mkdir()
+        script = out_dir / "train.py"
+        script.write_text(render(spec))
+    steps = 5
+    ref_out, out = tmp_path / "ref", tmp_path / "killed"
+    extra = ["--warmup_steps", "4", "--gradient_accumulation_steps", "2", "--micro_batch_size", "2"]
+    assert_ok(run(script, [*common_args(tiny_model_dir, small_dataset, ref_out, steps), *extra]))
+    args = [*common_args(tiny_model_dir, small_dataset, out, steps), *extra]
+    assert_killed(run(script, args, kill=("after_step", 3)))
+    proc = run(script, args)
+    assert_ok(proc)
+    assert "step_000002" in proc.stdout
+    ref, got = steps_logged(ref_out), steps_logged(out)
+    for step in range(1, steps + 1):
+        assert (got[step]["lr"], got[step]["loss"]) == (ref[step]["lr"], ref[step]["loss"]), step
+    assert ref[1]["lr"] < ref[2]["lr"] < ref[3]["lr"] < ref[4]["lr"]  # warmup spans the resume
+    assert_same_weights(ref_out, out)
+    final = "checkpoints/step_000005"
+    a, b = _optimizer_state(ref_out / final), _optimizer_state(out / final)
+    flat_a, spec_a = torch.utils._pytree.tree_flatten(a)
+    flat_b, spec_b = torch.utils._pytree.tree_flatten(b)
+    assert spec_a == spec_b and len(flat_a) > 10
+    for x, y in zip(flat_a, flat_b, strict=True):
+        if isinstance(x, torch.Tensor):
+            assert torch.equal(x, y)
+        else:
+            assert x == y
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(
+    tiny_model_dir, small_dataset, tmp_path
+):
+    """lr 1e30 overflows the weights after the first update: the run stops with one line naming
+    the step and the last good checkpoint, and nothing from the bad step is saved."""
+    out = tmp_path / "nan"
+    args = common_args(tiny_model_dir, small_dataset, out, 6)
+    args += ["--lr", "1e30", "--save_every_steps", "1"]
+    proc = run(SFT, args)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: step ") and "not finite" in last, last
+    bad_step = int(last.split()[2].rstrip(":"))
+    saved = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert saved[-1] == f"step_{bad_step - 1:06d}" and f"step_{bad_step - 1:06d}" in last
+    assert not (out / "model").exists()
+
+
+def test_two_ranks_resume_from_sharded_checkpoint(tiny_model_dir, small_dataset, tmp_path):
+    """torchrun, 2 gloo ranks, FSDP2: 3 steps, then a second launch continues to 6 from the
+    sharded (DCP) step-3 checkpoint; weights equal one uninterrupted 6-step launch bit for bit.
+    (Constant lr, so changing max_steps does not change the schedule.)"""
+
+    def torchrun(out: Path, steps: int) -> subprocess.CompletedProcess:
+        args = common_args(tiny_model_dir, small_dataset, out, steps)
+        args += ["--save_every_steps", "3", "--micro_batch_size", "2", "--min_lr_ratio", "1.0"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        return subprocess.run(
+            [*cmd, str(SFT), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+        )
+
+    ref_out, out = tmp_path / "ref", tmp_path / "resumed"
+    assert_ok(torchrun(ref_out, 6))
+    assert_ok(torchrun(out, 3))
+    assert sorted(p.name for p in (out / "checkpoints" / "step_000003" / "dcp").iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp"
+    ]  # fmt: skip
+    proc = torchrun(out, 6)
+    assert_ok(proc)
+    assert "resuming from" in proc.stdout and "config changed: ['max_steps']" in proc.stdout
+    ref, got = steps_logged(ref_out), steps_logged(out)
+    assert [got[s]["loss"] for s in range(1, 7)] == [ref[s]["loss"] for s in range(1, 7)]
+    assert_same_weights(ref_out, out)

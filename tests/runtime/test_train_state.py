@@ -1,0 +1,109 @@
+"""runtime.train_state: atomic saves, pruning, resume resolution, disk-full handling, sampler."""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+import torch
+
+from runtime import (
+    ModelArgs,
+    ResumableDistributedSampler,
+    TrainState,
+    build_model,
+    cosine_schedule_with_warmup,
+    load_train_state,
+    resolve_resume,
+    save_train_state,
+)
+from runtime.testing import TINY_CONFIG
+from runtime.train_state import COMPLETE_MARKER, checkpoint_dirs
+
+
+def make(seed: int = 0):
+    torch.manual_seed(seed)
+    model = build_model(ModelArgs(**TINY_CONFIG), device="cpu")
+    model.init_weights()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = cosine_schedule_with_warmup(optimizer, 2, 10, 0.0)
+    return model, optimizer, scheduler
+
+
+def train_steps(model, optimizer, scheduler, n: int) -> None:
+    for _ in range(n):
+        ids = torch.randint(0, TINY_CONFIG["vocab_size"], (2, 8))
+        model(ids).float().logsumexp(-1).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+
+
+def test_round_trip_restores_model_optimizer_scheduler_and_rng(process_group, tmp_path):
+    model, optimizer, scheduler = make()
+    train_steps(model, optimizer, scheduler, 3)
+    path = save_train_state(tmp_path, TrainState(3, 1, 5), model, optimizer, scheduler, {"a": 1})
+    assert (path / COMPLETE_MARKER).is_file() and path.name == "step_000003"
+    train_steps(model, optimizer, scheduler, 2)  # the continuation to reproduce
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+
+    model2, optimizer2, scheduler2 = make(seed=1)  # different init: everything must come back
+    state = load_train_state(path, model2, optimizer2, scheduler2)
+    assert (state.step, state.epoch, state.batches_consumed, state.path) == (3, 1, 5, path)
+    assert scheduler2.last_epoch == 3
+    train_steps(model2, optimizer2, scheduler2, 2)  # same RNG draws: the rng state came back
+    for key, value in model2.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+
+
+def test_keeps_last_k_and_ignores_incomplete(process_group, tmp_path):
+    model, optimizer, scheduler = make()
+    for step in (1, 2, 3):
+        save_train_state(tmp_path, TrainState(step), model, optimizer, scheduler, {}, keep_last=2)
+    assert [p.name for p in checkpoint_dirs(tmp_path)] == ["step_000002", "step_000003"]
+    (tmp_path / "step_000009").mkdir()  # no COMPLETE marker: a crash mid-write
+    (tmp_path / "step_000010.tmp").mkdir()
+    assert resolve_resume("auto", tmp_path).name == "step_000003"
+    assert resolve_resume("none", tmp_path) is None
+    assert resolve_resume("auto", tmp_path / "missing") is None
+    with pytest.raises(ValueError, match="COMPLETE is missing"):
+        resolve_resume(str(tmp_path / "step_000009"), tmp_path)
+    with pytest.raises(ValueError, match="no such checkpoint directory"):
+        resolve_resume(str(tmp_path / "nope"), tmp_path)
+    save_train_state(tmp_path, TrainState(4), model, optimizer, scheduler, {}, keep_last=2)
+    assert not (tmp_path / "step_000010.tmp").exists()  # stale partial saves are cleaned up
+
+
+def test_disk_full_during_save_keeps_previous_checkpoint(process_group, tmp_path, monkeypatch):
+    model, optimizer, scheduler = make()
+    good = save_train_state(tmp_path, TrainState(1), model, optimizer, scheduler, {})
+    import runtime.train_state as ts
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ts.dcp, "save", full_disk)
+    with pytest.raises(OSError, match=r"step_000002 failed \(No space left on device\)") as info:
+        save_train_state(tmp_path, TrainState(2), model, optimizer, scheduler, {})
+    assert info.value.errno == errno.ENOSPC
+    assert checkpoint_dirs(tmp_path) == [good]
+    assert not (tmp_path / "step_000002.tmp").exists() and not (tmp_path / "step_000002").exists()
+
+
+def test_load_into_a_different_model_names_the_checkpoint(process_group, tmp_path):
+    model, optimizer, scheduler = make()
+    path = save_train_state(tmp_path, TrainState(1), model, optimizer, scheduler, {})
+    other = build_model(ModelArgs(**{**TINY_CONFIG, "hidden_size": 32}), device="cpu")
+    opt = torch.optim.AdamW(other.parameters(), lr=1e-3)
+    with pytest.raises(ValueError, match="does not match this model/optimizer"):
+        load_train_state(path, other, opt, cosine_schedule_with_warmup(opt, 2, 10, 0.0))
+
+
+def test_resumable_sampler_continues_the_epoch_order():
+    data = list(range(23))
+    full = ResumableDistributedSampler(data, num_replicas=2, rank=1, shuffle=True, seed=3)
+    full.set_epoch(4)
+    order = list(full)
+    part = ResumableDistributedSampler(data, num_replicas=2, rank=1, shuffle=True, seed=3)
+    part.set_position(4, 5)
+    assert list(part) == order[5:] and len(part) == len(order) - 5
