@@ -73,15 +73,16 @@ def test_tokenize_example_masks_prompt_keeps_end_of_turn(sft_script, smollm2_dir
 def test_collate_pads_with_ignore_index(sft_script):
     batch = sft_script.collate(
         [
-            {"input_ids": [5, 6, 7], "labels": [6, 7, IGNORE_INDEX]},
-            {"input_ids": [9], "labels": [IGNORE_INDEX]},
+            {"id": 3, "input_ids": [5, 6, 7], "labels": [6, 7, IGNORE_INDEX]},
+            {"id": 0, "input_ids": [9], "labels": [IGNORE_INDEX]},
         ],
         pad_token_id=2,
     )
+    assert batch["sample_ids"].tolist() == [3, 0]
     assert batch["input_ids"].tolist() == [[5, 6, 7], [9, 2, 2]]
     assert batch["labels"].tolist() == [[6, 7, -100], [-100, -100, -100]]
     assert batch["num_tokens"].item() == 4
-    assert sft_script.collate([{"input_ids": [1], "labels": [-100]}], 0, pad_to=4)[
+    assert sft_script.collate([{"id": 0, "input_ids": [1], "labels": [-100]}], 0, pad_to=4)[
         "input_ids"
     ].shape == (1, 4)
 
@@ -157,7 +158,7 @@ def test_tiny_run_learns_and_saves_hf_model(tiny_model_dir, small_dataset, tmp_p
     rows = run_script(tmp_path, args)
     losses = [r["loss"] for r in rows]
     assert len(rows) == 8 and all(r["step"] == i + 1 for i, r in enumerate(rows))
-    assert sum(losses[-2:]) / 2 < sum(losses[:2]) / 2 - 0.5, losses
+    assert sum(losses[-2:]) / 2 < sum(losses[:2]) / 2 - 0.3, losses
     vals = [r["val_loss"] for r in rows if "val_loss" in r]
     assert len(vals) == 2 and vals[1] < vals[0]
     for key in ("lr", "grad_norm", "tokens_per_s", "peak_mem_mib", "num_tokens"):
