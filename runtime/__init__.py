@@ -6,6 +6,7 @@ Public API = the names below; scripts import only these, so any change shows in 
 from runtime.checkpoint import (
     copy_tokenizer_files,
     load_hf_checkpoint,
+    prepare_out_dir,
     read_hf_config,
     save_hf_checkpoint,
 )
@@ -28,7 +29,7 @@ from runtime.parallel import (
     disable_fsdp_gradient_division,
     init_distributed,
 )
-from runtime.tokenizer import Tokenizer
+from runtime.tokenizer import Tokenizer, check_vocab_fits
 
 __all__ = [
     "IGNORE_INDEX",
@@ -43,6 +44,7 @@ __all__ = [
     "all_reduce_sum",
     "build_mesh",
     "build_model",
+    "check_vocab_fits",
     "copy_tokenizer_files",
     "cosine_schedule_with_warmup",
     "cross_entropy_sum",
@@ -56,6 +58,7 @@ __all__ = [
     "load_rows",
     "parse_config",
     "peak_memory_mib",
+    "prepare_out_dir",
     "read_hf_config",
     "resolve_data_path",
     "resolve_model_dir",
