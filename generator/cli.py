@@ -116,10 +116,16 @@ def new(algo, model, tricks, gpus, nodes, dtype, dataset, out, force):
 
 def write_render(out_dir: Path, spec: Spec, text: str) -> None:
     """Write train.py plus the spec and pristine render that `scaffold regen` merges against."""
-    (out_dir / ".scaffold").mkdir(parents=True, exist_ok=True)
-    (out_dir / "train.py").write_text(text)
-    (out_dir / SPEC_FILE).write_text(spec.to_json())
-    (out_dir / BASE_FILE).write_text(text)
+    try:
+        (out_dir / ".scaffold").mkdir(parents=True, exist_ok=True)
+        (out_dir / "train.py").write_text(text)
+        (out_dir / SPEC_FILE).write_text(spec.to_json())
+        (out_dir / BASE_FILE).write_text(text)
+    except OSError as e:
+        raise ScaffoldError(
+            f"--out {out_dir}: cannot write there ({e.strerror or e}: {e.filename}); "
+            "choose a writable directory"
+        ) from e
 
 
 @cli.command("list")

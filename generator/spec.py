@@ -106,13 +106,13 @@ def validate_spec(spec: Spec) -> None:
 def _local_model_answers(path: Path) -> dict:
     """Answers for `--model DIR`: its config.json (model_type llama, qwen2, qwen3 or qwen3_moe)
     selects the family; an unsupported or broken config is a SpecError naming the file."""
+    from runtime.checkpoint import read_hf_config
     from runtime.models.llama import ModelArgs
 
     config_path = path / "config.json"
-    try:
-        hf = json.loads(config_path.read_text())
-        args = ModelArgs.from_hf_config(hf, source=str(config_path))
-    except ValueError as e:  # json.JSONDecodeError is a ValueError too
+    try:  # read_hf_config's errors name config.json (invalid JSON, not an object)
+        args = ModelArgs.from_hf_config(read_hf_config(path), source=str(config_path))
+    except (ValueError, OSError) as e:
         raise SpecError(f"--model {path}: {e}") from e
     return {
         "model_name": path.name,

@@ -6,6 +6,7 @@ Public API = the names below; scripts import only these, so any change shows in 
 from runtime.checkpoint import (
     copy_tokenizer_files,
     load_hf_checkpoint,
+    prepare_out_dir,
     read_hf_config,
     save_hf_checkpoint,
 )
@@ -28,7 +29,7 @@ from runtime.parallel import (
     disable_fsdp_gradient_division,
     init_distributed,
 )
-from runtime.tokenizer import Tokenizer
+from runtime.tokenizer import Tokenizer, check_vocab_fits
 from runtime.train_state import (
     ResumableDistributedSampler,
     TrainState,
@@ -53,6 +54,7 @@ __all__ = [
     "all_reduce_sum",
     "build_mesh",
     "build_model",
+    "check_vocab_fits",
     "copy_tokenizer_files",
     "cosine_schedule_with_warmup",
     "cross_entropy_sum",
@@ -67,6 +69,7 @@ __all__ = [
     "load_train_state",
     "parse_config",
     "peak_memory_mib",
+    "prepare_out_dir",
     "read_checkpoint_config",
     "read_hf_config",
     "resolve_resume",

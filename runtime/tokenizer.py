@@ -471,3 +471,29 @@ class Tokenizer:
             (out / "generation_config.json").write_text(
                 json.dumps(self._generation_config, indent=2) + "\n", encoding="utf-8"
             )
+
+
+def check_vocab_fits(tokenizer: Tokenizer, model_dir: str | Path) -> None:
+    """Fail at setup when the tokenizer can emit ids past the model's embedding table.
+
+    Such ids otherwise surface only inside the first forward, as an index error in the
+    embedding (or a device-side assert on CUDA). A model vocab larger than the tokenizer's
+    (padded embeddings) is fine.
+
+    Args:
+        tokenizer: the loaded tokenizer.
+        model_dir: the model's Hugging Face directory (its config.json gives vocab_size).
+
+    Raises:
+        ValueError: tokenizer.vocab_size > the model's vocab_size (both numbers named).
+    """
+    from runtime.checkpoint import CONFIG_NAME, read_hf_config
+
+    model_vocab = read_hf_config(model_dir).get("vocab_size")
+    if isinstance(model_vocab, int) and tokenizer.vocab_size > model_vocab:
+        raise ValueError(
+            f"tokenizer {tokenizer.source}/tokenizer.json has {tokenizer.vocab_size} tokens but "
+            f"{Path(model_dir) / CONFIG_NAME} has vocab_size={model_vocab}: token ids >= "
+            f"{model_vocab} have no embedding row. Use the tokenizer saved with these weights "
+            "(or resize the embeddings to the tokenizer before training)."
+        )

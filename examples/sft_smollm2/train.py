@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,7 @@ from runtime import (
     all_reduce_sum,
     build_mesh,
     build_model,
+    check_vocab_fits,
     copy_tokenizer_files,
     cosine_schedule_with_warmup,
     cross_entropy_sum,
@@ -56,6 +58,7 @@ from runtime import (
     load_train_state,
     parse_config,
     peak_memory_mib,
+    prepare_out_dir,
     read_checkpoint_config,
     read_hf_config,
     resolve_data_path,
@@ -115,6 +118,8 @@ def validate(cfg: Config) -> None:
         errors.append(f"dtype={cfg.dtype!r}: choose one of {sorted(DTYPES)}")
     if cfg.device not in ("auto", "cuda", "cpu"):
         errors.append(f"device={cfg.device!r}: choose auto, cuda or cpu")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        errors.append("device='cuda' but torch sees no CUDA device: use --device cpu (or auto)")
     for name in ("max_seq_len", "micro_batch_size", "gradient_accumulation_steps", "max_steps"):
         if getattr(cfg, name) < 1:
             errors.append(f"{name}={getattr(cfg, name)}: must be >= 1")
@@ -139,7 +144,7 @@ def validate(cfg: Config) -> None:
     if cfg.keep_last_checkpoints < 1:
         errors.append(f"keep_last_checkpoints={cfg.keep_last_checkpoints}: must be >= 1")
     if errors:
-        raise ValueError("invalid config:\n  " + "\n  ".join(errors))
+        raise ValueError("invalid config: " + "; ".join(errors))
 
 
 # === 3. Distributed + mesh ===
@@ -398,9 +403,10 @@ def main(argv: list[str] | None = None) -> dict:
     dist_info, mesh = setup_distributed(cfg)
     is_main, device = dist_info.is_main, dist_info.device
     dp_rank, dp_size = mesh["dp_shard"].get_local_rank(), mesh["dp_shard"].size()
-    out_dir = Path(cfg.out_dir)
+    out_dir = prepare_out_dir(cfg.out_dir)  # an unwritable out_dir fails now, not at the first save
     model_dir = resolve_model_dir(cfg.model, cfg.hf_repo_id)
     tokenizer = Tokenizer.from_dir(model_dir)
+    check_vocab_fits(tokenizer, model_dir)  # ids past the embedding table would fail mid-step
     train_set, val_set = build_datasets(cfg, tokenizer)
     model = build_sft_model(cfg, model_dir, mesh, device)
     optimizer, scheduler = build_optimizer(cfg, model)
@@ -503,6 +509,8 @@ def main(argv: list[str] | None = None) -> dict:
 if __name__ == "__main__":
     try:
         main()
-    # bad config, data or paths, a non-finite loss: the message names what to fix
+    # bad config, data, paths, checkpoints, disk, a non-finite loss: the message names what to fix
     except (ValueError, OSError, FloatingPointError) as e:
-        raise SystemExit(f"error: {e}") from None
+        if os.environ.get("SCAFFOLD_DEBUG"):
+            raise  # SCAFFOLD_DEBUG=1 python train.py ...: the full traceback
+        raise SystemExit(f"error: {' '.join(str(e).split())}") from None

@@ -52,3 +52,15 @@ def test_network_unavailable_error_names_local_directory_alternative(tmp_path, m
     assert "hub:Qwen/Qwen3-8B (OSError: Failed to resolve 'huggingface.co'" in msg
     assert str(tmp_path / "home" / "models" / "qwen3-8b") in msg  # where it looked
     assert "local Hugging Face directory" in msg  # the alternative
+
+
+def test_explicit_path_is_never_replaced_by_the_default_model(tmp_path, monkeypatch):
+    def no_download(*args, **kwargs):
+        raise AssertionError("an explicit --model path must not fall back to hf_repo_id")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", no_download)
+    monkeypatch.setenv("SCAFFOLD_HOME", str(tmp_path / "home"))
+    missing = tmp_path / "my-model"
+    with pytest.raises(FileNotFoundError) as err:
+        resolve_model_dir(str(missing), "HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert f"looked at {missing})" in str(err.value)

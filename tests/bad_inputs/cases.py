@@ -1,0 +1,362 @@
+"""The bad-input corpus: each case is one wrong input and the one-line error it must produce.
+
+A case runs either the `scaffold` CLI or the emitted SFT script (examples/sft_smollm2/train.py on a
+tiny random Llama with SmolLM2's tokenizer) and expects a non-zero exit status, no traceback, and
+one error line matching every regex in `expect` (it must name the file / row / key / option and
+what was expected).
+
+Placeholders in `argv`, `files` (text) and `expect`, replaced per case:
+    {tmp}    the case's own empty directory (its files are written there; it is the cwd)
+    {model}  the model directory: the tiny model, or the case's `model` variant of it
+    {data}   a small valid dataset (8 alpaca rows)
+In `expect` they are regex-escaped. Script cases get `SCRIPT_ARGS` (a fast 1-step CPU run on
+`{model}` and `{data}`) before their own `argv`; later flags win, so a case overrides by repeating.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SCRIPT_ARGS = (
+    "--model", "{model}", "--dataset", "{data}", "--out_dir", "{tmp}/out", "--device", "cpu",
+    "--dtype", "fp32", "--max_steps", "1", "--warmup_steps", "0", "--max_seq_len", "64",
+    "--micro_batch_size", "2", "--eval_every_steps", "0", "--val_fraction", "0",
+    "--sample_max_new_tokens", "0",
+)  # fmt: skip
+
+GOOD_ROWS = [{"instruction": f"Say the number {i}.", "output": f"{i}"} for i in range(8)]
+
+
+@dataclass(frozen=True)
+class ModelVariant:
+    """A copy of the tiny model directory with one thing broken.
+
+    config: keys to set in config.json (None deletes the key); config_text replaces the file.
+    drop: tensor names removed from model.safetensors; add: {name: shape} zero tensors added;
+    reshape: {name: shape} tensors replaced by zeros of that shape; truncate_weights: keep only
+    this many bytes of model.safetensors; remove: files deleted.
+    """
+
+    config: dict = field(default_factory=dict)
+    config_text: str | None = None
+    drop: tuple[str, ...] = ()
+    add: dict = field(default_factory=dict)
+    reshape: dict = field(default_factory=dict)
+    truncate_weights: int | None = None
+    remove: tuple[str, ...] = ()
+
+    def build(self, base: Path, dst: Path) -> Path:
+        import torch
+        from safetensors.torch import load_file, save_file
+
+        shutil.copytree(base, dst)
+        weights = dst / "model.safetensors"
+        if self.drop or self.add or self.reshape:
+            tensors = load_file(weights)
+            for name in self.drop:
+                del tensors[name]
+            for name, shape in {**self.add, **self.reshape}.items():
+                tensors[name] = torch.zeros(shape)
+            save_file(tensors, weights, metadata={"format": "pt"})
+        if self.truncate_weights is not None:
+            weights.write_bytes(weights.read_bytes()[: self.truncate_weights])
+        config_path = dst / "config.json"
+        if self.config:
+            cfg = json.loads(config_path.read_text())
+            for key, value in self.config.items():
+                if value is None:
+                    cfg.pop(key, None)
+                else:
+                    cfg[key] = value
+            config_path.write_text(json.dumps(cfg, indent=2))
+        if self.config_text is not None:
+            config_path.write_text(self.config_text)
+        for name in self.remove:
+            (dst / name).unlink()
+        return dst
+
+
+def vocab_256(base: Path, dst: Path) -> Path:
+    """The tiny model cut to vocab_size=256 while keeping SmolLM2's 49152-token tokenizer."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(base, dst)
+    tensors = load_file(dst / "model.safetensors")
+    key = "model.embed_tokens.weight"
+    tensors[key] = tensors[key][:256].clone()
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, "vocab_size": 256}, indent=2))
+    return dst
+
+
+def parquet(rows: list[dict]) -> Callable[[], bytes]:
+    def build() -> bytes:
+        import io
+
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        buffer = io.BytesIO()
+        pq.write_table(pa.Table.from_pylist(rows), buffer)
+        return buffer.getvalue()
+
+    return build
+
+
+def jsonl(rows: list) -> str:
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One bad input and the error it must produce.
+
+    tool: "scaffold" (the CLI) or "script" (the emitted train.py).
+    argv: the arguments (script cases: after SCRIPT_ARGS, or after `pre` when given).
+    expect: regexes, each must match the error line.
+    files: {relative path: text, bytes, or a function returning bytes} written into {tmp}.
+    model: a ModelVariant or function(base, dst) giving this case's {model}.
+    pre: script arguments placed first (an overrides file must come first).
+    patch: a failure simulated inside the process (see runner._patches).
+    absent: globs (relative to {tmp}) that must not exist afterwards.
+    read_only: directories (relative to {tmp}) created with mode 0o555.
+    when: "no_cuda" (skip on a CUDA machine); "not_root" / "root": a chmod-555 directory stops
+        only non-root users, so as root the read-only case writes under /sys instead.
+    """
+
+    id: str
+    tool: str
+    argv: tuple[str, ...]
+    expect: tuple[str, ...]
+    files: dict = field(default_factory=dict)
+    model: ModelVariant | Callable | None = None
+    pre: tuple[str, ...] = ()
+    patch: str | None = None
+    absent: tuple[str, ...] = ()
+    read_only: tuple[str, ...] = ()
+    when: str | None = None
+
+
+def scaffold(id, argv, *expect, **kw) -> Case:
+    return Case(id, "scaffold", tuple(argv), expect, **kw)
+
+
+def script(id, argv, *expect, **kw) -> Case:
+    return Case(id, "script", tuple(argv), expect, **kw)
+
+
+GPT2 = ModelVariant(config={"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+LONG_PROMPT = "Please read this long question carefully before answering it. " * 8
+
+CASES = [
+    # --- scaffold new / regen / diff: options, specs, models -------------------------------------
+    scaffold("new-unknown-algo", ["new", "--algo", "ppo", "--out", "{tmp}/o"],
+             r"unknown algorithm 'ppo'", r"valid: sft"),
+    scaffold("new-unknown-model", ["new", "--model", "gpt-5", "--out", "{tmp}/o"],
+             r"unknown model 'gpt-5'", r"smollm2-135m", r"qwen3-8b", r"config\.json"),
+    scaffold("new-unknown-trick", ["new", "--tricks", "ac,flash", "--out", "{tmp}/o"],
+             r"unknown trick\(s\) \['flash'\]", r"valid: ac, lce, optim-in-bwd, adamw8bit"),
+    scaffold("new-trick-twice", ["new", "--tricks", "ac,lce,ac", "--out", "{tmp}/o"],
+             r"--tricks lists a trick twice: \['ac', 'lce', 'ac'\]"),
+    scaffold("new-unknown-dtype", ["new", "--dtype", "fp16", "--out", "{tmp}/o"],
+             r"--dtype 'fp16'", r"valid: bf16, fp32"),
+    scaffold("new-zero-gpus", ["new", "--gpus", "0", "--out", "{tmp}/o"],
+             r"--gpus 0", r"must both be >= 1"),
+    scaffold("new-gpus-not-int", ["new", "--gpus", "two", "--out", "{tmp}/o"],
+             r"--gpus", r"'two' is not a valid integer"),
+    scaffold("new-empty-dataset", ["new", "--dataset", " ", "--out", "{tmp}/o"],
+             r"--dataset is empty", r"\.jsonl"),
+    scaffold("new-model-unsupported-arch", ["new", "--model", "{model}", "--out", "{tmp}/o"],
+             r"--model {model}", r"{model}/config\.json", r"model_type='gpt2'",
+             r"'llama' / LlamaForCausalLM", r"'qwen3' / Qwen3ForCausalLM",
+             model=GPT2),
+    scaffold("new-model-config-not-json", ["new", "--model", "{model}", "--out", "{tmp}/o"],
+             r"{model}/config\.json", r"not valid JSON|Expecting",
+             model=ModelVariant(config_text='{"model_type": "llama",')),
+    scaffold("new-model-dir-without-config", ["new", "--model", "{model}", "--out", "{tmp}/o"],
+             r"unknown model '{model}'", r"local Hugging Face directory containing config\.json",
+             model=ModelVariant(remove=("config.json",))),
+    scaffold("new-existing-script", ["new", "--out", "{tmp}"],
+             r"{tmp}/train\.py exists", r"scaffold regen", r"--force",
+             files={"train.py": "print('my edits')\n"}),
+    scaffold("new-out-is-a-file", ["new", "--out", "{tmp}/taken"],
+             r"--out", r"{tmp}/taken", r"is a file", files={"taken": "x"}),
+    scaffold("new-out-under-a-file", ["new", "--out", "{tmp}/taken/run"],
+             r"--out {tmp}/taken/run: cannot write there", r"Not a directory: {tmp}/taken/run",
+             files={"taken": "x"}),
+    scaffold("regen-without-spec", ["regen", "{tmp}"],
+             r"{tmp}/\.scaffold/spec\.json", r"scaffold new", files={"train.py": "x = 1\n"}),
+    scaffold("regen-corrupt-spec", ["regen", "{tmp}"],
+             r"{tmp}/\.scaffold/spec\.json: not a scaffold spec", r"scaffold new",
+             files={"train.py": "x = 1\n", ".scaffold/spec.json": '{"spec": {"algo": "sft"',
+                    ".scaffold/train.py.base": "x = 1\n"}),
+    scaffold("regen-spec-unknown-key", ["regen", "--check", "{tmp}"],
+             r"spec\.json: unknown spec keys \['lora'\]", r"valid keys",
+             files={".scaffold/spec.json": json.dumps({"spec": {"algo": "sft", "lora": True}})}),
+    scaffold("regen-check-no-specs", ["regen", "--check", "{tmp}"],
+             r"no \.scaffold/spec\.json under {tmp}"),
+    scaffold("regen-set-unknown-key", ["regen", "{tmp}/run", "--set", "lr=1e-4"],
+             r"--set: unknown key 'lr'", r"valid keys: .*tricks",
+             files={"run/.scaffold/spec.json": json.dumps({"spec": {"out": "run"}}),
+                    "run/.scaffold/train.py.base": "x = 1\n", "run/train.py": "x = 1\n"}),
+    scaffold("diff-one-spec", ["diff", "--spec", "{tmp}"],
+             r"--spec compares two renders: give exactly two --spec"),
+    # --- train.py overrides: keys, types, files --------------------------------------------------
+    script("override-unknown-key", ["--lrr", "1e-4"],
+           r"unknown config key 'lrr'; did you mean --lr\?"),
+    script("override-unknown-key-far", ["--frobnicate", "1"],
+           r"unknown config key 'frobnicate'", r"valid keys: model, hf_repo_id, dataset"),
+    script("override-float-not-number", ["--lr", "abc"], r"--lr: expected float, got 'abc'"),
+    script("override-int-fraction", ["--max_steps", "1.5"],
+           r"--max_steps: expected int, got '1\.5'"),
+    script("override-bool-word", ["--pad_to_max_seq_len", "maybe"],
+           r"--pad_to_max_seq_len: expected bool, got 'maybe'"),
+    script("override-missing-value", ["--lr"], r"--lr needs a value \(field type float\)"),
+    script("override-stray-argument", ["--lr", "1e-4", "5e-5"],
+           r"unexpected argument '5e-5'", r"--key value"),
+    script("overrides-file-bad-key", [],
+           r"{tmp}/overrides\.yaml: unknown config key 'learning_rate'; did you mean --lr\?",
+           pre=("{tmp}/overrides.yaml",), files={"overrides.yaml": "learning_rate: 1.0e-4\n"}),
+    script("overrides-file-bad-type", [], r"{tmp}/o\.json: --max_steps: expected int, got 'ten'",
+           pre=("{tmp}/o.json",), files={"o.json": '{"max_steps": "ten"}'}),
+    script("overrides-yaml-invalid", [], r"{tmp}/o\.yaml: cannot parse overrides \(\w*Error:",
+           r"line 2", pre=("{tmp}/o.yaml",), files={"o.yaml": "lr: 1e-4\n  max_steps: [\n"}),
+    script("overrides-file-not-json", [], r"{tmp}/overrides\.json: cannot parse overrides",
+           r"line 1 column", pre=("{tmp}/overrides.json",), files={"overrides.json": '{"lr": '}),
+    script("overrides-file-list", [], r"{tmp}/o\.json: expected a mapping of config keys",
+           r"got list", pre=("{tmp}/o.json",), files={"o.json": "[1, 2]"}),
+    script("overrides-file-missing", [], r"overrides file '{tmp}/nope\.yaml' not found",
+           pre=("{tmp}/nope.yaml",)),
+    # --- train.py config values (validate) -------------------------------------------------------
+    script("micro-batch-zero", ["--micro_batch_size", "0"], r"micro_batch_size=0: must be >= 1"),
+    script("micro-batch-negative", ["--micro_batch_size", "-4"],
+           r"micro_batch_size=-4: must be >= 1"),
+    script("warmup-beyond-max-steps", ["--warmup_steps", "50", "--max_steps", "10"],
+           r"warmup_steps=50: must be in \[0, max_steps=10\]"),
+    script("several-bad-values", ["--dtype", "fp16", "--val_fraction", "1.5"],
+           r"dtype='fp16': choose one of \['bf16', 'fp32'\]",
+           r"val_fraction=1\.5: must be in \[0, 1\)"),
+    script("device-cuda-without-cuda", ["--device", "cuda"],
+           r"device='cuda'", r"no CUDA device", r"--device cpu", when="no_cuda"),
+    script("device-unknown", ["--device", "tpu"], r"device='tpu': choose auto, cuda or cpu"),
+    script("max-seq-len-beyond-model", ["--max_seq_len", "100000"],
+           r"max_seq_len=100000", r"max_position_embeddings=8192", r"--max_seq_len"),
+    # --- train.py data ---------------------------------------------------------------------------
+    script("jsonl-malformed-line", ["--dataset", "{tmp}/train.jsonl"],
+           r"{tmp}/train\.jsonl:3: invalid JSON", r"one complete JSON object",
+           files={"train.jsonl": jsonl(GOOD_ROWS[:2]) + '{"instruction": "x", "output": \n'}),
+    script("json-truncated", ["--dataset", "{tmp}/train.json"],
+           r"{tmp}/train\.json:1:\d+: invalid JSON",
+           files={"train.json": json.dumps(GOOD_ROWS)[:-30]}),
+    script("jsonl-row-not-object", ["--dataset", "{tmp}/train.jsonl"],
+           r"{tmp}/train\.jsonl:2: expected a JSON object, got list",
+           files={"train.jsonl": jsonl([GOOD_ROWS[0], ["a", "b"]])}),
+    script("json-object-not-list", ["--dataset", "{tmp}/train.json"],
+           r"{tmp}/train\.json: expected a JSON list of row objects", r"keys \['data'\]",
+           files={"train.json": json.dumps({"data": GOOD_ROWS})}),
+    script("missing-column", ["--dataset", "{tmp}/train.jsonl"],
+           r"{tmp}/train\.jsonl row 1: expected one of the columns", r"'instruction'\+'output'",
+           r"'messages'", r"found: \['answer', 'question'\]",
+           files={"train.jsonl": jsonl([GOOD_ROWS[0], {"question": "q", "answer": "a"}])}),
+    script("misnamed-message-keys", ["--dataset", "{tmp}/train.jsonl"],
+           r"{tmp}/train\.jsonl row 0: messages\[1\] must have `role` and `content`",
+           r"found: \['role', 'text'\]",
+           files={"train.jsonl": jsonl([{"messages": [{"role": "user", "content": "hi"},
+                                                      {"role": "assistant", "text": "hello"}]}])}),
+    script("unknown-role", ["--dataset", "{tmp}/train.jsonl"],
+           r"{tmp}/train\.jsonl row 0: messages\[0\]\.role is 'customer'", r"known roles",
+           files={"train.jsonl": jsonl([{"messages": [{"role": "customer", "content": "hi"},
+                                                      {"role": "assistant", "content": "yo"}]}])}),
+    script("content-not-string", ["--dataset", "{tmp}/train.jsonl"],
+           r"row 0: messages\[1\]\.content must be a string, got int",
+           files={"train.jsonl": jsonl([{"messages": [{"role": "user", "content": "1+1?"},
+                                                      {"role": "assistant", "content": 2}]}])}),
+    script("no-assistant-turn", ["--dataset", "{tmp}/train.jsonl"],
+           r"{tmp}/train\.jsonl row 2: no assistant message",
+           files={"train.jsonl": jsonl([*GOOD_ROWS[:2], {"conversations": [
+               {"from": "human", "value": "hi"}]}])}),
+    script("empty-jsonl", ["--dataset", "{tmp}/train.jsonl"], r"{tmp}/train\.jsonl: no rows",
+           files={"train.jsonl": "\n\n"}),
+    script("empty-json-list", ["--dataset", "{tmp}/train.json"], r"{tmp}/train\.json: no rows",
+           files={"train.json": "[]"}),
+    script("all-replies-empty", ["--dataset", "{tmp}/train.jsonl"],
+           r"{tmp}/train\.jsonl row 0: every assistant reply is empty",
+           files={"train.jsonl": jsonl([{"instruction": "hi", "output": ""}] * 4)}),
+    script("all-truncated-away", ["--dataset", "{tmp}/train.jsonl", "--max_seq_len", "32"],
+           r"{tmp}/train\.jsonl: no example has a supervised token", r"max_seq_len=32",
+           files={"train.jsonl": jsonl([{"instruction": LONG_PROMPT, "output": "ok"}] * 4)}),
+    script("non-utf8", ["--dataset", "{tmp}/train.jsonl"],
+           r"{tmp}/train\.jsonl: not valid UTF-8 at byte offset 72", r"line 2", r"iconv",
+           files={"train.jsonl": jsonl(GOOD_ROWS[:1]).encode()
+                  + b'{"instruction": "caf\xe9", "output": "x"}\n'}),
+    script("dataset-not-found", ["--dataset", "missing.jsonl"],
+           r"dataset 'missing\.jsonl'", r"{tmp}/missing\.jsonl", r"data/missing\.jsonl"),
+    script("dataset-unsupported-suffix", ["--dataset", "{tmp}/train.csv"],
+           r"{tmp}/train\.csv: unsupported file type '\.csv'", files={"train.csv": "a,b\n1,2\n"}),
+    script("parquet-wrong-schema", ["--dataset", "{tmp}/train.parquet"],
+           r"{tmp}/train\.parquet row 0: expected one of the columns", r"found: \['id', 'text'\]",
+           files={"train.parquet": parquet([{"id": 1, "text": "hello"}])}),
+    script("parquet-corrupt", ["--dataset", "{tmp}/train.parquet"],
+           r"{tmp}/train\.parquet: could not read as Parquet", files={"train.parquet": b"PAR1xx"}),
+    script("micro-batch-beyond-dataset", ["--micro_batch_size", "16"],
+           r"8 training examples give no full micro-batch of 16", r"--micro_batch_size"),
+    # --- train.py model directory, tokenizer, checkpoint -----------------------------------------
+    script("vocab-mismatch", [], r"tokenizer", r"49152", r"vocab_size=256", r"{model}",
+           model=vocab_256),
+    script("checkpoint-missing-key", [],
+           r"{model}/model\.safetensors",
+           r"missing keys \['model\.layers\.1\.post_attention_layernorm\.weight'\]",
+           model=ModelVariant(drop=("model.layers.1.post_attention_layernorm.weight",))),
+    script("checkpoint-extra-key", [],
+           r"{model}/model\.safetensors",
+           r"unexpected keys \['model\.layers\.2\.mlp\.up_proj\.weight'\]",
+           model=ModelVariant(add={"model.layers.2.mlp.up_proj.weight": (128, 64)})),
+    script("checkpoint-wrong-shape", [],
+           r"{model}/model\.safetensors",
+           r"model\.layers\.0\.mlp\.up_proj\.weight: file \[96, 64\] vs model \[128, 64\]",
+           model=ModelVariant(reshape={"model.layers.0.mlp.up_proj.weight": (96, 64)})),
+    script("checkpoint-truncated", [], r"{model}/model\.safetensors: not a valid safetensors file",
+           r"incomplete", model=ModelVariant(truncate_weights=100_000)),
+    script("checkpoint-no-weights", [],
+           r"no model\.safetensors or model\.safetensors\.index\.json in {model}",
+           model=ModelVariant(remove=("model.safetensors",))),
+    script("config-unsupported-arch", [], r"{model}/config\.json", r"model_type='gpt2'",
+           r"'llama' / LlamaForCausalLM",
+           model=GPT2),
+    script("config-not-json", [], r"{model}/config\.json is not valid JSON",
+           model=ModelVariant(config_text="{'model_type': 'llama'}")),
+    script("config-missing-field", [],
+           r"{model}/config\.json: missing required llama fields \['hidden_size'\]",
+           model=ModelVariant(config={"hidden_size": None})),
+    script("model-dir-without-config", [], r"model '{model}': no config\.json found",
+           r"looked at {model}", r"--model",
+           model=ModelVariant(remove=("config.json",))),
+    script("tokenizer-missing", [], r"{model}/tokenizer\.json not found",
+           model=ModelVariant(remove=("tokenizer.json",))),
+    script("model-context-too-short", [],
+           r"max_seq_len=64 exceeds the model's max_position_embeddings=32",
+           model=ModelVariant(config={"max_position_embeddings": 32})),
+    # --- train.py output directory and saving ----------------------------------------------------
+    script("out-dir-is-a-file", ["--out_dir", "{tmp}/taken"], r"out_dir", r"{tmp}/taken",
+           files={"taken": "x"}),
+    script("out-dir-under-a-file", ["--out_dir", "{tmp}/taken/run"], r"out_dir", r"{tmp}/taken/run",
+           files={"taken": "x"}),
+    script("out-dir-read-only", ["--out_dir", "{tmp}/ro/run"], r"out_dir", r"{tmp}/ro/run",
+           r"[Pp]ermission denied", read_only=("ro",), when="not_root"),
+    script("out-dir-read-only-root", ["--out_dir", "/sys/scaffold-bad-input/run"], r"out_dir",
+           r"/sys/scaffold-bad-input/run", when="root"),
+    script("disk-full-final-save", [], r"could not save the checkpoint to {tmp}/out/model",
+           r"No space left on device", patch="save_file_enospc",
+           absent=("out/model", "out/.model.tmp-*")),
+    script("disk-full-safetensors-error", [], r"could not save the checkpoint to {tmp}/out/model",
+           r"No space left on device", patch="save_file_safetensors_enospc",
+           absent=("out/model", "out/.model.tmp-*")),
+    script("disk-full-on-rename", [], r"could not save the checkpoint to {tmp}/out/model",
+           r"No space left on device", patch="replace_enospc",
+           absent=("out/model", "out/.model.tmp-*")),
+]  # fmt: skip
