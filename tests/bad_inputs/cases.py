@@ -359,4 +359,16 @@ CASES = [
     script("disk-full-on-rename", [], r"could not save the checkpoint to {tmp}/out/model",
            r"No space left on device", patch="replace_enospc",
            absent=("out/model", "out/.model.tmp-*")),
+    script("disk-full-train-state", ["--save_every_steps", "1"],
+           r"saving checkpoint {tmp}/out/checkpoints/step_000001 failed",
+           r"No space left on device", r"nothing was overwritten", patch="dcp_save_enospc",
+           absent=("out/checkpoints/step_000001*",)),
+    # --- resume ------------------------------------------------------------------------------------
+    script("resume-missing-dir", ["--resume", "{tmp}/nope"],
+           r"resume='{tmp}/nope': no such checkpoint directory", r"auto, none"),
+    script("resume-incomplete-checkpoint", ["--resume", "{tmp}/ckpt/step_000002"],
+           r"{tmp}/ckpt/step_000002/COMPLETE is missing", r"not finished",
+           files={"ckpt/step_000002/trainer_state.json": "{}"}),
+    script("keep-last-checkpoints-zero", ["--keep_last_checkpoints", "0"],
+           r"keep_last_checkpoints=0: must be >= 1"),
 ]  # fmt: skip

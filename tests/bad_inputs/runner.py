@@ -57,6 +57,10 @@ def _patches(name: str) -> list[tuple[object, str, object]]:
             return real_replace(src, dst, *args, **kwargs)
 
         return [(runtime.checkpoint.os, "replace", replace)]
+    if name == "dcp_save_enospc":  # the resumable train-state checkpoint (DCP shards)
+        import runtime.train_state
+
+        return [(runtime.train_state.dcp, "save", _enospc_oserror)]
     raise KeyError(f"unknown patch {name!r}")
 
 
