@@ -90,9 +90,22 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _barrier() -> None:
+def _on_ranks(fn, only_rank0: bool = False) -> None:
+    """Run fn (on every rank, or on rank 0 only), then agree: if it raised OSError on any rank,
+    every rank raises it. Replaces a barrier, so a failed write never leaves the other ranks
+    waiting in a collective until the process-group timeout."""
+    error = None
+    if not only_rank0 or _rank() == 0:
+        try:
+            fn()
+        except OSError as e:
+            error = (e.errno, e.strerror or str(e), getattr(e, "filename", None))
     if dist.is_initialized():
-        dist.barrier()
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e is not None), None)
+    if error is not None:
+        raise OSError(*error)
 
 
 def _torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
@@ -197,14 +210,13 @@ def save_train_state(
     final = root / f"step_{state.step:06d}"
     tmp = root / f"step_{state.step:06d}.tmp"
     rank = _rank()
-    try:
-        if rank == 0:
-            for stale in root.glob("step_*.tmp"):  # leftovers of a run killed mid-save
-                shutil.rmtree(stale, ignore_errors=True)
-            tmp.mkdir(parents=True, exist_ok=True)
-        _barrier()
-        model_sd, optim_sd = get_state_dict(model, _torch_optimizers(optimizer))
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
+
+    def prepare() -> None:
+        for stale in root.glob("step_*.tmp"):  # leftovers of a run killed mid-save
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir(parents=True, exist_ok=True)
+
+    def write_rank_files() -> None:
         rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
@@ -220,24 +232,31 @@ def save_train_state(
             }
             (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
         _fsync_tree(tmp)  # every rank its own files (rank 0 walks all: harmless)
-        _barrier()
-        if rank == 0:
-            if final.exists():  # a complete checkpoint of the same step (a repeated save)
-                shutil.rmtree(final)
-            marker = tmp / COMPLETE_MARKER
-            marker.write_text(f"step {state.step}\n")
-            _fsync_tree(tmp)
-            os.replace(tmp, final)
-            _fsync_dir(root)
-            for old in checkpoint_dirs(root)[: -max(keep_last, 1)]:
-                shutil.rmtree(old, ignore_errors=True)
-        _barrier()
-    except OSError as e:
+
+    def commit() -> None:
+        if final.exists():  # a complete checkpoint of the same step (a repeated save)
+            shutil.rmtree(final)
+        (tmp / COMPLETE_MARKER).write_text(f"step {state.step}\n")
+        _fsync_tree(tmp)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        for old in checkpoint_dirs(root)[: -max(keep_last, 1)]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    try:
+        _on_ranks(prepare, only_rank0=True)
+        model_sd, optim_sd = get_state_dict(model, _torch_optimizers(optimizer))
+        # DCP coordinates the ranks itself: a failure on any rank raises on every rank
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
+        _on_ranks(write_rank_files)
+        _on_ranks(commit, only_rank0=True)
+    except (OSError, CheckpointException) as e:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+        reason = getattr(e, "strerror", None) or str(e).strip().splitlines()[-1]
         raise OSError(
-            e.errno,
-            f"saving checkpoint {final} failed ({e.strerror or e}); nothing was overwritten, the "
+            getattr(e, "errno", None),
+            f"saving checkpoint {final} failed ({reason}); nothing was overwritten, the "
             f"last complete checkpoint is still in {root}",
         ) from e
     return final

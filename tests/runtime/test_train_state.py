@@ -107,3 +107,34 @@ def test_resumable_sampler_continues_the_epoch_order():
     part = ResumableDistributedSampler(data, num_replicas=2, rank=1, shuffle=True, seed=3)
     part.set_position(4, 5)
     assert list(part) == order[5:] and len(part) == len(order) - 5
+
+
+def _save_with_failing_rank1(rank, world_size, root):
+    """Rank 1 cannot write its RNG file; both ranks must raise (not hang) and nothing is kept."""
+    import runtime.train_state as ts
+
+    model, optimizer, scheduler = make()
+    save_train_state(root, TrainState(1), model, optimizer, scheduler, {})
+    if rank == 1:
+        real_save = ts.torch.save
+
+        def failing_save(obj, path, *args, **kwargs):
+            if "rng_rank1" in str(path):
+                raise OSError(errno.ENOSPC, "No space left on device", str(path))
+            return real_save(obj, path, *args, **kwargs)
+
+        ts.torch.save = failing_save
+    try:
+        save_train_state(root, TrainState(2), model, optimizer, scheduler, {})
+    except OSError as e:
+        return str(e)
+    return "saved"
+
+
+def test_a_write_failure_on_one_rank_stops_every_rank(tmp_path):
+    from runtime.testing import spawn
+
+    messages = spawn(_save_with_failing_rank1, world_size=2, args=(tmp_path,))
+    assert all("step_000002 failed (No space left on device)" in m for m in messages), messages
+    assert [p.name for p in checkpoint_dirs(tmp_path)] == ["step_000001"]
+    assert not (tmp_path / "step_000002.tmp").exists()
