@@ -530,7 +530,11 @@ NOTES = """\
   embedding counted once), L layers, H hidden size, S = max_seq_len (PaLM, appendix B; attention
   without causal savings).
 - Peak RSS is measured by this script for every tool alike: the maximum resident set of the run's
-  process tree (`os.wait4` rusage), including model loading.
+  process tree (`os.wait4` rusage), including model loading. Two figures: with glibc's default
+  malloc (what a user sees; freed memory below its dynamic mmap threshold, up to 32 MiB per
+  chunk, stays in RSS) and, in a separate short run of every tool, with
+  `GLIBC_TUNABLES=glibc.malloc.mmap_threshold=131072`, where large freed tensors go back to the
+  OS and RSS follows live memory.
 - Same data, order and loss masks: the Alpaca rows become user = instruction (+ blank line + input),
   assistant = output, rendered with SmolLM2's chat template (its default system prompt included);
   the loss covers the answer and its `<|im_end|>\\n`, prompt masked. TRL (prompt-completion data,
@@ -544,9 +548,16 @@ NOTES = """\
   per-step timer (includes the batch fetch); Scaffold its `step_time_s`.
 - AdamW (betas 0.9/0.999, weight decay 0), lr 2e-5 without warmup, grad-norm clipping at 1.0.
   Every tool keeps the lr constant (Scaffold: `--min_lr_ratio 1.0`, `--warmup_steps 0`).
-- Scaffold draws a different sample order (its own DistributedSampler shuffle; `--val_fraction 0`,
-  so no validation split or pass) and, after the timed steps, saves the final model in HF layout
-  (included in its peak RSS). "scaffold+lce" is the same script rendered with `--tricks lce`
+- Same sample order for all tools: seed 0, and Scaffold with `--val_fraction 0` keeps the file's
+  order before its DistributedSampler shuffle, as torchtune's sampler does (equal real-token
+  counts per step confirm it). Loss masks differ by one token per reply: the peers also train the
+  `\\n` after `<|im_end|>`, Scaffold stops at `<|im_end|>` (the end-of-turn token is what
+  generation needs); that near-zero-loss token lowers the peers' mean loss (step-1 loss on the
+  same weights and rows: Scaffold 1.935, TRL and torchtune 1.876) at equal compute.
+- Scaffold computes lm_head and the softmax only at supervised positions (`logits_mask`): prompt
+  and padding rows never reach the [D, V] projection; the peers project every position.
+  After the timed steps Scaffold saves the final model in HF layout (included in its peak RSS).
+  "scaffold+lce" is the same script rendered with `--tricks lce`
   (chunked linear cross-entropy; torchtune's config also uses its chunked CE).
 """
 
