@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import re
@@ -46,10 +47,39 @@ import peers  # noqa: E402
 from sft_data import data_path, model_dir  # noqa: E402
 
 TOOLS = ("scaffold", "scaffold+lce", "trl", "torchtune")
-SCAFFOLD_TRICKS = {"scaffold": "", "scaffold+lce": "lce"}  # variants of our emitted script
+# A tool is "<base>" or "<base>+trick+trick": scaffold renders its script with those --tricks;
+# torchtune runs with its equivalent config flags (see peers/torchtune_run.py --tricks).
+BASES = ("scaffold", "trl", "torchtune")
+TRICKS_BY_BASE = {
+    "scaffold": ("ac", "lce", "optim-in-bwd", "adamw8bit"),
+    "trl": (),
+    "torchtune": ("ac", "optim-in-bwd", "adamw8bit", "plain-ce"),
+}
+
+
+def split_tool(tool: str) -> tuple[str, list[str]]:
+    """ "scaffold+ac+lce" -> ("scaffold", ["ac", "lce"])."""
+    base, *tricks = tool.split("+")
+    return base, tricks
+
+
+def is_scaffold(tool: str) -> bool:
+    return split_tool(tool)[0] == "scaffold"
+
+
+def valid_tool(tool: str) -> bool:
+    base, tricks = split_tool(tool)
+    return base in BASES and all(t in TRICKS_BY_BASE[base] for t in tricks)
+
+
 DTYPES = ("fp32", "bf16")
-SECTION_BEGIN = "<!-- benchmark:sft_cpu:begin -->"
-SECTION_END = "<!-- benchmark:sft_cpu:end -->"
+
+
+def markers(section: str) -> tuple[str, str]:
+    """The begin/end comments around a section of RESULTS.md."""
+    return f"<!-- benchmark:{section}:begin -->", f"<!-- benchmark:{section}:end -->"
+
+
 LR = 2e-5
 MM_SIZE = 2048
 # glibc keeps freed heap memory (chunks below its dynamic mmap threshold, up to 32 MiB) and RSS
@@ -81,8 +111,15 @@ def scaffold_generate_command(run_dir: Path, tricks: str = "") -> list[str]:
     ]
 
 
-def scaffold_command(dtype: str, steps: int, mbs: int, seq: int, run_dir: Path) -> list[str]:
-    """The command training with the generated `<run_dir>/train.py` (writes `<run_dir>/out`)."""
+def scaffold_command(
+    dtype: str, steps: int, mbs: int, seq: int, run_dir: Path, tricks: list[str] = ()
+) -> list[str]:
+    """The command training with the generated `<run_dir>/train.py` (writes `<run_dir>/out`).
+
+    With optim-in-bwd, clipping is off (--max_grad_norm 0), as in torchtune's optimizer_in_bwd
+    (which refuses clipping); with clipping Scaffold's exact clip runs two passes.
+    """
+    clip = ["--max_grad_norm", "0"] if "optim-in-bwd" in tricks else []
     return [
         sys.executable,
         str(run_dir / "train.py"),
@@ -100,14 +137,16 @@ def scaffold_command(dtype: str, steps: int, mbs: int, seq: int, run_dir: Path) 
         "--seed", "0",
         "--pad_to_max_seq_len", "true",
         "--out_dir", str(run_dir / "out"),
+        *clip,
     ]  # fmt: skip
 
 
 def peer_command(tool: str, dtype: str, steps: int, mbs: int, seq: int) -> list[str]:
     """The command running a peer script in its own venv; it prints one JSON line."""
-    script = {"trl": "trl_sft.py", "torchtune": "torchtune_run.py"}[tool]
+    base, tricks = split_tool(tool)
+    script = {"trl": "trl_sft.py", "torchtune": "torchtune_run.py"}[base]
     return [
-        str(peers.venv_python(tool)),
+        str(peers.venv_python(base)),
         str(PEERS_DIR / script),
         "--max_steps", str(steps),
         "--micro_batch_size", str(mbs),
@@ -115,6 +154,7 @@ def peer_command(tool: str, dtype: str, steps: int, mbs: int, seq: int) -> list[
         "--lr", str(LR),
         "--dtype", dtype,
         "--seed", "0",
+        *(["--tricks", ",".join(tricks)] if tricks else []),
     ]  # fmt: skip
 
 
@@ -261,10 +301,12 @@ def run_tool(
     """
     steps = steps or args.steps
     log_stem = WORK_DIR / "logs" / f"{tool}_{dtype}_r{repeat}{tag}"
-    if tool in SCAFFOLD_TRICKS:
+    if is_scaffold(tool):
         run_dir = WORK_DIR / tool.replace("+", "_")
         shutil.rmtree(run_dir / "out", ignore_errors=True)
-        cmd = scaffold_command(dtype, steps, args.micro_batch_size, args.max_seq_len, run_dir)
+        cmd = scaffold_command(
+            dtype, steps, args.micro_batch_size, args.max_seq_len, run_dir, split_tool(tool)[1]
+        )
         cwd = run_dir
     else:
         cmd = peer_command(tool, dtype, steps, args.micro_batch_size, args.max_seq_len)
@@ -276,7 +318,7 @@ def run_tool(
         result.error = f"exit {proc.returncode}: {last_line(proc.stderr)}"
         return result
     try:
-        if tool in SCAFFOLD_TRICKS:
+        if is_scaffold(tool):
             metrics = run_dir / "out" / "metrics.jsonl"
             raw = parse_scaffold_metrics(metrics)
             # Keep the metrics with the logs; drop the saved model (0.5 GB per run).
@@ -301,10 +343,10 @@ def prepare_tools(tools: list[str], env: dict) -> dict[str, str]:
     errors: dict[str, str] = {}
     for tool in tools:
         try:
-            if tool in SCAFFOLD_TRICKS:
+            if is_scaffold(tool):
                 run_dir = WORK_DIR / tool.replace("+", "_")
                 proc = run_process(
-                    scaffold_generate_command(run_dir, SCAFFOLD_TRICKS[tool]),
+                    scaffold_generate_command(run_dir, ",".join(split_tool(tool)[1])),
                     REPO_ROOT,
                     env,
                     WORK_DIR / "logs" / f"{tool.replace('+', '_')}_new",
@@ -317,7 +359,7 @@ def prepare_tools(tools: list[str], env: dict) -> dict[str, str]:
                 elif not (run_dir / "train.py").is_file():
                     errors[tool] = f"`scaffold new` wrote no {run_dir / 'train.py'}"
             else:
-                peers.ensure_venv(tool, log=lambda m: print(m, flush=True))
+                peers.ensure_venv(split_tool(tool)[0], log=lambda m: print(m, flush=True))
         except Exception as e:  # any setup failure becomes a failed row, not a crash
             errors[tool] = f"setup failed: {last_line(str(e))}"
     return errors
@@ -452,22 +494,30 @@ def render_table(rows: list[Row], peaks: dict[str, float], fpt: float) -> list[s
     """The results table (failed rows say so; details go to the notes)."""
     lines = [
         "| tool | dtype | tokens/s | peak RSS MiB | peak RSS MiB, mmap_threshold 128 KiB | MFU "
-        "| ratio to scaffold | final loss | loss gap to own fp32 |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| ratio to scaffold | x own baseline | final loss | loss gap to own fp32 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     by_key = {(r.tool, r.dtype): r for r in rows}
     for row in rows:
         if not row.ok_runs:
-            lines.append(f"| {row.tool} | {row.dtype} | failed | - | - | - | - | - | - |")
+            lines.append(f"| {row.tool} | {row.dtype} | failed | - | - | - | - | - | - | - |")
             continue
         mfu = row.tokens_per_s * fpt / peaks[row.dtype]
         ref = by_key.get(("scaffold", row.dtype))
         ratio = f"{row.tokens_per_s / ref.tokens_per_s:.2f}" if ref and ref.ok_runs else "n/a"
+        own = by_key.get((split_tool(row.tool)[0], row.dtype))  # the same tool without tricks
+        own_ratio = (
+            f"{row.tokens_per_s / own.tokens_per_s:.2f} speed, "
+            f"{row.peak_rss_mib / own.peak_rss_mib:.2f} RSS"
+            if own and own.ok_runs
+            else "n/a"
+        )
         fp32 = by_key.get((row.tool, "fp32"))
         gap = f"{mean_abs_gap(row.losses, fp32.losses):.3f}" if fp32 and fp32.ok_runs else "n/a"
+        tuned = f"{row.tuned_rss_mib:.0f}" if math.isfinite(row.tuned_rss_mib) else "-"
         lines.append(
             f"| {row.tool} | {row.dtype} | {row.tokens_per_s:.1f} | {row.peak_rss_mib:.0f} "
-            f"| {row.tuned_rss_mib:.0f} | {100 * mfu:.1f}% | {ratio} | {row.losses[-1]:.4f} | {gap} |"
+            f"| {tuned} | {100 * mfu:.1f}% | {ratio} | {own_ratio} | {row.losses[-1]:.4f} | {gap} |"
         )
     return lines
 
@@ -514,9 +564,10 @@ def versions(tools: list[str]) -> dict[str, str]:
         scaffold = "not installed"
     out["scaffold"] = f"{scaffold} (git {git.stdout.strip() or 'unknown'})"
     for tool in tools:
-        if tool not in SCAFFOLD_TRICKS and peers.venv_python(tool).is_file():
-            for dist, v in peers.peer_versions(tool).items():
-                out[f"{dist} ({tool} venv)"] = v
+        base = split_tool(tool)[0]
+        if base != "scaffold" and peers.venv_python(base).is_file():
+            for dist, v in peers.peer_versions(base).items():
+                out[f"{dist} ({base} venv)"] = v
     return out
 
 
@@ -565,9 +616,12 @@ NOTES = """\
 def render_section(args, rows, peaks, fpt, n_params, info, vers, started) -> str:
     """The markdown section for this benchmark, between the begin/end markers."""
     cmd = shlex.join([os.path.relpath(sys.executable, REPO_ROOT), *sys.argv])
+    begin, end = markers(args.section)
     lines = [
-        SECTION_BEGIN,
-        "## SFT on CPU: SmolLM2-135M full fine-tuning (`benchmarks/sft_cpu.py`)",
+        begin,
+        "## SFT on CPU: SmolLM2-135M full fine-tuning (`benchmarks/sft_cpu.py`"
+        + ("" if args.section == "sft_cpu" else f", section `{args.section}`")
+        + ")",
         "",
         f"- date: {started}",
         f"- machine: {info['nproc']} CPUs ({info['affinity']} usable), {info['cpu']}, "
@@ -595,16 +649,17 @@ def render_section(args, rows, peaks, fpt, n_params, info, vers, started) -> str
         for error in dict.fromkeys(failures):  # unique, in order
             n = failures.count(error)
             lines.append(f"  - failed ({n}/{len(row.runs)} runs): `{error}`")
-    lines += ["", SECTION_END]
+    lines += ["", end]
     return "\n".join(lines) + "\n"
 
 
-def write_section(path: Path, section: str) -> None:
-    """Replace this benchmark's section in `path` (between the markers), or append it."""
+def write_section(path: Path, section: str, name: str) -> None:
+    """Replace section `name` in `path` (between its markers), or append it."""
+    begin, end = markers(name)
     text = path.read_text() if path.is_file() else "# Benchmark results\n"
-    if SECTION_BEGIN in text and SECTION_END in text:
-        head, rest = text.split(SECTION_BEGIN, 1)
-        tail = rest.split(SECTION_END, 1)[1]
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        tail = rest.split(end, 1)[1]
         text = head + section.rstrip("\n") + tail
     else:
         text = text.rstrip("\n") + "\n\n" + section
@@ -624,7 +679,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max_seq_len", type=int, default=256)
     p.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32,bf16")
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--tools", default=",".join(TOOLS), help="comma-separated: " + ",".join(TOOLS))
+    p.add_argument(
+        "--tools",
+        default=",".join(TOOLS),
+        help="comma-separated: scaffold[+trick...], trl, torchtune[+trick...]; tricks: "
+        + "; ".join(f"{b}: {','.join(t) or '-'}" for b, t in TRICKS_BY_BASE.items()),
+    )
+    p.add_argument(
+        "--section",
+        default="sft_cpu",
+        help="RESULTS.md section name (a second run with other tools keeps the first's table)",
+    )
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads per run")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per training run")
     p.add_argument(
@@ -637,7 +702,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.tool_list = [t.strip() for t in args.tools.split(",") if t.strip()]
     args.dtype_list = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-    bad = [t for t in args.tool_list if t not in TOOLS] + [
+    bad = [t for t in args.tool_list if not valid_tool(t)] + [
         d for d in args.dtype_list if d not in DTYPES
     ]
     if bad:
@@ -702,7 +767,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     vers = versions(args.tool_list)
     section = render_section(args, rows, peaks, fpt, n_params, info, vers, started)
-    write_section(Path(args.out), section)
+    write_section(Path(args.out), section, args.section)
     print(section)
 
 

@@ -40,6 +40,14 @@ sys.path.insert(0, str(HERE))
 from sft_data import check_inputs, scaffold_home  # noqa: E402
 
 METRIC_RE = re.compile(r"(\w+):(\S+)")
+# Scaffold trick name -> torchtune 0.6.1 config overrides with the same effect.
+TRICKS = {
+    "ac": ["enable_activation_checkpointing=True"],
+    "optim-in-bwd": ["optimizer_in_bwd=True", "clip_grad_norm=null"],  # torchtune refuses clipping
+    "adamw8bit": ["optimizer._component_=torchao.optim.AdamW8bit"],
+    # the config's default loss is torchtune's chunked CE (CEWithChunkedOutputLoss); this is plain CE
+    "plain-ce": ["loss._component_=torch.nn.CrossEntropyLoss"],
+}
 
 
 def default_tune() -> str:
@@ -62,6 +70,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--optimizer_in_bwd",
         action="store_true",
         help="step AdamW per parameter inside backward (disables grad clipping)",
+    )
+    p.add_argument(
+        "--tricks",
+        default="",
+        help="comma-separated torchtune flags named like Scaffold's tricks: " + ", ".join(TRICKS),
     )
     p.add_argument("--tune", default=default_tune(), help="path to the `tune` executable")
     p.add_argument(
@@ -89,7 +102,11 @@ def tune_command(args: argparse.Namespace, output_dir: str) -> list[str]:
         f"seed={args.seed}",
     ]
     if args.optimizer_in_bwd:
-        cmd += ["optimizer_in_bwd=True", "clip_grad_norm=null"]
+        cmd += TRICKS["optim-in-bwd"]
+    for trick in filter(None, args.tricks.split(",")):
+        if trick not in TRICKS:
+            raise SystemExit(f"--tricks: unknown {trick!r}; valid: {', '.join(TRICKS)}")
+        cmd += TRICKS[trick]
     return cmd
 
 
