@@ -4,6 +4,7 @@ Public API = the names below; scripts import only these, so any change shows in 
 """
 
 from runtime.checkpoint import (
+    ComputedTensor,
     copy_tokenizer_files,
     load_hf_checkpoint,
     read_hf_config,
@@ -14,6 +15,18 @@ from runtime.cli import parse as parse_config
 from runtime.data import load_rows, split_train_val, to_messages
 from runtime.generate import generate
 from runtime.hub import resolve_data_path, resolve_model_dir, scaffold_home
+from runtime.lora import (
+    LORA_TARGET_MODULES,
+    LoRALinear,
+    adapter_param_names,
+    add_lora,
+    init_lora,
+    is_adapter_param,
+    load_adapter,
+    merged_hf_tensors,
+    nf4_params_fsdp_cannot_shard,
+    save_adapter,
+)
 from runtime.loss import IGNORE_INDEX, cross_entropy_sum, linear_cross_entropy
 from runtime.metrics import MetricsLogger, peak_memory_mib, transformer_flops_per_token
 from runtime.models.llama import CausalLM, KVCache, LlamaForCausalLM, ModelArgs, build_model
@@ -32,14 +45,19 @@ from runtime.tokenizer import Tokenizer
 
 __all__ = [
     "IGNORE_INDEX",
+    "LORA_TARGET_MODULES",
     "CausalLM",
+    "ComputedTensor",
     "ConfigError",
     "DistInfo",
     "KVCache",
     "LlamaForCausalLM",
+    "LoRALinear",
     "MetricsLogger",
     "ModelArgs",
     "Tokenizer",
+    "adapter_param_names",
+    "add_lora",
     "all_reduce_sum",
     "build_mesh",
     "build_model",
@@ -50,15 +68,21 @@ __all__ = [
     "disable_fsdp_gradient_division",
     "generate",
     "init_distributed",
+    "init_lora",
+    "is_adapter_param",
     "linear_cross_entropy",
     "load_balancing_loss",
+    "load_adapter",
     "load_hf_checkpoint",
     "load_rows",
+    "merged_hf_tensors",
+    "nf4_params_fsdp_cannot_shard",
     "parse_config",
     "peak_memory_mib",
     "read_hf_config",
     "resolve_data_path",
     "resolve_model_dir",
+    "save_adapter",
     "save_hf_checkpoint",
     "scaffold_home",
     "setup_optimizer_in_backward",
