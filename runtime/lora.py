@@ -20,7 +20,7 @@ Forward (scale = lora_alpha / lora_rank, computed once in `LoRALinear.__init__`)
 
 QLoRA: `add_lora(..., quantize_base=True)` stores each targeted base weight as a frozen torchao
 `NF4Tensor` (4-bit NormalFloat, block size 64, double-quantized scalers); the forward dequantizes it
-to the input's dtype (torchao's `LinearNF4`), adapters stay in the parameter dtype. On the meta device no data
+to the input's dtype in each forward and backward (`dequantize_nf4`), adapters stay in the parameter dtype. On the meta device no data
 is quantized: the NF4 layout is created empty, and `load_hf_checkpoint` fills it tensor by tensor
 (read one full-precision tensor, quantize, keep this rank's shard, free it), so the full-precision
 model never exists: peak memory during load = the NF4 model + one full-precision tensor + the
@@ -87,7 +87,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     if isinstance(t, DTensor):
         t = t.full_tensor()
     if type(t).__name__ == "NF4Tensor":
-        t = t.get_original_weight()
+        t = dequantize_nf4(t, t.dtype)
     return t.detach()
 
 
@@ -144,6 +144,34 @@ def copy_into_nf4_(param: torch.Tensor, full: torch.Tensor) -> None:
         getattr(local, attr).copy_(getattr(q, attr))
     local.scaler_mean = q.scaler_mean.clone()
     local.nf4 = q.nf4.clone()
+
+
+def dequantize_nf4(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An NF4Tensor [D_out, D_in] back to a dense tensor in `dtype`; equals torchao's
+    `get_original_weight().to(dtype)` bit for bit, about 2x faster on CPU: one lookup of both
+    4-bit codes of each byte in a 256-entry table instead of two lookups, a stack and a cat."""
+    levels = weight.nf4.to(weight.dtype)  # [16] NormalFloat levels
+    pairs = torch.stack([levels.repeat_interleave(16), levels.repeat(16)], dim=-1)  # [256, 2]
+    values = pairs.index_select(0, weight.quantized_data.int())  # [numel / 2, 2]
+    scalers = weight.dequantize_scalers(
+        weight.quantized_scalers, weight.quantization_factor, weight.scaler_block_size
+    )  # [numel / block_size], one absmax per block
+    dense = values.view(-1, weight.block_size) * scalers[:, None]  # [n_blocks, block_size]
+    return dense.view(weight.shape).to(dtype)
+
+
+class _LinearNF4(torch.autograd.Function):
+    """x W^T for a frozen NF4 W: dequantize in forward and again in backward (nothing dense is
+    kept between them, as torchao's `LinearNF4`); no gradient for W."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.weight = weight  # not save_for_backward: the NF4 subclass holds no autograd state
+        return F.linear(x, dequantize_nf4(weight, x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        return grad_out @ dequantize_nf4(ctx.weight, grad_out.dtype), None
 
 
 class LoRALinear(nn.Module):
@@ -205,8 +233,9 @@ class LoRALinear(nn.Module):
         )
 
     def _base_linear(self, x: torch.Tensor) -> torch.Tensor:
-        """x W^T without bias. torchao's NF4Tensor intercepts F.linear (its `LinearNF4`, exported
-        as `linear_nf4` in older torchao): dequantize to x's dtype, no gradient for the weight."""
+        """x W^T without bias; an NF4 weight is dequantized to x's dtype (`dequantize_nf4`)."""
+        if self.is_nf4:
+            return _LinearNF4.apply(x, self.weight)
         return F.linear(x, self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -229,7 +258,7 @@ class LoRALinear(nn.Module):
     def _weight_norm(self, dtype: torch.dtype) -> torch.Tensor:
         """||W + scale * B A|| over D_in for each output row: [D_out], detached (DoRA sec. 4.3)."""
         with torch.no_grad():
-            weight = self.weight.to(dtype)  # an NF4 weight is dequantized
+            weight = dequantize_nf4(self.weight, dtype) if self.is_nf4 else self.weight.to(dtype)
             lora_weight = (self.lora_B.weight @ self.lora_A.weight).to(dtype)  # [D_out, D_in]
             return torch.linalg.norm(weight + self.scale * lora_weight, dim=1).to(dtype)
 
