@@ -139,3 +139,31 @@ def test_qlora_learns_on_real_data(qlora_script, smollm2_dir, small_dataset):
     after = data_loss()
     assert all(torch.isfinite(torch.tensor(losses)))
     assert after < before - 0.1, (before, after, losses)
+
+
+@pytest.mark.parametrize(
+    "tricks, exact",
+    [(("ac", "lce", "optim-in-bwd"), True), (("optim-in-bwd", "adamw8bit"), False)],
+    ids=["ac+lce+optim-in-bwd", "optim-in-bwd+adamw8bit"],
+)
+def test_tricks_compose_with_lora(tricks, exact, tiny_model_dir, small_dataset, tmp_path):
+    """The exact tricks give the plain LoRA script's losses (optimizer-in-backward then steps the
+    adapter parameters only); 8-bit AdamW tracks them."""
+    from click.testing import CliRunner
+
+    from generator.cli import cli
+    from tests.recipes.test_tricks import _losses
+
+    plain = _losses(
+        REPO / "examples" / "lora_smollm2" / "train.py",
+        tmp_path / "plain",
+        tiny_model_dir,
+        small_dataset,
+    )
+    result = CliRunner().invoke(
+        cli, ["new", "--algo", "lora", "--tricks", ",".join(tricks), "--out", str(tmp_path / "run")]
+    )
+    assert result.exit_code == 0, result.output
+    losses = _losses(tmp_path / "run" / "train.py", tmp_path / "out", tiny_model_dir, small_dataset)
+    assert losses[0] == pytest.approx(plain[0], abs=1e-5)
+    assert losses[1] == pytest.approx(plain[1], abs=1e-5 if exact else 2e-3), (losses, plain)
