@@ -14,7 +14,7 @@ import click
 
 from generator import __version__
 from generator.catalog import MODELS
-from generator.features import ALGOS, TRICKS
+from generator.features import ALGOS, PEFT_ALGOS, PEFT_METHODS, TRICKS
 from generator.spec import ScaffoldError, Spec
 
 SPEC_FILE = Path(".scaffold") / "spec.json"
@@ -51,6 +51,12 @@ def cli():
     "--algo", default="sft", show_default=True, help=f"Training algorithm: {', '.join(ALGOS)}."
 )
 @click.option(
+    "--peft",
+    default="lora",
+    show_default=True,
+    help=f"Adapter type for --algo {'/'.join(PEFT_ALGOS)}: {', '.join(PEFT_METHODS)}.",
+)
+@click.option(
     "--model",
     default="smollm2-135m",
     show_default=True,
@@ -82,18 +88,20 @@ def cli():
 )
 @click.option("--force", is_flag=True, help="Overwrite an existing train.py.")
 @_friendly
-def new(algo, model, tricks, gpus, nodes, dtype, dataset, out, force):
+def new(algo, peft, model, tricks, gpus, nodes, dtype, dataset, out, force):
     """Write OUT/train.py for the chosen model, algorithm, tricks and GPUs.
 
     \b
     Example:
       scaffold new --algo sft --model smollm2-135m --out runs/demo
+      scaffold new --algo qlora --peft dora --out runs/qdora
       python runs/demo/train.py --max_steps 50
     """
     from generator.render import render
 
     spec = Spec(
         algo=algo,
+        peft=peft,
         model=model,
         tricks=tuple(t.strip() for t in tricks.split(",") if t.strip()),
         gpus=gpus,
@@ -147,8 +155,11 @@ def list_(what):
             )
     if what in (None, "algos"):
         click.echo("\nalgorithms:" if what is None else "algorithms:")
-        for name, summary in ALGOS.items():
-            click.echo(f"  {name:10} {summary}")
+        for algo in ALGOS.values():
+            click.echo(f"  {algo.name:10} {algo.summary}")
+        click.echo(f"  --peft (with --algo {'/'.join(PEFT_ALGOS)}):")
+        for name, summary in PEFT_METHODS.items():
+            click.echo(f"    {name:8} {summary}")
     if what in (None, "tricks"):
         click.echo("\ntricks:" if what is None else "tricks:")
         for t in TRICKS.values():
@@ -157,7 +168,7 @@ def list_(what):
 
 _SET_HELP = (
     "Change one option of the recorded spec (repeatable): algo, dataset, dtype, gpus, model, nodes, "
-    "tricks (comma list; `tricks=` for none). Validated like `scaffold new`."
+    "peft, tricks (comma list; `tricks=` for none). Validated like `scaffold new`."
 )
 
 

@@ -1,16 +1,42 @@
 """Registry of algorithms and tricks: which template fills which slots, in what order, and which
 combinations are refused.
 
-Adding a trick = one `templates/features/<name>.py.jinja` (macros named after the slots it fills:
-`imports`, `config_fields`, `validate`, `model_setup`, `step`, `docstring_notes`) plus one entry here.
-The skeleton calls the slots of the enabled features in the order of `TRICKS`.
+Adding a trick or an algorithm = one `templates/features/<name>.py.jinja` (macros named after the
+slots it fills, see `generator.spec.SLOTS`) plus one entry here. The skeleton
+(`templates/recipes/sft.py.jinja`) calls the slots of the algorithm's template first, then those of
+the enabled tricks in the order of `TRICKS`. An algorithm without a template is the skeleton's
+defaults (full-parameter SFT).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-ALGOS = {"sft": "full-parameter supervised fine-tuning on chat / instruction data"}
+
+@dataclass(frozen=True)
+class Algo:
+    name: str
+    template: str | None  # file stem under templates/features/, or None: the skeleton's defaults
+    summary: str
+    lr: float | None = None  # default peak lr; None = the model catalog's (full fine-tuning) lr
+
+
+ALGOS: dict[str, Algo] = {
+    a.name: a
+    for a in [
+        Algo("sft", None, "full-parameter supervised fine-tuning on chat / instruction data"),
+        # LoRA learns a rank-r update: 10x the full fine-tuning lr is the usual default (PEFT/TRL
+        # examples, torchtune's LoRA configs use 1e-4 to 3e-4)
+        Algo("lora", "lora", "SFT of low-rank adapters (LoRA; --peft dora for DoRA)", lr=2e-4),
+        Algo("qlora", "lora", "LoRA over a frozen 4-bit NF4 base (QLoRA, torchao)", lr=2e-4),
+    ]
+}
+# --peft: the adapter type of the lora/qlora algorithms.
+PEFT_METHODS = {
+    "lora": "LoRA: W + (lora_alpha / lora_rank) * B A",
+    "dora": "DoRA: LoRA plus a learned magnitude per output row (Liu et al. 2024)",
+}
+PEFT_ALGOS = ("lora", "qlora")
 
 
 @dataclass(frozen=True)

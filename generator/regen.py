@@ -35,7 +35,16 @@ from generator.spec import ScaffoldError, Spec, SpecError, validate_spec
 
 SCRIPT = "train.py"
 ORIG = "train.py.orig"
-SETTABLE = ("algo", "dataset", "dtype", "gpus", "model", "nodes", "tricks")  # Spec fields for --set
+SETTABLE = (
+    "algo",
+    "dataset",
+    "dtype",
+    "gpus",
+    "model",
+    "nodes",
+    "peft",
+    "tricks",
+)  # Spec fields for --set
 LABEL_OURS, LABEL_BASE, LABEL_THEIRS = "yours", "base (last render)", "new render"
 _MARKER = re.compile(r"^(<{7}|\|{7}|={7}|>{7})( |\r?\n|$)")
 _BANNER = re.compile(r"^# === .* ===\s*$")
@@ -294,22 +303,26 @@ def option_table(base: Spec | None = None) -> str:
     from generator.render import render
 
     base = base or Spec(out="runs/x")
+    lora = dataclasses.replace(base, algo="lora")
     variants = [
-        (f"tricks: +{t}", dataclasses.replace(base, tricks=(*base.tricks, t))) for t in TRICKS
+        (f"tricks: +{t}", base, dataclasses.replace(base, tricks=(*base.tricks, t))) for t in TRICKS
     ]
     variants += [
-        ("dtype: bf16 -> fp32", dataclasses.replace(base, dtype="fp32")),
-        ("gpus: 1 -> 8", dataclasses.replace(base, gpus=8)),
-        ("nodes: 1 -> 2", dataclasses.replace(base, nodes=2)),
-        ("dataset: other file", dataclasses.replace(base, dataset="my_data.jsonl")),
+        ("algo: sft -> lora", base, lora),
+        ("algo: sft -> qlora", base, dataclasses.replace(base, algo="qlora")),
+        ("algo: lora -> qlora", lora, dataclasses.replace(base, algo="qlora")),
+        ("peft: lora -> dora (algo lora)", lora, dataclasses.replace(lora, peft="dora")),
+        ("dtype: bf16 -> fp32", base, dataclasses.replace(base, dtype="fp32")),
+        ("gpus: 1 -> 8", base, dataclasses.replace(base, gpus=8)),
+        ("nodes: 1 -> 2", base, dataclasses.replace(base, nodes=2)),
+        ("dataset: other file", base, dataclasses.replace(base, dataset="my_data.jsonl")),
     ]
-    reference = render(base)
     rows = [
         "| option change | lines added | lines removed | sections touched |",
         "|---|---:|---:|---|",
     ]
-    for name, spec in variants:
-        added, removed, touched = lines_changed(reference, render(spec))
+    for name, old, new in variants:
+        added, removed, touched = lines_changed(render(old), render(new))
         short = ", ".join("header" if s == HEADER else s.strip("# =").strip() for s in touched)
         rows.append(f"| {name} | {added} | {removed} | {short} |")
     return "\n".join(rows) + "\n"

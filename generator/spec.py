@@ -12,7 +12,7 @@ from pathlib import Path
 
 from generator import __version__
 from generator.catalog import MODELS
-from generator.features import ALGOS, TRICKS
+from generator.features import ALGOS, PEFT_ALGOS, PEFT_METHODS, TRICKS
 
 DTYPES = ("bf16", "fp32")
 
@@ -30,6 +30,7 @@ class Spec:
     """What `scaffold new` was asked for. Saved as `.scaffold/spec.json` next to the script."""
 
     algo: str = "sft"
+    peft: str = "lora"  # adapter type for algo lora/qlora: lora or dora
     model: str = "smollm2-135m"  # catalog name or a local Hugging Face directory
     tricks: tuple[str, ...] = ()
     gpus: int = 1  # processes per node
@@ -55,12 +56,14 @@ class Spec:
             raise SpecError(f"{source}: unknown spec keys {unknown}; valid keys: {sorted(known)}")
         if "tricks" in data:
             data["tricks"] = tuple(data["tricks"])
-        return cls(**data)
+        return cls(**data)  # fields missing in older spec.json files (e.g. peft) take defaults
 
     def command(self) -> str:
         """The canonical `scaffold new` command that reproduces this spec (printed in the header)."""
         default = Spec()
         parts = ["scaffold", "new", "--algo", self.algo, "--model", self.model]
+        if self.peft != default.peft:
+            parts += ["--peft", self.peft]
         if self.tricks:
             parts += ["--tricks", ",".join(self.tricks)]
         for name in ("gpus", "nodes", "dtype", "dataset"):
@@ -74,6 +77,13 @@ def validate_spec(spec: Spec) -> None:
     """Raise SpecError naming the option, the bad value and the valid choices."""
     if spec.algo not in ALGOS:
         raise SpecError(f"unknown algorithm {spec.algo!r}; valid: {', '.join(ALGOS)}")
+    if spec.peft not in PEFT_METHODS:
+        raise SpecError(f"--peft {spec.peft!r}; valid: {', '.join(PEFT_METHODS)}")
+    if spec.peft != Spec.peft and spec.algo not in PEFT_ALGOS:
+        raise SpecError(
+            f"--peft {spec.peft} needs an adapter algorithm (--algo {' or '.join(PEFT_ALGOS)}); "
+            f"--algo {spec.algo} trains all parameters"
+        )
     if spec.model not in MODELS and not (Path(spec.model).expanduser() / "config.json").is_file():
         raise SpecError(
             f"unknown model {spec.model!r}; valid: {', '.join(MODELS)}, "
@@ -128,10 +138,13 @@ def _local_model_answers(path: Path) -> dict:
 # Additive slots collect every enabled feature's lines; override slots (loss, optimizer,
 # backward_and_step) replace the skeleton's default body, so at most one feature may fill each.
 SLOTS = (
-    "imports", "config_fields", "validate", "model_setup", "after_shard", "loss", "optimizer_cls",
-    "optimizer", "backward_and_step", "docstring_notes",
+    "title", "imports", "config_fields", "validate", "model_setup", "fsdp_kwargs", "after_shard",
+    "load_weights", "loss", "optimizer_cls", "optimizer", "backward_and_step", "save",
+    "docstring_notes",
 )  # fmt: skip
-OVERRIDE_SLOTS = ("loss", "optimizer_cls", "optimizer", "backward_and_step")
+OVERRIDE_SLOTS = (
+    "title", "load_weights", "loss", "optimizer_cls", "optimizer", "backward_and_step", "save",
+)  # fmt: skip
 
 
 def feature_slots(templates: list[str]) -> dict[str, list[str]]:
@@ -146,7 +159,9 @@ def feature_slots(templates: list[str]) -> dict[str, list[str]]:
                 filled[slot].append(name)
     for slot in OVERRIDE_SLOTS:
         if len(filled[slot]) > 1:
-            raise SpecError(f"tricks {filled[slot]} both replace the {slot!r} section; choose one")
+            raise SpecError(
+                f"features {filled[slot]} both replace the {slot!r} section; choose one"
+            )
     return filled
 
 
@@ -166,11 +181,18 @@ def build_answers(spec: Spec) -> dict:
         }
     else:
         model = _local_model_answers(Path(spec.model).expanduser())
-    # Registry order, not CLI order.
+    # The algorithm's template first (it adds the adapters before tricks wrap the blocks), then the
+    # tricks in registry order, not CLI order.
+    algo = ALGOS[spec.algo]
     ordered_tricks = [name for name in TRICKS if name in spec.tricks]
+    features = [algo.template] if algo.template else []
+    features += [TRICKS[name].template for name in ordered_tricks]
+    if algo.lr is not None:
+        model["lr"] = algo.lr
     return {
         **model,
         "algo": spec.algo,
+        "peft": spec.peft,
         "dataset": spec.dataset,
         "dtype": spec.dtype,
         "gpus": spec.gpus,
@@ -179,8 +201,8 @@ def build_answers(spec: Spec) -> dict:
         "warmup_steps": 10,
         "max_steps": 100,
         "eval_every_steps": 25,
-        "features": [TRICKS[name].template for name in ordered_tricks],
-        "slots": feature_slots([TRICKS[name].template for name in ordered_tricks]),
+        "features": features,
+        "slots": feature_slots(features),
         "version": __version__,
         "command": spec.command(),
     }

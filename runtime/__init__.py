@@ -4,6 +4,7 @@ Public API = the names below; scripts import only these, so any change shows in 
 """
 
 from runtime.checkpoint import (
+    ComputedTensor,
     copy_tokenizer_files,
     load_hf_checkpoint,
     prepare_out_dir,
@@ -15,6 +16,18 @@ from runtime.cli import parse as parse_config
 from runtime.data import load_rows, split_train_val, to_messages
 from runtime.generate import generate
 from runtime.hub import resolve_data_path, resolve_model_dir, scaffold_home
+from runtime.lora import (
+    LORA_TARGET_MODULES,
+    LoRALinear,
+    adapter_param_names,
+    add_lora,
+    init_lora,
+    is_adapter_param,
+    load_adapter,
+    merged_hf_tensors,
+    nf4_params_fsdp_cannot_shard,
+    save_adapter,
+)
 from runtime.loss import IGNORE_INDEX, cross_entropy_sum, linear_cross_entropy
 from runtime.metrics import MetricsLogger, peak_memory_mib, transformer_flops_per_token
 from runtime.models.llama import CausalLM, KVCache, LlamaForCausalLM, ModelArgs, build_model
@@ -41,16 +54,21 @@ from runtime.train_state import (
 
 __all__ = [
     "IGNORE_INDEX",
+    "LORA_TARGET_MODULES",
     "CausalLM",
+    "ComputedTensor",
     "ConfigError",
     "DistInfo",
     "KVCache",
     "LlamaForCausalLM",
+    "LoRALinear",
     "MetricsLogger",
     "ResumableDistributedSampler",
     "ModelArgs",
     "Tokenizer",
     "TrainState",
+    "adapter_param_names",
+    "add_lora",
     "all_reduce_sum",
     "build_mesh",
     "build_model",
@@ -62,11 +80,16 @@ __all__ = [
     "disable_fsdp_gradient_division",
     "generate",
     "init_distributed",
+    "init_lora",
+    "is_adapter_param",
     "linear_cross_entropy",
     "load_balancing_loss",
+    "load_adapter",
     "load_hf_checkpoint",
     "load_rows",
     "load_train_state",
+    "merged_hf_tensors",
+    "nf4_params_fsdp_cannot_shard",
     "parse_config",
     "peak_memory_mib",
     "prepare_out_dir",
@@ -75,6 +98,7 @@ __all__ = [
     "resolve_resume",
     "resolve_data_path",
     "resolve_model_dir",
+    "save_adapter",
     "save_hf_checkpoint",
     "save_train_state",
     "scaffold_home",

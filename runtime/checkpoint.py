@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -134,9 +137,11 @@ def _file_shapes(key_to_file: dict[str, Path]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _plan_load(model, key_to_file, source, strict) -> dict[str, str]:
+def _plan_load(model, key_to_file, source, strict, exclude=()) -> dict[str, str]:
     """Return {model param name: file key}; raise ValueError listing every mismatch."""
-    params = dict(model.named_parameters())  # a tied lm_head.weight is deduplicated away
+    params = {
+        n: p for n, p in model.named_parameters() if n not in exclude
+    }  # tied head deduplicated
     aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - set(params)
     file_keys = {k for k in key_to_file if not k.endswith(_IGNORED_KEY_SUFFIXES)}
     plan = {n: n for n in params if n in file_keys}
@@ -179,6 +184,12 @@ def _preview(items: list[str], limit: int = 6) -> str:
 @torch.no_grad()
 def _copy_into(param: torch.Tensor, full: torch.Tensor) -> None:
     """Copy a full tensor into a parameter in place (a DTensor keeps only its local shard)."""
+    local = param._local_tensor if isinstance(param, DTensor) else param
+    if type(local).__name__ == "NF4Tensor":  # QLoRA base weight: quantize, keep this rank's shard
+        from runtime.lora import copy_into_nf4_
+
+        copy_into_nf4_(param, full)
+        return
     full = full.to(dtype=param.dtype)
     if isinstance(param, DTensor):
         # src_data_rank=None: every rank holds the full tensor, so just slice, no communication.
@@ -188,17 +199,26 @@ def _copy_into(param: torch.Tensor, full: torch.Tensor) -> None:
         param.copy_(full)
 
 
-def load_hf_checkpoint(model: nn.Module, model_dir: str | os.PathLike, strict: bool = True) -> None:
+def load_hf_checkpoint(
+    model: nn.Module,
+    model_dir: str | os.PathLike,
+    strict: bool = True,
+    exclude: Collection[str] = (),
+) -> None:
     """Load HF safetensors weights into `model`'s parameters in place.
 
     Works for plain and FSDP2 (`fully_shard`, DTensor) parameters, after `to_empty` for models
     built on meta. Casts to each parameter's dtype. Tied models: files without `lm_head.weight`
-    are fine (the head is the embedding's Parameter, or is filled from it).
+    are fine (the head is the embedding's Parameter, or is filled from it). NF4 parameters
+    (QLoRA) are quantized from the file's tensor one at a time (`runtime.lora.copy_into_nf4_`), so
+    the full-precision model never exists in memory.
 
     Args:
         model: module whose `state_dict` keys are HF keys (e.g. `LlamaForCausalLM`).
         model_dir: directory with `model.safetensors` or `model.safetensors.index.json`.
         strict: raise on missing or unexpected keys (shape mismatches always raise).
+        exclude: parameter names the checkpoint does not hold and the caller initialises itself
+            (e.g. `runtime.lora.adapter_param_names(model)`); left untouched, never "missing".
 
     Raises:
         FileNotFoundError: no safetensors checkpoint in model_dir.
@@ -207,7 +227,7 @@ def load_hf_checkpoint(model: nn.Module, model_dir: str | os.PathLike, strict: b
     """
     key_to_file, source = _checkpoint_index(Path(model_dir))
     _reshard_fsdp(model)
-    plan = _plan_load(model, key_to_file, source, strict)
+    plan = _plan_load(model, key_to_file, source, strict, set(exclude))
     params = dict(model.named_parameters())
     by_file: dict[Path, list[str]] = {}
     for name, key in plan.items():
@@ -216,13 +236,33 @@ def load_hf_checkpoint(model: nn.Module, model_dir: str | os.PathLike, strict: b
         with _open_safetensors(path) as f:
             for name in names:
                 _copy_into(params[name], f.get_tensor(plan[name]))  # one tensor at a time
-    on_meta = [n for n, p in model.named_parameters() if p.is_meta]
+    on_meta = [n for n, p in model.named_parameters() if p.is_meta and n not in exclude]
     if on_meta:
         raise RuntimeError(
             f"parameters still on the meta device after loading {source}: {on_meta}. Call "
             "model.to_empty(device=...) before load_hf_checkpoint, and initialise parameters "
             "that the checkpoint does not contain."
         )
+
+
+@dataclass(frozen=True)
+class ComputedTensor:
+    """A tensor `save_hf_checkpoint` computes only when it writes its shard (e.g. a merged LoRA
+    weight), so at most one such full tensor exists at a time.
+
+    `compute()` is called on every rank (it may run collectives, e.g. `full_tensor()`) and returns
+    the full tensor of `shape` and `dtype`.
+    """
+
+    shape: torch.Size
+    dtype: torch.dtype
+    compute: Callable[[], torch.Tensor]
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def is_floating_point(self) -> bool:
+        return self.dtype.is_floating_point
 
 
 def _rank() -> int:
@@ -260,7 +300,10 @@ def _save_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
 
 def _gather(t: torch.Tensor, dtype: torch.dtype | None, is_writer: bool) -> torch.Tensor | None:
     """Full tensor on CPU (rank 0) or None (other ranks); collective for DTensors."""
-    full = t.full_tensor() if isinstance(t, DTensor) else t
+    if isinstance(t, ComputedTensor):
+        full = t.compute()
+    else:
+        full = t.full_tensor() if isinstance(t, DTensor) else t
     if not is_writer:
         return None
     # copy=True: never alias a live parameter (safetensors refuses shared storage, and the
@@ -274,6 +317,7 @@ def save_hf_checkpoint(
     hf_config: dict,
     max_shard_bytes: int = 5 * 2**30,
     dtype: torch.dtype | None = None,
+    tensors: dict[str, torch.Tensor | ComputedTensor] | None = None,
 ) -> None:
     """Write `model` as a Hugging Face directory (safetensors + config.json).
 
@@ -293,6 +337,9 @@ def save_hf_checkpoint(
         max_shard_bytes: above this total, write `model-0000i-of-0000N.safetensors` shards plus
             `model.safetensors.index.json`; else one `model.safetensors` (bytes).
         dtype: cast floating tensors to this dtype (None = keep each parameter's dtype).
+        tensors: what to write instead of the model's parameters and persistent buffers, by HF
+            key (e.g. `runtime.lora.merged_hf_tensors`); `ComputedTensor` values are computed
+            when their shard is written.
 
     Raises:
         OSError: writing failed (disk full, permissions, or safetensors' own I/O error); the
@@ -302,7 +349,7 @@ def save_hf_checkpoint(
     out_dir = Path(out_dir)
     is_writer = _rank() == 0
     _reshard_fsdp(model)
-    tensors = _tensors_to_save(model, hf_config)
+    tensors = _tensors_to_save(model, hf_config) if tensors is None else tensors
     shards = _plan_shards(tensors, dtype, max_shard_bytes)
     tmp = None
     existed = out_dir.exists()

@@ -6,7 +6,7 @@ the mixed-precision policy: one code path for 1..N devices).
 
 Launch:
     python train.py                                   # 1 process (CPU, or 1 GPU)
-    torchrun --nproc-per-node 1 train.py --lr 2e-5 --max_steps 100
+    torchrun --nproc-per-node 1 train.py --lr 2e-05 --max_steps 100
     python train.py overrides.json --max_steps 50     # a JSON/YAML file of overrides, then flags
 
 Differs from Hugging Face TRL / torchtune defaults:
@@ -193,11 +193,12 @@ def build_sft_model(cfg: Config, model_dir: Path, mesh, device: torch.device) ->
     # fp32 parameters are the master weights; FSDP casts to param_dtype for compute and reduces
     # gradients in fp32, so bf16 runs still apply every small AdamW update.
     mp_policy = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.dtype], reduce_dtype=torch.float32)
+    fsdp_kwargs = {"mesh": mesh["dp_shard"], "mp_policy": mp_policy}
     # one FSDP unit per block: forward and backward gather one block's weights at a time
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh["dp_shard"], mp_policy=mp_policy)
+        fully_shard(layer, **fsdp_kwargs)
     # root unit holds embed_tokens, norm and lm_head together, so a tied lm_head stays one parameter
-    fully_shard(model, mesh=mesh["dp_shard"], mp_policy=mp_policy)
+    fully_shard(model, **fsdp_kwargs)
     # forward_hidden runs FSDP's unshard hooks too, so lm_head.weight is whole when the loss reads it
     register_fsdp_forward_method(model, "forward_hidden")
     disable_fsdp_gradient_division(model)  # the loss is already divided by the global token count
@@ -453,8 +454,11 @@ def main(argv: list[str] | None = None) -> dict:
     logger = MetricsLogger(out_dir, cfg.loggers, dataclasses.asdict(cfg)) if is_main else None
     if is_main:
         print(json.dumps(dataclasses.asdict(cfg), indent=2))
+        n_params = sum(p.numel() for p in model.parameters())
+        n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         print(
-            f"model {model_dir} | {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params | "
+            f"model {model_dir} | {n_params / 1e6:.1f}M params, {n_trainable / 1e6:.2f}M trainable "
+            f"({100 * n_trainable / n_params:.2f}%) | "
             f"{len(train_set)} train / {len(val_set)} val examples | global batch {global_batch} "
             f"sequences (<= {global_batch * cfg.max_seq_len} tokens) | {dist_info.world_size} process(es) on {device.type}"
         )

@@ -306,6 +306,22 @@ def test_diff_of_two_specs(tmp_path):
         assert refused.exit_code == 1 and refused.output.count("\n") == 1, refused.output
 
 
+def test_regen_to_lora_then_dora_keeps_edits(tmp_path):
+    """sft -> lora -> dora by `--set`: the user's edit survives both merges."""
+    out = _new(tmp_path)
+    script = out / "train.py"
+    tokenize_edit = TOKENIZE_LINE + "    text = text.strip()  # user: no trailing whitespace\n"
+    _edit(script, TOKENIZE_LINE, tokenize_edit)
+    for setting, spec in [
+        ("algo=lora", Spec(out="run", algo="lora")),
+        ("peft=dora", Spec(out="run", algo="lora", peft="dora")),
+    ]:
+        result = CliRunner().invoke(cli, ["regen", str(out), "--set", setting])
+        assert result.exit_code == 0, result.output
+        assert script.read_text() == _cached_render(spec).replace(TOKENIZE_LINE, tokenize_edit)
+        assert _spec_of(out) == spec
+
+
 # ---------------------------------------------------------------------------------------------
 # --set validation
 
@@ -315,7 +331,7 @@ def test_diff_of_two_specs(tmp_path):
     [
         (
             "colour=red",
-            "unknown key 'colour'; valid keys: algo, dataset, dtype, gpus, model, nodes, tricks",
+            "unknown key 'colour'; valid keys: algo, dataset, dtype, gpus, model, nodes, peft, tricks",
         ),
         ("out=elsewhere", "unknown key 'out'"),
         ("gpus", "expected key=value"),
@@ -326,6 +342,8 @@ def test_diff_of_two_specs(tmp_path):
         ("model=gpt5", "unknown model 'gpt5'"),
         ("algo=ppo", "unknown algorithm 'ppo'"),
         ("dataset= ", "--dataset is empty"),
+        ("peft=dora", "--peft dora needs an adapter algorithm (--algo lora or qlora)"),
+        ("peft=ia3", "--peft 'ia3'; valid: lora, dora"),
     ],
 )
 def test_set_errors_are_one_line_and_write_nothing(setting, message, tmp_path):
@@ -430,10 +448,16 @@ OPTIM, STEP = "# === 6. Optimizer + LR schedule ===", "# === 9. train_step ==="
         ({"gpus": 8}, {HEADER}, 12),
         ({"nodes": 2}, {HEADER}, 12),
         ({"dataset": "mine.jsonl"}, {HEADER, CONFIG}, 12),
+        # an algorithm is one template: its save() sits after train_step, before main's banner
+        ({"algo": "lora"}, {HEADER, IMPORTS, CONFIG, MODEL, STEP}, 100),
+        ({"algo": "qlora"}, {HEADER, IMPORTS, CONFIG, MODEL, STEP}, 100),
+        ({"algo": "lora", "peft": "dora", "_from": "lora"}, {HEADER, CONFIG}, 12),
+        ({"algo": "qlora", "_from": "lora"}, {HEADER, IMPORTS, MODEL}, 20),
     ],
 )
 def test_option_changes_are_local(change, allowed, max_lines):
-    base = Spec(out="runs/x")
+    change = dict(change)
+    base = Spec(out="runs/x", algo=change.pop("_from", "sft"))
     added, removed, sections = lines_changed(
         _cached_render(base), _cached_render(dataclasses.replace(base, **change))
     )

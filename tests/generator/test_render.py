@@ -35,10 +35,19 @@ MATRIX = [Spec(tricks=t, out="runs/x") for t in TRICK_SETS] + [
         [8],
     )
 ]
+# the adapter algorithms: each with no trick, every trick, and DoRA; on a Qwen3 model at 8 GPUs
+MATRIX += [
+    Spec(algo=algo, peft=peft, tricks=t, out="runs/x")
+    for algo, peft, t in itertools.product(
+        ["lora", "qlora"], ["lora", "dora"], [(), ("ac", "lce", "optim-in-bwd", "adamw8bit")]
+    )
+] + [Spec(algo="qlora", peft="dora", model="qwen3-30b-a3b", gpus=8, out="runs/x")]
 
 
 @pytest.mark.parametrize(
-    "spec", MATRIX, ids=lambda s: f"{s.model}-{'+'.join(s.tricks) or 'none'}-{s.dtype}-g{s.gpus}"
+    "spec",
+    MATRIX,
+    ids=lambda s: f"{s.algo}-{s.peft}-{s.model}-{'+'.join(s.tricks) or 'none'}-{s.dtype}-g{s.gpus}",
 )
 def test_matrix_renders_clean(spec, tmp_path):
     text = render(spec)
@@ -149,6 +158,8 @@ def test_new_writes_spec_and_base_and_refuses_overwrite(tmp_path):
         (["--tricks", "ac,ac"], "lists a trick twice"),
         (["--dtype", "fp16"], "--dtype 'fp16'; valid: bf16, fp32"),
         (["--gpus", "0"], "--gpus 0 and --nodes 1 must both be >= 1"),
+        (["--peft", "dora"], "--peft dora needs an adapter algorithm (--algo lora or qlora)"),
+        (["--algo", "qlora", "--peft", "vera"], "--peft 'vera'; valid: lora, dora"),
     ],
 )
 def test_cli_errors_are_one_line(args, message, tmp_path):
@@ -172,6 +183,29 @@ def test_list_and_help():
     for name in MODELS:
         assert name in listed.output
     assert "sft" in listed.output and "ac" in listed.output
+    assert "lora" in listed.output and "qlora" in listed.output and "dora" in listed.output
     assert "0.13B" in listed.output  # smollm2-135m: 134.5 M parameters
     helped = runner.invoke(cli, ["new", "--help"])
     assert helped.exit_code == 0 and "--model" in helped.output and "--tricks" in helped.output
+
+
+def test_spec_json_round_trips_peft_and_reads_old_files():
+    spec = Spec(algo="qlora", peft="dora", out="o")
+    assert Spec.from_json(spec.to_json()) == spec
+    assert "--algo qlora" in spec.command() and "--peft dora" in spec.command()
+    assert "--peft" not in Spec(algo="lora", out="o").command()
+    old = '{"generator_version": "0.1.0", "spec": {"algo": "sft", "model": "smollm2-135m", "out": "o"}}'
+    assert Spec.from_json(old) == Spec(out="o")  # written before --peft existed
+
+
+def test_adapter_algorithms_render_their_template():
+    lora = render(Spec(algo="lora", out="o"))
+    assert lora.startswith('"""LoRA supervised fine-tuning of smollm2-135m')
+    assert "lr: float = 0.0002" in lora and "use_dora: bool = False" in lora
+    assert "quantize_base" not in lora and "ignored_params" not in lora
+    qdora = render(Spec(algo="qlora", peft="dora", out="o"))
+    assert qdora.startswith('"""QLoRA (DoRA adapters) supervised fine-tuning')
+    assert "quantize_base=True" in qdora and "use_dora: bool = True" in qdora
+    assert "ignored_params" in qdora and "QLoRA (Dettmers et al. 2023" in qdora
+    with_lce = render(Spec(algo="lora", tricks=("lce",), out="o"))
+    assert "which the lce loss bypasses" in with_lce and "lce loss bypasses" not in lora
