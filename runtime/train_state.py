@@ -13,6 +13,8 @@ COMPLETE (fsynced), renames the directory to `step_000120/` (one atomic rename o
 fsyncs the parent. A crash at any point leaves either the previous checkpoints untouched plus a
 `.tmp` directory (ignored and removed by the next save), or a complete new checkpoint.
 
+Model state: the trainable parameters (all of them in full fine-tuning; only the adapters under
+LoRA/QLoRA, whose frozen base the script reloads from the model directory).
 Optimizer state: `torch.distributed.checkpoint.state_dict.get_state_dict`, keyed by parameter
 names, so the checkpoint is independent of parameter order and of the sharding (a checkpoint
 written by 4 ranks loads on 2). The same call covers torch optimizers, torchao's low-bit
@@ -38,10 +40,20 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.utils.data import DistributedSampler
 
 COMPLETE_MARKER = "COMPLETE"
+# Frozen parameters (a LoRA/QLoRA base) are not saved: the script reloads them from the model
+# directory before resuming, so checkpoints hold only what training changes.
+# Loading: the trainable keys come from this model's own state dict (dcp.load fails if the
+# checkpoint lacks one), and the frozen ones are not in the checkpoint, hence strict=False here.
+_OPTIONS = StateDictOptions(ignore_frozen_params=True)
+_LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -245,7 +257,7 @@ def save_train_state(
 
     try:
         _on_ranks(prepare, only_rank0=True)
-        model_sd, optim_sd = get_state_dict(model, _torch_optimizers(optimizer))
+        model_sd, optim_sd = get_state_dict(model, _torch_optimizers(optimizer), options=_OPTIONS)
         # DCP coordinates the ranks itself: a failure on any rank raises on every rank
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
         _on_ranks(write_rank_files)
@@ -279,7 +291,7 @@ def load_train_state(path: str | os.PathLike, model: nn.Module, optimizer, sched
     if not (path / COMPLETE_MARKER).is_file():
         raise ValueError(f"{path}: no {COMPLETE_MARKER} marker; not a finished checkpoint")
     optimizers = _torch_optimizers(optimizer)
-    model_sd, optim_sd = get_state_dict(model, optimizers)
+    model_sd, optim_sd = get_state_dict(model, optimizers, options=_OPTIONS)
     state_dict = {"model": model_sd, "optim": optim_sd}
     try:
         dcp.load(state_dict, checkpoint_id=str(path / "dcp"))
@@ -294,6 +306,7 @@ def load_train_state(path: str | os.PathLike, model: nn.Module, optimizer, sched
         optimizers,
         model_state_dict=state_dict["model"],
         optim_state_dict=state_dict["optim"],
+        options=_LOAD_OPTIONS,
     )
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
     rng_file = path / f"rng_rank{_rank()}.pt"
