@@ -18,8 +18,15 @@ from runtime.loss import IGNORE_INDEX, cross_entropy_sum, linear_cross_entropy
 from runtime.metrics import MetricsLogger, peak_memory_mib, transformer_flops_per_token
 from runtime.models.llama import CausalLM, KVCache, LlamaForCausalLM, ModelArgs, build_model
 from runtime.models.moe import load_balancing_loss
+from runtime.offload import offload_activations
 from runtime.optim import cosine_schedule_with_warmup
 from runtime.optim_in_backward import setup_optimizer_in_backward
+from runtime.packing import (
+    document_attention_mask,
+    pack_examples,
+    packed_position_ids,
+    packing_efficiency,
+)
 from runtime.parallel import (
     DistInfo,
     all_reduce_sum,
@@ -48,12 +55,17 @@ __all__ = [
     "cross_entropy_sum",
     "destroy_distributed",
     "disable_fsdp_gradient_division",
+    "document_attention_mask",
     "generate",
     "init_distributed",
     "linear_cross_entropy",
     "load_balancing_loss",
     "load_hf_checkpoint",
     "load_rows",
+    "pack_examples",
+    "packed_position_ids",
+    "packing_efficiency",
+    "offload_activations",
     "parse_config",
     "peak_memory_mib",
     "read_hf_config",
