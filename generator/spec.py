@@ -85,9 +85,14 @@ def validate_spec(spec: Spec) -> None:
     if len(set(spec.tricks)) != len(spec.tricks):
         raise SpecError(f"--tricks lists a trick twice: {list(spec.tricks)}")
     for t in spec.tricks:
-        for other in TRICKS[t].conflicts:
+        for other, why in TRICKS[t].conflicts.items():
             if other in spec.tricks:
-                raise SpecError(f"--tricks {t} conflicts with {other}: choose one of them")
+                keep_t = ",".join(x for x in spec.tricks if x != other)
+                keep_other = ",".join(x for x in spec.tricks if x != t)
+                raise SpecError(
+                    f"--tricks {t} and {other} cannot be combined: {why}; drop one of them: "
+                    f"--tricks {keep_t} or --tricks {keep_other}"
+                )
         for need in TRICKS[t].requires:
             if need not in spec.tricks:
                 raise SpecError(
@@ -126,12 +131,15 @@ def _local_model_answers(path: Path) -> dict:
 
 
 # Additive slots collect every enabled feature's lines; override slots (loss, optimizer,
-# backward_and_step) replace the skeleton's default body, so at most one feature may fill each.
+# backward_and_step, ...) replace the skeleton's default body, so at most one feature may fill
+# each; `model_inputs` is single too: it defines the one `model_kwargs` dict.
 SLOTS = (
-    "imports", "config_fields", "validate", "model_setup", "after_shard", "loss", "optimizer_cls",
-    "optimizer", "backward_and_step", "docstring_notes",
+    "imports", "config_fields", "validate", "model_setup", "after_shard", "loss_setup",
+    "model_inputs", "loss",
+    "optimizer_cls", "optimizer", "datasets", "collate", "backward_and_step", "startup_print",
+    "docstring_notes",
 )  # fmt: skip
-OVERRIDE_SLOTS = ("loss", "optimizer_cls", "optimizer", "backward_and_step")
+OVERRIDE_SLOTS = ("model_inputs", "loss", "optimizer_cls", "optimizer", "backward_and_step")
 
 
 def feature_slots(templates: list[str]) -> dict[str, list[str]]:
@@ -168,6 +176,9 @@ def build_answers(spec: Spec) -> dict:
         model = _local_model_answers(Path(spec.model).expanduser())
     # Registry order, not CLI order.
     ordered_tricks = [name for name in TRICKS if name in spec.tricks]
+    slots = feature_slots([TRICKS[name].template for name in ordered_tricks])
+    # A `model_inputs` slot defines `model_kwargs` (extra model arguments: positions, masks).
+    forward_args = 'batch["input_ids"]' + (", **model_kwargs" if slots["model_inputs"] else "")
     return {
         **model,
         "algo": spec.algo,
@@ -180,7 +191,10 @@ def build_answers(spec: Spec) -> dict:
         "max_steps": 100,
         "eval_every_steps": 25,
         "features": [TRICKS[name].template for name in ordered_tricks],
-        "slots": feature_slots([TRICKS[name].template for name in ordered_tricks]),
+        "slots": slots,
+        "forward_args": forward_args,
+        # compiled blocks are specialised to one shape (dynamic=False): pad every batch to it
+        "pad_to_max_seq_len": "compile" in spec.tricks,
         "version": __version__,
         "command": spec.command(),
     }
