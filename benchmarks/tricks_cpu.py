@@ -132,7 +132,9 @@ def run_timed(script: Path, argv: list[str], out_dir: Path) -> dict:
     if status:
         return {"error": (stderr.strip().splitlines() or ["?"])[-1]}
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    timed = rows[1:]  # step 1 includes one-time warm-up (allocator, DTensor dispatch caches)
+    # step 1 includes one-time warm-up (allocator, DTensor dispatch caches, compilation); a
+    # 1-step smoke run has nothing else
+    timed = rows[1:] or rows
     return {
         "tokens_per_s": sum(r["num_tokens"] for r in timed) / sum(r["step_time_s"] for r in timed),
         "peak_rss_mib": usage.ru_maxrss / 1024,

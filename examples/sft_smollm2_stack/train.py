@@ -22,10 +22,10 @@ Differs from Hugging Face TRL / torchtune defaults:
   are packed rows; the data order is fixed by --seed as before.
 - Activation checkpointing (trick "ac"): each block's activations are recomputed in backward;
   about 1/3 more compute for activation memory of one block instead of all.
-- torch.compile (trick "compile"): every transformer block
-  compiled with inductor, shapes fixed (pad_to_max_seq_len=True), so steps after the first
-  never recompile; the first step spends seconds to minutes compiling. TORCH_COMPILE_DISABLE=1
-  runs the same script eagerly (debugging). The chunked linear cross-entropy stays eager (its token count varies per batch).
+- torch.compile (trick "compile"): every transformer block compiled with inductor (the chunked
+  linear cross-entropy stays eager: its token count varies per batch); shapes fixed
+  (pad_to_max_seq_len=True), so steps after the first never recompile; the first step spends
+  seconds to minutes compiling. TORCH_COMPILE_DISABLE=1 runs the same script eagerly (debugging).
 - Linear cross-entropy (trick "lce"): ignored positions are dropped before the output projection
   and the rest go through lm_head + logsumexp in `lce_num_chunks` chunks, recomputed in backward
   (Cut Your Losses, arXiv:2411.09009): one extra [T, D] x [D, V] matmul for no [B, S, V] logits.
