@@ -5,7 +5,8 @@ Each variant is rendered with `scaffold new --tricks ...` and measured twice, ea
 process:
 1. PyTorch's own accounting (`torch.distributed._tools.mem_tracker.MemTracker`) over 3 training
    steps: peak bytes by category (parameters, gradients, optimizer state, activations, temporaries).
-   This is the honest figure on CPU: it counts tensors, not what glibc keeps mapped.
+   This is the honest figure on CPU: it counts tensors, not what glibc keeps mapped. Compiled code
+   runs eagerly under the tracker (a dispatch mode dynamo cannot trace through).
 2. The unmodified script (`python train.py ...`) for tokens/s (steps 2..N, from metrics.jsonl) and the
    process's peak RSS, with GLIBC_TUNABLES=glibc.malloc.mmap_threshold=131072 so freed tensors are
    returned to the OS (without it RSS hides most savings).
@@ -92,7 +93,10 @@ def tracker_child(script: str, argv: list[str]) -> None:
     batches = s.infinite_batches(loader)
     tracker = MemTracker()
     tracker.track_external(model, optimizer)
-    with tracker:
+    # MemTracker is a dispatch mode, under which dynamo refuses to trace (torchao's compiled
+    # low-bit step fails: "frame is in the Dynamo skipfiles list"): run compiled code eagerly here.
+    # Compile's own memory effect shows in the peak RSS column (the unmodified script).
+    with tracker, torch.compiler.set_stance("force_eager"):
         for step in range(3):
             if step:
                 tracker.reset_mod_stats()  # required before every iteration after the first
