@@ -162,8 +162,12 @@ def list_(what):
             click.echo(f"    {name:8} {summary}")
     if what in (None, "tricks"):
         click.echo("\ntricks:" if what is None else "tricks:")
+        width = max(len(name) for name in TRICKS)
         for t in TRICKS.values():
-            click.echo(f"  {t.name:10} {t.summary}")
+            click.echo(f"  {t.name:{width}} {t.summary}")
+        refused = sorted({tuple(sorted((t.name, o))) for t in TRICKS.values() for o in t.conflicts})
+        if refused:
+            click.echo("  refused together: " + ", ".join(f"{a}+{b}" for a, b in refused))
 
 
 _SET_HELP = (

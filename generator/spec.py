@@ -95,9 +95,14 @@ def validate_spec(spec: Spec) -> None:
     if len(set(spec.tricks)) != len(spec.tricks):
         raise SpecError(f"--tricks lists a trick twice: {list(spec.tricks)}")
     for t in spec.tricks:
-        for other in TRICKS[t].conflicts:
+        for other, why in TRICKS[t].conflicts.items():
             if other in spec.tricks:
-                raise SpecError(f"--tricks {t} conflicts with {other}: choose one of them")
+                keep_t = ",".join(x for x in spec.tricks if x != other)
+                keep_other = ",".join(x for x in spec.tricks if x != t)
+                raise SpecError(
+                    f"--tricks {t} and {other} cannot be combined: {why}; drop one of them: "
+                    f"--tricks {keep_t} or --tricks {keep_other}"
+                )
         for need in TRICKS[t].requires:
             if need not in spec.tricks:
                 raise SpecError(
@@ -136,14 +141,16 @@ def _local_model_answers(path: Path) -> dict:
 
 
 # Additive slots collect every enabled feature's lines; override slots (loss, optimizer,
-# backward_and_step) replace the skeleton's default body, so at most one feature may fill each.
+# backward_and_step, ...) replace the skeleton's default body, so at most one feature may fill
+# each; `model_inputs` is single too: it defines the one `model_kwargs` dict.
 SLOTS = (
     "title", "imports", "config_fields", "validate", "model_setup", "fsdp_kwargs", "after_shard",
-    "load_weights", "loss", "optimizer_cls", "optimizer", "backward_and_step", "save",
-    "docstring_notes",
+    "load_weights", "loss_setup", "model_inputs", "loss", "optimizer_cls", "optimizer", "datasets",
+    "collate", "backward_and_step", "startup_print", "save", "docstring_notes",
 )  # fmt: skip
 OVERRIDE_SLOTS = (
-    "title", "load_weights", "loss", "optimizer_cls", "optimizer", "backward_and_step", "save",
+    "title", "load_weights", "model_inputs", "loss", "optimizer_cls", "optimizer",
+    "backward_and_step", "save",
 )  # fmt: skip
 
 
@@ -189,6 +196,9 @@ def build_answers(spec: Spec) -> dict:
     features += [TRICKS[name].template for name in ordered_tricks]
     if algo.lr is not None:
         model["lr"] = algo.lr
+    slots = feature_slots(features)
+    # A `model_inputs` slot defines `model_kwargs` (extra model arguments: positions, masks).
+    forward_args = 'batch["input_ids"]' + (", **model_kwargs" if slots["model_inputs"] else "")
     return {
         **model,
         "algo": spec.algo,
@@ -202,7 +212,10 @@ def build_answers(spec: Spec) -> dict:
         "max_steps": 100,
         "eval_every_steps": 25,
         "features": features,
-        "slots": feature_slots(features),
+        "slots": slots,
+        "forward_args": forward_args,
+        # compiled blocks are specialised to one shape (dynamic=False): pad every batch to it
+        "pad_to_max_seq_len": "compile" in spec.tricks,
         "version": __version__,
         "command": spec.command(),
     }

@@ -32,8 +32,15 @@ from runtime.loss import IGNORE_INDEX, cross_entropy_sum, linear_cross_entropy
 from runtime.metrics import MetricsLogger, peak_memory_mib, transformer_flops_per_token
 from runtime.models.llama import CausalLM, KVCache, LlamaForCausalLM, ModelArgs, build_model
 from runtime.models.moe import load_balancing_loss
+from runtime.offload import offload_activations
 from runtime.optim import cosine_schedule_with_warmup
 from runtime.optim_in_backward import setup_optimizer_in_backward
+from runtime.packing import (
+    document_attention_mask,
+    pack_examples,
+    packed_position_ids,
+    packing_efficiency,
+)
 from runtime.parallel import (
     DistInfo,
     all_reduce_sum,
@@ -78,6 +85,7 @@ __all__ = [
     "cross_entropy_sum",
     "destroy_distributed",
     "disable_fsdp_gradient_division",
+    "document_attention_mask",
     "generate",
     "init_distributed",
     "init_lora",
@@ -90,6 +98,10 @@ __all__ = [
     "load_train_state",
     "merged_hf_tensors",
     "nf4_params_fsdp_cannot_shard",
+    "pack_examples",
+    "packed_position_ids",
+    "packing_efficiency",
+    "offload_activations",
     "parse_config",
     "peak_memory_mib",
     "prepare_out_dir",

@@ -87,6 +87,8 @@ def _validate(prompts, max_new_tokens, temperature, top_p) -> None:
 
 
 @torch.no_grad()
+@torch.compiler.set_stance("force_eager")  # blocks compiled for training (trick "compile") would
+# recompile for every decoding shape (S = 1, growing S_kv); decoding runs them eagerly instead
 def generate(
     model: nn.Module,
     prompts: list[list[int]],

@@ -343,12 +343,13 @@ def collate(examples: list[dict], pad_token_id: int, pad_to: int = 0) -> dict:
         labels[i, : len(ex["labels"])] = torch.tensor(ex["labels"])
     num_tokens = torch.tensor(sum(len(ex["input_ids"]) for ex in examples))
     sample_ids = torch.tensor([ex["id"] for ex in examples])
-    return {
+    batch = {
         "input_ids": input_ids,
         "labels": labels,
         "num_tokens": num_tokens,
         "sample_ids": sample_ids,
     }
+    return batch
 
 
 def build_dataloader(

@@ -33,11 +33,13 @@ Reference:
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from runtime.models.args import HF_ARCHITECTURES, ModelArgs
 from runtime.models.moe import SparseMoeBlock
@@ -189,7 +191,8 @@ class LlamaAttention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, x, cos, sin, attention_mask, is_causal, kv_cache):
-        """x: [B, S, D]; cos/sin: [B, S, Dh]; attention_mask: [B|1, 1, S, S_kv] bool or None.
+        """x: [B, S, D]; cos/sin: [B, S, Dh]; attention_mask: [B|1, 1, S, S_kv] bool, a flex
+        attention BlockMask (then flex attention runs instead of SDPA), or None.
 
         `is_causal` is used only when attention_mask is None. Returns [B, S, D].
         """
@@ -206,17 +209,42 @@ class LlamaAttention(nn.Module):
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)  # -> [B, Hkv, S_kv, Dh]
-        out = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=attention_mask,
-            is_causal=is_causal and attention_mask is None,
-            enable_gqa=q.shape[1] != k.shape[1],
-        )  # [B, H, S, Dh]
+        if isinstance(attention_mask, BlockMask):  # flex attention (packed documents on GPU)
+            out = _flex_attention(q, k, v, attention_mask)  # [B, H, S, Dh]
+        else:
+            out = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=attention_mask,
+                is_causal=is_causal and attention_mask is None,
+                enable_gqa=q.shape[1] != k.shape[1],
+            )  # [B, H, S, Dh]
         out = out.transpose(1, 2)  # [B, H, S, Dh] -> [B, S, H, Dh]
         out = out.reshape(B, S, -1)  # [B, S, H, Dh] -> [B, S, H*Dh]
         return self.o_proj(out)
+
+
+@functools.cache
+def _compiled_flex_attention():
+    # flex attention is fast only compiled (eager runs a reference that materialises [S, S] scores);
+    # one compile per shape, reused by every layer
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _flex_attention(q, k, v, block_mask: BlockMask) -> torch.Tensor:
+    """q: [B, H, S, Dh], k/v: [B, Hkv, S, Dh], block_mask over [S, S] -> [B, H, S, Dh].
+
+    Compiled on CUDA; eager elsewhere (CPU has flex forward only, used by tests and inference).
+    Same softmax scale (1/sqrt(Dh)) and GQA sharing as the SDPA path.
+    """
+    if k.shape[2] != q.shape[2]:
+        raise ValueError(
+            f"flex attention got {q.shape[2]} queries but {k.shape[2]} keys: a BlockMask is for "
+            "training on whole packed rows, not KV-cache decoding; pass a bool mask instead."
+        )
+    fn = _compiled_flex_attention() if q.is_cuda else flex_attention
+    return fn(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
 class LlamaMLP(nn.Module):
@@ -390,8 +418,9 @@ class CausalLM(nn.Module):
         Args:
             input_ids: [B, S] int64 token ids.
             position_ids: [B, S] int64 RoPE positions; None = arange(S) + kv_cache.seq_len.
-            attention_mask: [B, 1, S, S_kv] bool, True = may attend (passed to SDPA);
-                None = plain causal. Every query row should allow at least one key, else SDPA
+            attention_mask: [B, 1, S, S_kv] bool, True = may attend (passed to SDPA); or a
+                flex-attention BlockMask (runtime.packing.document_attention_mask), which runs
+                flex attention instead (no KV cache); None = plain causal. Every query row should allow at least one key, else SDPA
                 returns NaN for that row.
             kv_cache: optional KVCache; the new k/v are appended and seq_len advances by S.
             output_router_logits: also return every MoE layer's router logits.

@@ -338,7 +338,7 @@ def test_regen_to_lora_then_dora_keeps_edits(tmp_path):
         ("gpus=two", "--set gpus='two': not an integer"),
         ("gpus=0", "--gpus 0 and --nodes 1 must both be >= 1"),
         ("dtype=fp16", "--dtype 'fp16'; valid: bf16, fp32"),
-        ("tricks=ac,warp", "unknown trick(s) ['warp']; valid: ac"),
+        ("tricks=ac,warp", "unknown trick(s) ['warp']; valid: packing, ac"),
         ("model=gpt5", "unknown model 'gpt5'"),
         ("algo=ppo", "unknown algorithm 'ppo'"),
         ("dataset= ", "--dataset is empty"),
@@ -435,6 +435,7 @@ CONFIG = "# === 2. Config ==="
 
 IMPORTS, MODEL, LOSS = "# === 1. Imports ===", "# === 4. Model ===", "# === 5. Loss ==="
 OPTIM, STEP = "# === 6. Optimizer + LR schedule ===", "# === 9. train_step ==="
+DATA, MAIN = "# === 7. Data ===", "# === 10. main ==="
 
 
 @pytest.mark.parametrize(
@@ -443,7 +444,11 @@ OPTIM, STEP = "# === 6. Optimizer + LR schedule ===", "# === 9. train_step ==="
         ({"tricks": ("ac",)}, {HEADER, IMPORTS, CONFIG, MODEL}, 12),
         ({"tricks": ("lce",)}, {HEADER, IMPORTS, CONFIG, MODEL, LOSS}, 24),
         ({"tricks": ("optim-in-bwd",)}, {HEADER, IMPORTS, OPTIM, STEP}, 40),
-        ({"tricks": ("adamw8bit",)}, {HEADER, IMPORTS, OPTIM}, 12),
+        ({"tricks": ("adamw8bit",)}, {HEADER, IMPORTS, OPTIM}, 20),
+        ({"tricks": ("adamw4bit",)}, {HEADER, IMPORTS, OPTIM}, 20),
+        ({"tricks": ("packing",)}, {HEADER, IMPORTS, CONFIG, LOSS, DATA, MAIN}, 50),
+        ({"tricks": ("compile",)}, {HEADER, CONFIG, MODEL, LOSS}, 30),
+        ({"tricks": ("offload",)}, {HEADER, IMPORTS, CONFIG, MODEL}, 30),
         ({"dtype": "fp32"}, {HEADER, CONFIG}, 12),
         ({"gpus": 8}, {HEADER}, 12),
         ({"nodes": 2}, {HEADER}, 12),

@@ -17,12 +17,34 @@ from generator.cli import cli
 REPO = Path(__file__).resolve().parents[2]
 EXACT = ("ac", "lce", "optim-in-bwd")  # change memory and speed, not the math
 COMBOS = [c for n in range(1, len(EXACT) + 1) for c in itertools.combinations(EXACT, n)]
-LOW_BIT = [("adamw8bit",), ("ac", "lce", "optim-in-bwd", "adamw8bit")]
+LOW_BIT = [
+    ("adamw8bit",),
+    ("ac", "lce", "optim-in-bwd", "adamw8bit"),
+    ("ac", "lce", "optim-in-bwd", "adamw4bit"),
+]
+# packing changes the batching (several documents per row), so packed scripts are compared with the
+# packed script; rows of 256 tokens hold several alpaca documents
+PACKED_LEN = 256
+PACKED_COMBOS = [("packing", *c) for c in [("ac",), ("lce",), ("optim-in-bwd",), EXACT]]
+REFUSED = {
+    ("adamw8bit", "adamw4bit"): "--tricks adamw8bit and adamw4bit cannot be combined: both choose "
+    "the optimizer",
+    ("ac", "offload"): "--tricks ac and offload cannot be combined: with activation checkpointing",
+}
 
 
-def _losses(script: Path, out: Path, model_dir: Path, data: Path) -> list[float]:
+def _render(tricks, out: Path) -> Path:
+    result = CliRunner().invoke(cli, ["new", "--tricks", ",".join(tricks), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    return out / "train.py"
+
+
+def _losses(
+    script: Path, out: Path, model_dir: Path, data: Path, max_seq_len: int = 64
+) -> list[float]:
     args = ["--model", str(model_dir), "--dataset", str(data), "--dtype", "fp32", "--max_steps", "2",
-            "--warmup_steps", "0", "--lr", "1e-3", "--micro_batch_size", "2", "--max_seq_len", "64",
+            "--warmup_steps", "0", "--lr", "1e-3", "--micro_batch_size", "2",
+            "--max_seq_len", str(max_seq_len),
             "--gradient_accumulation_steps", "2", "--val_fraction", "0", "--sample_max_new_tokens", "0",
             "--out_dir", str(out)]  # fmt: skip
     proc = subprocess.run(
@@ -40,11 +62,18 @@ def baseline(tmp_path_factory, tiny_model_dir, small_dataset):
     )
 
 
+@pytest.fixture(scope="module")
+def packed_baseline(tmp_path_factory, tiny_model_dir, small_dataset):
+    run = tmp_path_factory.mktemp("packed")
+    script = _render(("packing",), run / "run")
+    return _losses(script, run / "out", tiny_model_dir, small_dataset, PACKED_LEN)
+
+
 @pytest.mark.parametrize("tricks", LOW_BIT, ids="+".join)
 def test_low_bit_optimizers_track_the_plain_script(
     tricks, baseline, tmp_path, tiny_model_dir, small_dataset
 ):
-    """torchao 8-bit AdamW (alone and under optimizer-in-backward with every exact trick) train:
+    """torchao 8-bit / 4-bit AdamW (alone and under optimizer-in-backward with every exact trick) train:
     step 1 is before any update (identical); after one update the loss differs only by the
     quantization of the moments."""
     result = CliRunner().invoke(
@@ -110,3 +139,137 @@ def test_activation_checkpointing_saves_less(tiny_model_dir):
         loss.backward()  # recomputation works under FSDP2
         saved[enabled] = total[0]
     assert saved[True] < 0.2 * saved[False], saved
+
+
+@pytest.mark.parametrize("tricks", PACKED_COMBOS, ids="+".join)
+def test_packed_trick_combination_matches_packed_script(
+    tricks, packed_baseline, tmp_path, tiny_model_dir, small_dataset
+):
+    """ac, lce and optim-in-bwd on packed rows (block-causal mask, per-document positions) give the
+    packed script's losses."""
+    script = _render(tricks, tmp_path / "run")
+    losses = _losses(script, tmp_path / "out", tiny_model_dir, small_dataset, PACKED_LEN)
+    assert losses == pytest.approx(packed_baseline, abs=1e-5), (tricks, losses, packed_baseline)
+
+
+@pytest.mark.slow
+def test_compile_with_the_full_stack_matches_packed_script(
+    packed_baseline, tmp_path, tiny_model_dir, small_dataset
+):
+    """Compiled blocks under packing, ac, lce and optim-in-bwd (clipping's two passes reuse the
+    graphs) give the packed script's losses (inductor's reordered sums: 1e-5)."""
+    tricks = ("packing", "ac", "compile", "lce", "optim-in-bwd")
+    script = _render(tricks, tmp_path / "run")
+    losses = _losses(script, tmp_path / "out", tiny_model_dir, small_dataset, PACKED_LEN)
+    assert losses == pytest.approx(packed_baseline, abs=1e-5), (losses, packed_baseline)
+
+
+@pytest.mark.parametrize("tricks", list(REFUSED), ids="+".join)
+def test_refused_combinations_name_both_and_the_fix(tricks, tmp_path):
+    result = CliRunner().invoke(
+        cli, ["new", "--tricks", ",".join(tricks), "--out", str(tmp_path / "run")]
+    )
+    assert result.exit_code != 0
+    assert REFUSED[tricks] in result.output
+    a, b = tricks
+    assert f"drop one of them: --tricks {a} or --tricks {b}" in result.output
+
+
+def test_offload_refuses_a_cpu_run(tmp_path):
+    """Offloading moves GPU activations to CPU memory: a CPU run says so before any work."""
+    script = _render(("offload",), tmp_path / "run")
+    proc = subprocess.run(
+        [sys.executable, str(script), "--device", "cpu"], capture_output=True, text=True
+    )
+    assert proc.returncode != 0
+    assert (
+        "offload moves activations from GPU to CPU memory; on a CPU run there is nothing to "
+        "move: drop --tricks offload" in proc.stderr
+    )
+
+
+def _script_setup(script, model_dir, data, **overrides):
+    cfg = script.Config(
+        model=str(model_dir), dataset=str(data), dtype="fp32", device="cpu", val_fraction=0.0,
+        micro_batch_size=2, gradient_accumulation_steps=2, **overrides,
+    )  # fmt: skip
+    dist_info, mesh = script.setup_distributed(cfg)
+    tokenizer = script.Tokenizer.from_dir(model_dir)
+    train_set, _ = script.build_datasets(cfg, tokenizer)
+    model = script.build_sft_model(cfg, model_dir, mesh, dist_info.device)
+    return cfg, dist_info.device, tokenizer, train_set, model
+
+
+def test_packed_token_losses_and_grads_equal_unpacked(
+    tmp_path, sft_script, tiny_model_dir, small_dataset
+):
+    """The same documents, packed (several per row) or one per row: the summed token loss and the
+    gradients are equal, and packing needs fewer rows of the same length."""
+    import torch
+
+    from tests.conftest import import_script
+
+    packed = import_script(_render(("packing",), tmp_path / "run"), "sft_packed_train")
+    cfg, device, tokenizer, packs, model = _script_setup(
+        packed, tiny_model_dir, small_dataset, max_seq_len=PACKED_LEN
+    )
+    plain_cfg, _, _, docs, _ = _script_setup(
+        sft_script, tiny_model_dir, small_dataset, max_seq_len=PACKED_LEN
+    )
+    assert [n for p in packs for n in p["seq_lens"]] == [len(d["input_ids"]) for d in docs]
+    assert len(packs) < len(docs)  # several short documents share a row
+    n_docs = sum(len(p["seq_lens"]) for p in packs[:4])  # 4 rows are enough (CPU time)
+    packs, docs = packs[:4], docs[:n_docs]
+    assert n_docs > 4
+    batches = {
+        "packed": [packed.collate(packs[i : i + 2], tokenizer.pad_token_id) for i in range(0, len(packs), 2)],
+        "plain": [sft_script.collate(docs[i : i + 2], tokenizer.pad_token_id) for i in range(0, len(docs), 2)],
+    }  # fmt: skip
+    losses, grads = {}, {}
+    for name, loss_fn, c in (
+        ("packed", packed.sft_loss, cfg),
+        ("plain", sft_script.sft_loss, plain_cfg),
+    ):
+        total = sum(loss_fn(model, b, c) for b in batches[name])
+        total.backward()
+        losses[name] = total.detach()
+        grads[name] = [p.grad.full_tensor().clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+    torch.testing.assert_close(losses["packed"], losses["plain"], atol=1e-3, rtol=1e-6)
+    for g, ref in zip(grads["packed"], grads["plain"]):
+        torch.testing.assert_close(g, ref, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_compile_never_recompiles_and_matches_eager(
+    tmp_path, sft_script, tiny_model_dir, small_dataset
+):
+    """Compiled blocks and loss: 3 steps of documents of varying length (padded to max_seq_len,
+    the compile script's default) compile once in step 1, never again, and give the eager
+    script's losses on the same batches."""
+    from torch._dynamo.utils import counters
+
+    from tests.conftest import import_script
+
+    compiled = import_script(_render(("compile",), tmp_path / "run"), "sft_compiled_train")
+    cfg, device, tokenizer, train_set, model = _script_setup(
+        compiled, tiny_model_dir, small_dataset, max_seq_len=128
+    )
+    assert cfg.pad_to_max_seq_len  # the compile script's default: one shape
+    *_, eager = _script_setup(
+        sft_script, tiny_model_dir, small_dataset, max_seq_len=128, pad_to_max_seq_len=True
+    )
+    loader = compiled.build_dataloader(cfg, train_set, tokenizer.pad_token_id, 0, 1, train=True)
+    batches = compiled.infinite_batches(loader)
+    runs = {"compiled": (compiled, model), "eager": (sft_script, eager)}
+    optims = {k: s.build_optimizer(cfg, m) for k, (s, m) in runs.items()}
+    graphs, losses = [], {"compiled": [], "eager": []}
+    for _ in range(3):
+        micro = [next(batches)[1] for _ in range(cfg.gradient_accumulation_steps)]
+        for name, (script, m) in runs.items():
+            metrics = script.train_step(m, *optims[name], micro, cfg, device)
+            losses[name].append(metrics["loss"])
+        graphs.append((counters["stats"]["unique_graphs"], counters["stats"]["calls_captured"]))
+    assert graphs[0][0] >= 2  # the block and the loss
+    assert graphs[1:] == graphs[:1] * 2, graphs  # nothing compiled after step 1
+    assert losses["compiled"] == pytest.approx(losses["eager"], abs=1e-5)

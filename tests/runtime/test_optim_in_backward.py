@@ -1,6 +1,7 @@
 """Optimizer-in-backward vs the standard `clip_grad_norm_` + `opt.step()` loop: identical
 parameters (fp32 CPU, torch.equal) with AdamW + weight decay + the warmup/cosine LambdaLR, with
-gradient accumulation and clipping; exact resume; FSDP2 (1-process gloo); torchao AdamW8bit."""
+gradient accumulation and clipping; exact resume; FSDP2 (1-process gloo); torchao AdamW8bit and
+AdamW4bit (also over FSDP2 DTensor parameters, equal to the plain model)."""
 
 from __future__ import annotations
 
@@ -232,16 +233,19 @@ def test_fsdp2_one_process_equals_plain(process_group):
     torch.testing.assert_close(torch.stack(norms), torch.stack(ref_norms), atol=0, rtol=1e-5)
 
 
-def test_torchao_adamw8bit_smoke():
-    """One tiny case (the first step compiles for a few seconds): parameters move, the 8-bit state
-    and the scheduler drive it, and resume after 1 step equals 2 continuous steps."""
-    AdamW8bit = pytest.importorskip("torchao.optim").AdamW8bit
+@pytest.mark.parametrize(
+    "name, state_cls", [("AdamW8bit", "OptimState8bit"), ("AdamW4bit", "OptimState4bit")]
+)
+def test_torchao_low_bit_smoke(name, state_cls):
+    """One tiny case (the first step compiles for a few seconds): parameters move, the low-bit
+    state and the scheduler drive it, and resume after 1 step equals 2 continuous steps."""
+    optimizer_cls = getattr(pytest.importorskip("torchao.optim"), name)
     torch.manual_seed(0)
-    layer = torch.nn.Linear(64, 64, bias=False)  # 4096 elements: big enough for 8-bit blocks
+    layer = torch.nn.Linear(64, 64, bias=False)  # 4096 elements: the smallest quantized tensor
     x = torch.randn(8, 64)
 
     def run(module, steps, state=None):
-        opt = setup_optimizer_in_backward(module, functools.partial(AdamW8bit, lr=1e-2))
+        opt = setup_optimizer_in_backward(module, functools.partial(optimizer_cls, lr=1e-2))
         sched = cosine_schedule_with_warmup(opt, 1, 4)
         if state is not None:
             opt.load_state_dict(state[0])
@@ -256,7 +260,7 @@ def test_torchao_adamw8bit_smoke():
     opt, _ = run(continuous, 2)
     assert not torch.equal(continuous.weight, layer.weight)
     (state,) = opt.state.values()
-    assert type(state["exp_avg"]).__name__ == "OptimState8bit"
+    assert type(state["exp_avg"]).__name__ == state_cls
     first = copy.deepcopy(layer)
     opt, sched = run(first, 1)
     assert opt.param_groups[0]["lr"].item() == pytest.approx(1e-2)  # warmup 1/2 -> full lr
@@ -265,3 +269,48 @@ def test_torchao_adamw8bit_smoke():
     resumed.load_state_dict(checkpoint[0])
     run(resumed, 1, checkpoint[1:])
     torch.testing.assert_close(resumed.weight, continuous.weight, atol=0, rtol=0)
+
+
+def test_torchao_adamw4bit_over_fsdp2_equals_plain(process_group):
+    """AdamW4bit over FSDP2's DTensor parameters (standard step and in backward) equals AdamW4bit
+    on the plain model: the same 4-bit state (blocks of 128; tensors of >= 4096 elements are
+    quantized: q/o_proj, the MLP and the embedding here) and the same parameters after 3 steps.
+    The AOTAutograd cache is off as in the script (its DTensor key ignores the state subclass)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from runtime.parallel import build_mesh, disable_fsdp_gradient_division
+
+    AdamW4bit = pytest.importorskip("torchao.optim").AdamW4bit
+    torch._functorch.config.enable_autograd_cache = False
+    mesh = build_mesh("cpu")
+
+    def sharded():
+        model = _model()
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh["dp_shard"])
+        fully_shard(model, mesh=mesh["dp_shard"])
+        disable_fsdp_gradient_division(model)
+        return model
+
+    ref, standard, in_backward = _model(), sharded(), sharded()
+    factory = functools.partial(AdamW4bit, lr=LR)
+    opts = {
+        "ref": (ref, factory(_groups(ref))),
+        "standard": (standard, factory(_groups(standard))),
+        "in_backward": (in_backward, setup_optimizer_in_backward(_groups(in_backward), factory)),
+    }
+    for step in range(3):
+        (mb,) = _micro_batches(step, 1)
+        for model, opt in opts.values():
+            _loss(model, mb, 1).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    quantized = [
+        s
+        for s in opts["standard"][1].state.values()
+        if "4bit" in repr(type(s["exp_avg"].to_local()))
+    ]
+    assert len(quantized) >= 5
+    for name, model in (("standard", standard), ("in_backward", in_backward)):
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.full_tensor(), q, atol=1e-6, rtol=1e-5, msg=f"{name} {n}")
