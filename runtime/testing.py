@@ -89,3 +89,8 @@ def safetensors_keys(model_dir) -> set[str]:
         with safe_open(path, framework="pt") as f:
             keys |= set(f.keys())
     return keys
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: gathered if `t` is an FSDP2/TP DTensor (a collective), else `t` itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from runtime.testing import spawn
+from runtime.testing import full_tensor, spawn
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -35,11 +35,11 @@ def _grads(rank, world_size, model_dir, data_path):
         script.collate(mine[i : i + 2], tokenizer.pad_token_id) for i in range(0, len(mine), 2)
     ]
     model = script.build_sft_model(cfg, Path(model_dir), mesh, dist_info.device)
-    before = {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
+    before = {n: full_tensor(p.detach()).clone() for n, p in model.named_parameters()}
     opt = torch.optim.SGD(model.parameters(), lr=1.0)  # update == gradient
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     metrics = script.train_step(model, opt, sched, micro_batches, cfg, dist_info.device)
-    grads = {n: before[n] - p.detach().full_tensor() for n, p in model.named_parameters()}
+    grads = {n: before[n] - full_tensor(p.detach()) for n, p in model.named_parameters()}
     return metrics, grads
 
 

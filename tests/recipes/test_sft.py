@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from runtime import IGNORE_INDEX, Tokenizer, load_rows, to_messages
+from runtime.testing import full_tensor
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "sft_smollm2" / "train.py"
@@ -115,12 +116,12 @@ def test_gradient_accumulation_equals_one_big_batch(sft_script, tiny_model_dir, 
     results = []
     for micro_batches in ([short, long], [short + long]):
         model = sft_script.build_sft_model(cfg, tiny_model_dir, mesh, dist_info.device)
-        before = {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
+        before = {n: full_tensor(p.detach()).clone() for n, p in model.named_parameters()}
         opt = torch.optim.SGD(model.parameters(), lr=1.0)  # SGD lr=1: the update is the gradient
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
         batches = [sft_script.collate(mb, tokenizer.pad_token_id) for mb in micro_batches]
         metrics = sft_script.train_step(model, opt, sched, batches, cfg, dist_info.device)
-        grads = {n: before[n] - p.detach().full_tensor() for n, p in model.named_parameters()}
+        grads = {n: before[n] - full_tensor(p.detach()) for n, p in model.named_parameters()}
         results.append((metrics, grads))
     (m1, g1), (m2, g2) = results
     assert m1["num_supervised"] == m2["num_supervised"]

@@ -13,6 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from generator.cli import cli
+from runtime.testing import full_tensor
 
 REPO = Path(__file__).resolve().parents[2]
 EXACT = ("ac", "lce", "optim-in-bwd")  # change memory and speed, not the math
@@ -233,7 +234,7 @@ def test_packed_token_losses_and_grads_equal_unpacked(
         total = sum(loss_fn(model, b, c) for b in batches[name])
         total.backward()
         losses[name] = total.detach()
-        grads[name] = [p.grad.full_tensor().clone() for p in model.parameters()]
+        grads[name] = [full_tensor(p.grad).clone() for p in model.parameters()]
         model.zero_grad(set_to_none=True)
     torch.testing.assert_close(losses["packed"], losses["plain"], atol=1e-3, rtol=1e-6)
     for g, ref in zip(grads["packed"], grads["plain"]):
