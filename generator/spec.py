@@ -12,7 +12,7 @@ from pathlib import Path
 
 from generator import __version__
 from generator.catalog import MODELS
-from generator.features import ALGOS, PEFT_ALGOS, PEFT_METHODS, TRICKS
+from generator.features import ALGOS, PEFT_ALGOS, PEFT_METHODS, REF_MODE_HELP, REF_MODES, TRICKS
 
 DTYPES = ("bf16", "fp32")
 
@@ -92,6 +92,13 @@ def validate_spec(spec: Spec) -> None:
     unknown = [t for t in spec.tricks if t not in TRICKS]
     if unknown:
         raise SpecError(f"unknown trick(s) {unknown}; valid: {', '.join(TRICKS) or 'none yet'}")
+    allowed = ALGOS[spec.algo].tricks
+    refused = [t for t in spec.tricks if allowed is not None and t not in allowed]
+    if refused:
+        raise SpecError(
+            f"--algo {spec.algo} does not take --tricks {','.join(refused)} (it has no SFT loss or "
+            f"step section for them to replace); valid for {spec.algo}: {', '.join(allowed)}"
+        )
     if len(set(spec.tricks)) != len(spec.tricks):
         raise SpecError(f"--tricks lists a trick twice: {list(spec.tricks)}")
     for t in spec.tricks:
@@ -135,11 +142,12 @@ def _local_model_answers(path: Path) -> dict:
     }
 
 
+# helpers: module-level functions a feature adds (after the Model section).
 # Additive slots collect every enabled feature's lines; override slots (loss, optimizer,
 # backward_and_step) replace the skeleton's default body, so at most one feature may fill each.
 SLOTS = (
     "title", "imports", "config_fields", "validate", "model_setup", "fsdp_kwargs", "after_shard",
-    "load_weights", "loss", "optimizer_cls", "optimizer", "backward_and_step", "save",
+    "load_weights", "helpers", "loss", "optimizer_cls", "optimizer", "backward_and_step", "save",
     "docstring_notes",
 )  # fmt: skip
 OVERRIDE_SLOTS = (
@@ -189,6 +197,7 @@ def build_answers(spec: Spec) -> dict:
     features += [TRICKS[name].template for name in ordered_tricks]
     if algo.lr is not None:
         model["lr"] = algo.lr
+    ref_modes = REF_MODES.get(spec.algo, ())
     return {
         **model,
         "algo": spec.algo,
@@ -201,6 +210,12 @@ def build_answers(spec: Spec) -> dict:
         "warmup_steps": 10,
         "max_steps": 100,
         "eval_every_steps": 25,
+        "skeleton": algo.skeleton,
+        "adapters": algo.template == "lora",
+        "ref_modes": list(ref_modes),
+        "ref_modes_literal": repr(tuple(ref_modes)),
+        "ref_mode": ref_modes[0] if ref_modes else "",
+        "ref_mode_help": {m: REF_MODE_HELP[m] for m in ref_modes},
         "features": features,
         "slots": feature_slots(features),
         "version": __version__,
