@@ -54,7 +54,13 @@ ALGOS: dict[str, Algo] = {
             tricks=("ac", "adamw8bit"),
             dataset="dpo_en_demo.json",
         ),
-        Algo("kd", "kd", "knowledge distillation: KL to a frozen teacher mixed with CE", lr=None),
+        # KD: a feature of the SFT skeleton; its loss is already chunked, so no lce
+        Algo(
+            "kd",
+            "kd",
+            "knowledge distillation: KL to a frozen teacher (same tokenizer) mixed with CE",
+            tricks=("ac", "optim-in-bwd", "adamw8bit"),
+        ),
     ]
 }
 # --peft: the adapter type of the lora/qlora algorithms.
