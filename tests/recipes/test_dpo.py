@@ -185,3 +185,34 @@ def test_lora_dpo_on_real_preference_data_ranks_chosen_higher(
     assert sum(acc[-4:]) / 4 > 0.5, acc
     assert sum(margins[-3:]) / 3 > max(margins[:2]), margins
     assert rows[-1]["loss"] < rows[0]["loss"]
+
+
+@pytest.mark.parametrize("ref_mode", ["precomputed", "separate"])
+def test_resume_continues_exactly_and_keeps_the_precomputed_reference(
+    dpo_script, tiny_model_dir, short_pairs, tmp_path, ref_mode
+):
+    """4 steps straight == 2 steps, stop, resume to 4 (constant lr, so the schedule does not
+    depend on max_steps; the resumed run reads the cached reference log-probs back instead of
+    scoring with the moved policy)."""
+    common = [
+        "--model", str(tiny_model_dir), "--dataset", str(short_pairs), "--device", "cpu",
+        "--dtype", "fp32", "--max_seq_len", "96", "--micro_batch_size", "1", "--warmup_steps",
+        "0", "--lr", "1e-2", "--min_lr_ratio", "1.0", "--val_fraction", "0",
+        "--eval_every_steps", "0", "--sample_max_new_tokens", "0", "--save_every_steps", "2", "--ref_mode", ref_mode,
+    ]  # fmt: skip
+
+    def losses(out):
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    dpo_script.main([*common, "--out_dir", str(straight), "--max_steps", "4"])
+    dpo_script.main([*common, "--out_dir", str(resumed), "--max_steps", "2"])
+    dpo_script.main([*common, "--out_dir", str(resumed), "--max_steps", "4"])
+    want, got = losses(straight), losses(resumed)
+    assert got[3] == pytest.approx(want[3], abs=1e-6) and got[4] == pytest.approx(want[4], abs=1e-6)
+    assert want[3] != pytest.approx(math.log(2), abs=1e-3)  # the policy did move
+    if ref_mode == "precomputed":
+        (resumed / "reference_logps.pt").unlink()
+        with pytest.raises(ValueError, match="reference_logps.pt is missing"):
+            dpo_script.main([*common, "--out_dir", str(resumed), "--max_steps", "6"])

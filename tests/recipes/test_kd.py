@@ -67,7 +67,8 @@ def test_tiny_student_distilled_from_smollm2_on_real_data(
         "--model", str(tiny_model_dir), "--teacher", str(smollm2_dir), "--dataset",
         str(data), "--out_dir", str(out), "--device", "cpu", "--dtype", "fp32",
         "--max_seq_len", "64", "--micro_batch_size", "2", "--max_steps", "8",
-        "--warmup_steps", "0", "--lr", "1e-2", "--min_lr_ratio", "1.0", "--kd_ratio", "1.0", "--kd_temperature", "1.0",
+        "--warmup_steps", "0", "--lr", "1e-2", "--min_lr_ratio", "1.0", "--kd_ratio", "1.0",
+        "--kd_temperature", "1.0",
         "--val_fraction", "0", "--eval_every_steps", "0", "--sample_max_new_tokens", "0",
     ]  # fmt: skip
     kd_script.main(argv)
