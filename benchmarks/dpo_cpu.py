@@ -135,12 +135,12 @@ def command(args) -> str:
 def table(results: dict, args) -> str:
     lines = [
         MARK_BEGIN,
-        "## DPO reference modes (SmolLM2-135M, CPU)",
+        f"## DPO reference modes ({Path(args.model).name}, CPU)",
         "",
         f"Command: `{command(args)}` ({time.strftime('%Y-%m-%d')}, "
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load average at "
         f"start {args.load_start}). The unmodified emitted scripts (`scaffold new --algo dpo` and "
-        f"`--algo dpo-lora`) with `--ref_mode <mode>`, real SmolLM2-135M-Instruct weights, the "
+        f"`--algo dpo-lora`) with `--ref_mode <mode>`, model {args.model} (real weights), the "
         f"first {args.max_pairs} real dpo_en_demo.json pairs padded to {args.max_seq_len} tokens "
         f"per sequence, micro-batch {args.micro_batch_size} pairs ({2 * args.micro_batch_size} "
         "sequences), each script's default lr (DPO 1e-6, LoRA DPO 5e-5), constant lr. Peak RSS of "

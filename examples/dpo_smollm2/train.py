@@ -508,6 +508,7 @@ def precompute_reference_logprobs(
         ids = batch["sample_ids"]
         table[ids] += logps.view(2, -1).T  # [2P] -> [P, 2]
         counts[ids] += 1
+    model.reshard()  # a no_grad forward leaves the root's parameters (embeddings, lm_head) gathered
     model.train()
     all_reduce_sum(table)
     all_reduce_sum(counts)
