@@ -216,3 +216,19 @@ def test_resume_continues_exactly_and_keeps_the_precomputed_reference(
         (resumed / "reference_logps.pt").unlink()
         with pytest.raises(ValueError, match="reference_logps.pt is missing"):
             dpo_script.main([*common, "--out_dir", str(resumed), "--max_steps", "6"])
+
+
+def test_ipo_compares_per_token_means(dpo_lora_script, tiny_model_dir, short_pairs):
+    s = dpo_lora_script
+    cfg, _, _, _, model, batch, _ = _setup(s, tiny_model_dir, short_pairs, loss_type="ipo")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.05)
+        losses, sums = s.pair_losses(model, None, None, batch, cfg)
+        logps, counts = s.sequence_logprobs(model, batch, cfg)
+        ref = s.reference_logprobs(model, None, None, batch, cfg)
+    mean, ref_mean = logps / counts, ref / counts  # [2P]
+    want, _, _ = s.dpo_loss(mean[:2], mean[2:], ref_mean[:2], ref_mean[2:], cfg.beta, 0.0, "ipo")
+    torch.testing.assert_close(losses, want)
+    torch.testing.assert_close(sums["logps/chosen"], mean[:2].sum())
