@@ -75,9 +75,9 @@ def cli():
 )
 @click.option(
     "--dataset",
-    default="alpaca_en_demo.json",
-    show_default=True,
-    help="A .json/.jsonl/.parquet file, a file in $SCAFFOLD_HOME/data, or a HF dataset name.",
+    default=None,
+    help="A .json/.jsonl/.parquet file, a file in $SCAFFOLD_HOME/data, or a HF dataset name "
+    "[default: the algorithm's demo set: alpaca_en_demo.json, dpo_en_demo.json for DPO].",
 )
 @click.option(
     "--out",
@@ -107,7 +107,7 @@ def new(algo, peft, model, tricks, gpus, nodes, dtype, dataset, out, force):
         gpus=gpus,
         nodes=nodes,
         dtype=dtype,
-        dataset=dataset,
+        dataset=dataset or (ALGOS[algo].dataset if algo in ALGOS else Spec.dataset),
         out=out,
     )
     out_dir = Path(out)

@@ -19,6 +19,9 @@ class Algo:
     template: str | None  # file stem under templates/features/, or None: the skeleton's defaults
     summary: str
     lr: float | None = None  # default peak lr; None = the model catalog's (full fine-tuning) lr
+    skeleton: str = "sft"  # templates/recipes/<skeleton>.py.jinja
+    tricks: tuple[str, ...] | None = None  # the tricks it accepts; None = all
+    dataset: str = "alpaca_en_demo.json"  # `scaffold new`'s default --dataset
 
 
 ALGOS: dict[str, Algo] = {
@@ -29,6 +32,35 @@ ALGOS: dict[str, Algo] = {
         # examples, torchtune's LoRA configs use 1e-4 to 3e-4)
         Algo("lora", "lora", "SFT of low-rank adapters (LoRA; --peft dora for DoRA)", lr=2e-4),
         Algo("qlora", "lora", "LoRA over a frozen 4-bit NF4 base (QLoRA, torchao)", lr=2e-4),
+        # DPO: TRL's DPOConfig default lr (1e-6) for full parameters; 10x smaller steps than SFT
+        # because the reference anchors the policy. Its own skeleton (pairs, reference, metrics);
+        # lce / optim-in-bwd replace SFT's loss and step sections, which DPO does not have.
+        Algo(
+            "dpo",
+            None,
+            "DPO on preference pairs, all parameters (reference: separate or precomputed)",
+            lr=1e-6,
+            skeleton="dpo",
+            tricks=("ac", "adamw8bit"),
+            dataset="dpo_en_demo.json",
+        ),
+        # LoRA DPO: the lora template's slots in the dpo skeleton; the frozen base is the reference
+        Algo(
+            "dpo-lora",
+            "lora",
+            "DPO of LoRA adapters (reference: the base with adapters off)",
+            lr=5e-5,
+            skeleton="dpo",
+            tricks=("ac", "adamw8bit"),
+            dataset="dpo_en_demo.json",
+        ),
+        # KD: a feature of the SFT skeleton; its loss is already chunked, so no lce
+        Algo(
+            "kd",
+            "kd",
+            "knowledge distillation: KL to a frozen teacher (same tokenizer) mixed with CE",
+            tricks=("ac", "optim-in-bwd", "adamw8bit"),
+        ),
     ]
 }
 # --peft: the adapter type of the lora/qlora algorithms.
@@ -36,7 +68,18 @@ PEFT_METHODS = {
     "lora": "LoRA: W + (lora_alpha / lora_rank) * B A",
     "dora": "DoRA: LoRA plus a learned magnitude per output row (Liu et al. 2024)",
 }
-PEFT_ALGOS = ("lora", "qlora")
+PEFT_ALGOS = ("lora", "qlora", "dpo-lora")
+# DPO reference modes (config ref_mode) per algorithm; the first is the default.
+REF_MODES = {
+    "dpo": ("separate", "precomputed"),
+    "dpo-lora": ("adapters-off", "separate", "precomputed"),
+}
+REF_MODE_HELP = {
+    "separate": "a frozen copy of the checkpoint (--ref_device cpu keeps it in host memory)",
+    "adapters-off": "the policy's own frozen base with the LoRA adapters skipped: no second copy",
+    "precomputed": "one pass over the data before training caches the reference log-probs per "
+    "pair, then only the policy is resident",
+}
 
 
 @dataclass(frozen=True)

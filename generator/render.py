@@ -15,7 +15,7 @@ from libcst.metadata import MetadataWrapper, ScopeProvider
 
 from generator.spec import ScaffoldError, Spec, build_answers
 
-SKELETON = "recipes/sft.py.jinja"  # every algorithm fills its slots (generator.features)
+SKELETONS = "recipes/{}.py.jinja"  # per algorithm (generator.features); features fill its slots
 LINE_LENGTH = 100
 _RESIDUE = ("{{", "{%", "{#")
 FIRST_PARTY = ["--config", "lint.isort.known-first-party = ['runtime']"]
@@ -82,7 +82,7 @@ def render_raw(spec: Spec) -> str:
     """Jinja output before any post-processing (for debugging templates)."""
     answers = build_answers(spec)
     answers.update({k: docstring_text(answers[k]) for k in _DOCSTRING_ANSWERS})
-    return environment().get_template(SKELETON).render(a=answers)
+    return environment().get_template(SKELETONS.format(answers["skeleton"])).render(a=answers)
 
 
 def render(spec: Spec) -> str:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from generator import __version__
 from generator.catalog import MODELS
-from generator.features import ALGOS, PEFT_ALGOS, PEFT_METHODS, TRICKS
+from generator.features import ALGOS, PEFT_ALGOS, PEFT_METHODS, REF_MODE_HELP, REF_MODES, TRICKS
 
 DTYPES = ("bf16", "fp32")
 
@@ -92,6 +92,13 @@ def validate_spec(spec: Spec) -> None:
     unknown = [t for t in spec.tricks if t not in TRICKS]
     if unknown:
         raise SpecError(f"unknown trick(s) {unknown}; valid: {', '.join(TRICKS) or 'none yet'}")
+    allowed = ALGOS[spec.algo].tricks
+    refused = [t for t in spec.tricks if allowed is not None and t not in allowed]
+    if refused:
+        raise SpecError(
+            f"--algo {spec.algo} does not take --tricks {','.join(refused)} (it has no SFT loss or "
+            f"step section for them to replace); valid for {spec.algo}: {', '.join(allowed)}"
+        )
     if len(set(spec.tricks)) != len(spec.tricks):
         raise SpecError(f"--tricks lists a trick twice: {list(spec.tricks)}")
     for t in spec.tricks:
@@ -140,13 +147,14 @@ def _local_model_answers(path: Path) -> dict:
     }
 
 
+# helpers: module-level functions a feature adds (after the Model section).
 # Additive slots collect every enabled feature's lines; override slots (loss, optimizer,
 # backward_and_step, ...) replace the skeleton's default body, so at most one feature may fill
 # each; `model_inputs` is single too: it defines the one `model_kwargs` dict.
 SLOTS = (
     "title", "imports", "config_fields", "validate", "model_setup", "fsdp_kwargs", "after_shard",
-    "load_weights", "loss_setup", "model_inputs", "loss", "optimizer_cls", "optimizer", "datasets",
-    "collate", "backward_and_step", "startup_print", "save", "docstring_notes",
+    "load_weights", "helpers", "loss_setup", "model_inputs", "loss", "optimizer_cls", "optimizer",
+    "datasets", "collate", "backward_and_step", "startup_print", "save", "docstring_notes",
 )  # fmt: skip
 OVERRIDE_SLOTS = (
     "title", "load_weights", "model_inputs", "loss", "optimizer_cls", "optimizer",
@@ -199,6 +207,7 @@ def build_answers(spec: Spec) -> dict:
     slots = feature_slots(features)
     # A `model_inputs` slot defines `model_kwargs` (extra model arguments: positions, masks).
     forward_args = 'batch["input_ids"]' + (", **model_kwargs" if slots["model_inputs"] else "")
+    ref_modes = REF_MODES.get(spec.algo, ())
     return {
         **model,
         "algo": spec.algo,
@@ -211,6 +220,12 @@ def build_answers(spec: Spec) -> dict:
         "warmup_steps": 10,
         "max_steps": 100,
         "eval_every_steps": 25,
+        "skeleton": algo.skeleton,
+        "adapters": algo.template == "lora",
+        "ref_modes": list(ref_modes),
+        "ref_modes_literal": repr(tuple(ref_modes)),
+        "ref_mode": ref_modes[0] if ref_modes else "",
+        "ref_mode_help": {m: REF_MODE_HELP[m] for m in ref_modes},
         "features": features,
         "slots": slots,
         "forward_args": forward_args,

@@ -13,13 +13,14 @@ from runtime.checkpoint import (
 )
 from runtime.cli import ConfigError
 from runtime.cli import parse as parse_config
-from runtime.data import load_rows, split_train_val, to_messages
+from runtime.data import load_rows, split_train_val, to_messages, to_preference
 from runtime.generate import generate
 from runtime.hub import resolve_data_path, resolve_model_dir, scaffold_home
 from runtime.lora import (
     LORA_TARGET_MODULES,
     LoRALinear,
     adapter_param_names,
+    adapters_disabled,
     add_lora,
     init_lora,
     is_adapter_param,
@@ -28,7 +29,13 @@ from runtime.lora import (
     nf4_params_fsdp_cannot_shard,
     save_adapter,
 )
-from runtime.loss import IGNORE_INDEX, cross_entropy_sum, linear_cross_entropy
+from runtime.loss import (
+    IGNORE_INDEX,
+    chunked_kd_loss,
+    cross_entropy_sum,
+    linear_cross_entropy,
+    token_logprobs,
+)
 from runtime.metrics import MetricsLogger, peak_memory_mib, transformer_flops_per_token
 from runtime.models.llama import CausalLM, KVCache, LlamaForCausalLM, ModelArgs, build_model
 from runtime.models.moe import load_balancing_loss
@@ -49,7 +56,7 @@ from runtime.parallel import (
     disable_fsdp_gradient_division,
     init_distributed,
 )
-from runtime.tokenizer import Tokenizer, check_vocab_fits
+from runtime.tokenizer import Tokenizer, check_same_tokenizer, check_vocab_fits
 from runtime.train_state import (
     ResumableDistributedSampler,
     TrainState,
@@ -75,13 +82,16 @@ __all__ = [
     "Tokenizer",
     "TrainState",
     "adapter_param_names",
+    "adapters_disabled",
     "add_lora",
     "all_reduce_sum",
     "build_mesh",
     "build_model",
+    "check_same_tokenizer",
     "check_vocab_fits",
     "copy_tokenizer_files",
     "cosine_schedule_with_warmup",
+    "chunked_kd_loss",
     "cross_entropy_sum",
     "destroy_distributed",
     "disable_fsdp_gradient_division",
@@ -117,5 +127,7 @@ __all__ = [
     "setup_optimizer_in_backward",
     "split_train_val",
     "to_messages",
+    "to_preference",
+    "token_logprobs",
     "transformer_flops_per_token",
 ]

@@ -12,6 +12,16 @@ the common SFT layouts into `[{"role", "content"}, ...]`:
 | prompt/completion | `prompt`, `completion` (strings or message lists)   | TRL                   |
 | prompt/response   | `prompt`, `response`                                | many Hub sets         |
 
+Preference rows (DPO) are normalised by `to_preference` to a prompt conversation plus the chosen
+and the rejected continuation:
+
+| layout                 | columns                                                        | example source |
+|------------------------|----------------------------------------------------------------|----------------|
+| TRL explicit prompt    | `prompt`, `chosen`, `rejected`: strings or message lists       | TRL, UltraFeedback binarized |
+| TRL implicit prompt    | `chosen`, `rejected`: full conversations sharing the prompt    | Anthropic HH (TRL form) |
+| ShareGPT preference    | `conversations` + `chosen`/`rejected` {from, value} (or lists) | LLaMA-Factory dpo_en_demo |
+| messages + preference  | `messages` + `chosen`/`rejected`                               | |
+
 Every error names the file (or source), the row and the key, so a bad row in a 100k-row file is
 found without a debugger. No tensors here.
 """
@@ -284,6 +294,65 @@ def _from_alpaca(row: dict, where: str) -> list[dict]:
     messages.append({"role": "user", "content": user})
     messages.append({"role": "assistant", "content": row["output"]})
     return messages
+
+
+PREFERENCE_PROMPT_KEYS = ("prompt", "conversations", "messages")
+
+
+def to_preference(row: dict, index: int, source: str) -> dict:
+    """Normalise one preference row (DPO) to {"prompt", "chosen", "rejected"} message lists.
+
+    Args:
+        row: one row from `load_rows` (see the preference layouts in the module docstring).
+        index: the row's index, for error messages.
+        source: the file or dataset name, for error messages.
+
+    Returns:
+        {"prompt": [messages], "chosen": [messages], "rejected": [messages]}: the shared
+        conversation, then each continuation (usually one assistant message; a string becomes
+        one). prompt + chosen is the chosen conversation.
+
+    Raises:
+        ValueError: a missing `chosen` / `rejected` key, a bad message, an empty continuation or
+            a continuation without an assistant message; the message names source, row and key.
+    """
+    where = f"{source} row {index}"
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected a dict (one row), got {_kind(row)}.")
+    for key in ("chosen", "rejected"):
+        if key not in row:
+            raise ValueError(
+                f"{where}: missing key `{key}` (found: {sorted(row)}); a preference row needs "
+                "`chosen` and `rejected` (plus `prompt`, `conversations` or `messages`)."
+            )
+    prompt_key = next((k for k in PREFERENCE_PROMPT_KEYS if k in row), None)
+    if prompt_key is None:  # TRL implicit prompt: two full conversations sharing a prefix
+        chosen = _message_list(row["chosen"], "chosen", where)
+        rejected = _message_list(row["rejected"], "rejected", where)
+        n = 0
+        while n < min(len(chosen), len(rejected)) - 1 and chosen[n] == rejected[n]:
+            n += 1
+        prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
+    else:
+        prompt = _turn(row[prompt_key], "user", prompt_key, where)
+        chosen = _continuation(row["chosen"], "chosen", where)
+        rejected = _continuation(row["rejected"], "rejected", where)
+    for key, messages in (("chosen", chosen), ("rejected", rejected)):
+        if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+            raise ValueError(
+                f"{where}: `{key}` has no non-empty assistant reply, so there is nothing to "
+                "compare; fill it in or drop the row."
+            )
+    if not prompt:
+        raise ValueError(f"{where}: the prompt (`{prompt_key or 'chosen'}`) is empty; add it.")
+    return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+
+
+def _continuation(value: Any, key: str, where: str) -> list[dict]:
+    """A chosen/rejected column: a string, one {role, content}/{from, value} dict, or a list."""
+    if isinstance(value, dict):
+        return _message_list([value], key, where)
+    return _turn(value, "assistant", key, where)
 
 
 def split_train_val(items: list, val_fraction: float, seed: int) -> tuple[list, list]:

@@ -43,6 +43,7 @@ References:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -211,6 +212,7 @@ class LoRALinear(nn.Module):
         self.in_features, self.out_features = base.in_features, base.out_features
         self.rank, self.alpha, self.dropout_p, self.use_dora = rank, alpha, dropout, use_dora
         self.scale = alpha / rank  # the one place the LoRA scale is computed
+        self.adapters_disabled = False  # True inside `adapters_disabled(model)`: base only
         weight = base.weight
         self.weight = to_nf4_param(weight, name) if quantize_base else weight
         self.bias = base.bias
@@ -241,6 +243,8 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., D_in] -> [..., D_out] in x's dtype (see the module docstring for the math)."""
         base = self._base_linear(x)  # [..., D_out]
+        if self.adapters_disabled:  # the base alone (`adapters_disabled`: DPO's reference)
+            return base + self.bias if self.bias is not None else base
         dropped = self.lora_dropout(x)
         lora = (
             self.lora_B(self.lora_A(dropped)) * self.scale
@@ -354,6 +358,41 @@ def add_lora(
             f"lora_target_modules: {missing} match no nn.Linear in this model; remove them"
         )
     return adapted
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module):
+    """Within the block the model computes its frozen base: every `LoRALinear` skips its adapter.
+
+    DPO's `ref_mode="adapters-off"` uses it to get the reference model's log-probabilities from
+    the policy itself, with no second copy of the weights (as PEFT's `disable_adapter()`).
+
+    Raises:
+        ValueError: the model has no LoRA adapters, or a parameter that is not an adapter is
+            trainable (then the "base" drifts during training and is no fixed reference).
+    """
+    modules = lora_modules(model)
+    drifting = [
+        n for n, p in model.named_parameters() if p.requires_grad and not is_adapter_param(n)
+    ]
+    if not modules or drifting:
+        what = (
+            "the model has no LoRA adapters"
+            if not modules
+            else (f"{len(drifting)} non-adapter parameters are trainable (e.g. {drifting[0]})")
+        )
+        raise ValueError(
+            f"ref_mode='adapters-off' uses the frozen base as the DPO reference, but {what}, so "
+            "the reference would drift; use LoRA DPO (`scaffold new --algo dpo-lora`) with only the "
+            "adapters trainable, or set --ref_mode separate (a frozen copy) or precomputed"
+        )
+    for _, module in modules:
+        module.adapters_disabled = True
+    try:
+        yield model
+    finally:
+        for _, module in modules:
+            module.adapters_disabled = False
 
 
 def lora_modules(model: nn.Module) -> list[tuple[str, LoRALinear]]:

@@ -214,3 +214,160 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if need_weight:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None
+
+
+def _chunk_sizes(T: int, num_chunks: int, chunk_size: int | None) -> int:
+    """Tokens per chunk: chunk_size, else ceil(T / num_chunks); at least 1."""
+    if num_chunks < 1 or (chunk_size is not None and chunk_size < 1):
+        raise ValueError(f"num_chunks={num_chunks}, chunk_size={chunk_size}: both must be >= 1")
+    return max(1, chunk_size if chunk_size is not None else -(-T // num_chunks))
+
+
+def _chunk_token_logprobs(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor):
+    """log softmax(h @ weight.T)[targets] for one chunk: [C, D], [V, D], [C] -> [C] fp32."""
+    logits = (h @ weight.T).to(torch.promote_types(h.dtype, torch.float32))  # [C, V] fp32
+    return logits.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+
+
+def token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    num_chunks: int = _DEFAULT_NUM_CHUNKS,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """Per-token log-probabilities of the labels under `hidden @ weight.T`, chunk by chunk.
+
+    Equals `log_softmax(hidden @ weight.T, -1).gather(-1, labels)` (0 at ignored positions), values
+    and gradients, but only the supervised positions reach the output projection and at most one
+    chunk's [C, V] logits exist at a time: each chunk runs under activation checkpointing, so the
+    backward recomputes that chunk's logits instead of keeping them (one extra [C, D] x [D, V]
+    matmul per chunk). Under `torch.no_grad()` (a reference model) nothing is kept at all.
+
+    Args:
+        hidden: [B, S, D] final hidden states (pre lm_head), fp32 or bf16.
+        weight: [V, D] lm_head.weight (the tied embedding when tied), same dtype as hidden;
+            unsharded under FSDP2 (see `linear_cross_entropy`).
+        labels: [B, S] int64, pre-shifted, IGNORE_INDEX = not supervised.
+        num_chunks: split the supervised tokens into this many chunks (ignored if chunk_size).
+        chunk_size: tokens per chunk.
+
+    Returns:
+        [B, S] fp32 (fp64 for fp64 inputs) log-probabilities, 0.0 at ignored positions; `.sum(-1)` is the sequence
+        log-probability of the supervised tokens (DPO's log pi(y|x)).
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    _check_lce_inputs(hidden, weight, labels, num_chunks, chunk_size)
+    flat_labels = labels.reshape(-1)  # [B*S]
+    valid = (flat_labels != IGNORE_INDEX).nonzero().squeeze(1)  # [T]
+    hidden_valid = hidden.reshape(-1, hidden.shape[-1]).index_select(0, valid)  # [T, D]
+    targets = flat_labels.index_select(0, valid)  # [T]
+    size = _chunk_sizes(targets.numel(), num_chunks, chunk_size)
+    pieces = []
+    with torch.autocast(hidden.device.type, enabled=False):
+        for start in range(0, targets.numel(), size):
+            args = (hidden_valid[start : start + size], weight, targets[start : start + size])
+            if torch.is_grad_enabled():
+                pieces.append(checkpoint(_chunk_token_logprobs, *args, use_reentrant=False))
+            else:
+                pieces.append(_chunk_token_logprobs(*args))
+    acc_dtype = torch.promote_types(hidden.dtype, torch.float32)  # fp32 (fp64 for gradcheck)
+    out = torch.zeros(flat_labels.numel(), dtype=acc_dtype, device=hidden.device)
+    if pieces:
+        out = out.index_put((valid,), torch.cat(pieces))  # out of place: autograd
+    return out.view(labels.shape)
+
+
+def _chunk_kd(
+    h_s: torch.Tensor,
+    w_s: torch.Tensor,
+    h_t: torch.Tensor,
+    w_t: torch.Tensor,
+    temperature: float,
+    reverse: bool,
+) -> torch.Tensor:
+    """Summed KL of one chunk of tokens: [C, D_s], [V, D_s], [C, D_t], [V, D_t] -> scalar fp32."""
+    acc_dtype = torch.promote_types(h_s.dtype, torch.float32)  # fp32 (fp64 for gradcheck)
+    student = torch.log_softmax((h_s @ w_s.T).to(acc_dtype) / temperature, dim=-1)  # [C, V]
+    with torch.no_grad():  # the teacher is a fixed target
+        teacher = torch.log_softmax((h_t @ w_t.T).to(acc_dtype) / temperature, dim=-1)  # [C, V]
+    if reverse:  # KL(student || teacher) = sum p_s (log p_s - log p_t): mode-seeking
+        return (student.exp() * (student - teacher)).sum()
+    # KL(teacher || student) = sum p_t (log p_t - log p_s): mean-seeking, Hinton et al.'s
+    return (teacher.exp() * (teacher - student)).sum()
+
+
+def chunked_kd_loss(
+    student_hidden: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    kind: str = "forward",
+    num_chunks: int = _DEFAULT_NUM_CHUNKS,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """Summed token KL between teacher and student at `temperature`, without [B, S, V] logits.
+
+    Only supervised positions are compared; each chunk of them computes the student's and the
+    teacher's [C, V] logits, the KL, and (under activation checkpointing) recomputes them in
+    backward, so at most one chunk of each model's logits is alive. The teacher side never needs
+    a gradient (pass its hidden states from a `no_grad` forward).
+
+    Args:
+        student_hidden: [B, S, D_s] student final hidden states (pre lm_head).
+        student_weight: [V, D_s] student lm_head.weight (unsharded under FSDP2).
+        teacher_hidden: [B, S, D_t] teacher final hidden states (no grad).
+        teacher_weight: [V, D_t] teacher lm_head.weight.
+        labels: [B, S] int64, pre-shifted, IGNORE_INDEX = not compared.
+        temperature: softmax temperature of both distributions; the KL is multiplied by
+            temperature**2 so its gradient scale does not depend on it (Hinton et al. 2015).
+        kind: "forward" = KL(teacher || student), "reverse" = KL(student || teacher).
+        num_chunks / chunk_size: as `linear_cross_entropy`.
+
+    Returns:
+        Scalar fp32: temperature**2 * the sum over supervised tokens of the per-token KL (divide
+        by the global supervised-token count, as the CE).
+
+    Raises:
+        ValueError: unknown kind, temperature <= 0, mismatched shapes or vocabularies.
+
+    Reference:
+        Hinton et al. 2015, "Distilling the Knowledge in a Neural Network", arXiv:1503.02531
+        (soft targets at temperature T, gradients scaled by T^2); Gu et al. 2024, "MiniLLM",
+        arXiv:2306.08543 (reverse KL for generative models).
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    if kind not in ("forward", "reverse"):
+        raise ValueError(f"kd kind={kind!r}: choose 'forward' or 'reverse'")
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature}: must be > 0")
+    if student_weight.shape[0] != teacher_weight.shape[0]:
+        raise ValueError(
+            f"student vocab {student_weight.shape[0]} != teacher vocab {teacher_weight.shape[0]}; "
+            "distillation compares token distributions, so both need the same tokenizer"
+        )
+    _check_lce_inputs(student_hidden, student_weight, labels, num_chunks, chunk_size)
+    _check_lce_inputs(teacher_hidden.detach(), teacher_weight, labels, num_chunks, chunk_size)
+    flat_labels = labels.reshape(-1)
+    valid = (flat_labels != IGNORE_INDEX).nonzero().squeeze(1)  # [T]
+    h_s = student_hidden.reshape(-1, student_hidden.shape[-1]).index_select(0, valid)  # [T, D_s]
+    h_t = teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1]).index_select(0, valid)
+    size = _chunk_sizes(valid.numel(), num_chunks, chunk_size)
+    acc_dtype = torch.promote_types(student_hidden.dtype, torch.float32)
+    total = torch.zeros((), dtype=acc_dtype, device=student_hidden.device)
+    with torch.autocast(student_hidden.device.type, enabled=False):
+        for start in range(0, valid.numel(), size):
+            end = start + size
+            args = (h_s[start:end], student_weight, h_t[start:end], teacher_weight)
+            if torch.is_grad_enabled():
+                kl = checkpoint(
+                    _chunk_kd, *args, temperature, kind == "reverse", use_reentrant=False
+                )
+            else:
+                kl = _chunk_kd(*args, temperature, kind == "reverse")
+            total = total + kl
+    return total * temperature**2

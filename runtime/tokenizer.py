@@ -497,3 +497,23 @@ def check_vocab_fits(tokenizer: Tokenizer, model_dir: str | Path) -> None:
             f"{model_vocab} have no embedding row. Use the tokenizer saved with these weights "
             "(or resize the embeddings to the tokenizer before training)."
         )
+
+
+def check_same_tokenizer(student_dir: str | Path, teacher_dir: str | Path) -> None:
+    """Refuse a teacher whose tokenizer.json vocabulary differs from the student's (distillation).
+
+    Raises:
+        ValueError: the two vocabularies (token -> id, added tokens included) differ; the message
+            names both directories and a first differing token.
+    """
+    student = Tokenizer.from_dir(student_dir)._tok.get_vocab(with_added_tokens=True)
+    teacher = Tokenizer.from_dir(teacher_dir)._tok.get_vocab(with_added_tokens=True)
+    if student != teacher:
+        diff = sorted(set(student.items()) ^ set(teacher.items()), key=lambda kv: kv[1])[:1]
+        example = f"; e.g. token {diff[0][0]!r} -> id {diff[0][1]} in only one" if diff else ""
+        raise ValueError(
+            f"tokenizer mismatch: teacher {Path(teacher_dir)}/tokenizer.json ({len(teacher)} tokens) "
+            f"and student {Path(student_dir)}/tokenizer.json ({len(student)} tokens) differ{example}; "
+            "distillation compares token distributions, so pick a teacher with the student's "
+            "tokenizer (the same model family)"
+        )

@@ -1,7 +1,7 @@
 """The bad-input corpus: each case is one wrong input and the one-line error it must produce.
 
-A case runs either the `scaffold` CLI or the emitted SFT script (examples/sft_smollm2/train.py on a
-tiny random Llama with SmolLM2's tokenizer) and expects a non-zero exit status, no traceback, and
+A case runs either the `scaffold` CLI or an emitted script (examples/<recipe>/train.py, by default
+the SFT one, on a tiny random Llama with SmolLM2's tokenizer) and expects a non-zero exit status, no traceback, and
 one error line matching every regex in `expect` (it must name the file / row / key / option and
 what was expected).
 
@@ -94,6 +94,23 @@ def vocab_256(base: Path, dst: Path) -> Path:
     return dst
 
 
+def teacher_with_other_tokenizer(base: Path, dst: Path) -> Path:
+    """{model} = the tiny model; {model}-teacher = a copy whose tokenizer has one extra token."""
+    shutil.copytree(base, dst)
+    teacher = dst.parent / f"{dst.name}-teacher"
+    shutil.copytree(base, teacher)
+    tok = json.loads((teacher / "tokenizer.json").read_text())
+    tok["added_tokens"].append({
+        "id": 49152, "content": "<|teacher_only|>", "single_word": False, "lstrip": False,
+        "rstrip": False, "normalized": False, "special": True,
+    })  # fmt: skip
+    (teacher / "tokenizer.json").write_text(json.dumps(tok))
+    return dst
+
+
+PAIR = {"prompt": "Say hi.", "chosen": "Hi!", "rejected": "No."}
+
+
 def parquet(rows: list[dict]) -> Callable[[], bytes]:
     def build() -> bytes:
         import io
@@ -125,6 +142,7 @@ class Case:
     patch: a failure simulated inside the process (see runner._patches).
     absent: globs (relative to {tmp}) that must not exist afterwards.
     read_only: directories (relative to {tmp}) created with mode 0o555.
+    recipe: script cases: the example directory whose train.py runs (examples/<recipe>).
     when: "no_cuda" (skip on a CUDA machine); "not_root" / "root": a chmod-555 directory stops
         only non-root users, so as root the read-only case writes under /sys instead.
     """
@@ -140,6 +158,7 @@ class Case:
     absent: tuple[str, ...] = ()
     read_only: tuple[str, ...] = ()
     when: str | None = None
+    recipe: str = "sft_smollm2"  # script cases: the example whose train.py runs
 
 
 def scaffold(id, argv, *expect, **kw) -> Case:
@@ -371,4 +390,23 @@ CASES = [
            files={"ckpt/step_000002/trainer_state.json": "{}"}),
     script("keep-last-checkpoints-zero", ["--keep_last_checkpoints", "0"],
            r"keep_last_checkpoints=0: must be >= 1"),
+    # --- DPO and distillation ----------------------------------------------------------------------
+    scaffold("new-dpo-with-lce", ["new", "--algo", "dpo", "--tricks", "lce", "--out", "{tmp}/o"],
+             r"--algo dpo does not take --tricks lce", r"valid for dpo: ac, adamw8bit"),
+    script("dpo-missing-rejected", ["--dataset", "{tmp}/pairs.json"],
+           r"{tmp}/pairs\.json row 1: missing key `rejected`", r"found: \['chosen', 'prompt'\]",
+           files={"pairs.json": json.dumps([PAIR, {"prompt": "Hi", "chosen": "Hello"}])},
+           recipe="dpo_smollm2"),
+    script("dpo-chosen-not-message", ["--dataset", "{tmp}/pairs.json"],
+           r"{tmp}/pairs\.json row 0: `chosen` must be a string or a message list, got int",
+           files={"pairs.json": json.dumps([{**PAIR, "chosen": 3}])}, recipe="dpo_smollm2"),
+    script("dpo-adapters-off-full-parameters", ["--ref_mode", "adapters-off"],
+           r"ref_mode='adapters-off'", r"trains all parameters", r"--algo dpo-lora",
+           r"--ref_mode separate or precomputed", recipe="dpo_smollm2"),
+    script("dpo-unknown-loss-type", ["--loss_type", "kto"], r"loss_type='kto'",
+           r"\('sigmoid', 'ipo'\)", recipe="dpo_smollm2"),
+    script("kd-tokenizer-mismatch", ["--teacher", "{model}-teacher"],
+           r"tokenizer mismatch: teacher {model}-teacher/tokenizer\.json \(49153 tokens\)",
+           r"student {model}/tokenizer\.json \(49152 tokens\)", r"<\|teacher_only\|>",
+           model=teacher_with_other_tokenizer, recipe="kd_smollm2"),
 ]  # fmt: skip

@@ -23,7 +23,7 @@ import pytest
 from tests.bad_inputs.cases import CASES, GOOD_ROWS, SCRIPT_ARGS, Case, jsonl
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "examples" / "sft_smollm2" / "train.py"
+EXAMPLES = REPO / "examples"
 BY_ID = {c.id: c for c in CASES}
 # compared with real processes in every run (so they are always in the batch)
 REAL_PROCESS_CASES = ("new-unknown-model", "jsonl-malformed-line")
@@ -83,7 +83,7 @@ def _prepare(case: Case, root: Path, tiny_model_dir: Path, data: Path) -> dict:
     entry = {
         "id": case.id,
         "tool": case.tool,
-        "script": str(SCRIPT),
+        "script": str(EXAMPLES / case.recipe / "train.py"),
         "argv": [_fill(a, values) for a in argv],
         "cwd": str(tmp),
         "patch": case.patch,

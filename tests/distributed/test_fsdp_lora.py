@@ -96,7 +96,9 @@ def test_two_ranks_equal_one(
     for key, tensor in one.items():
         # fp32 rounding: the 1-process run is unwrapped, the 2-rank one sums DoRA's row norms and
         # the merge over DTensor shards in another order (measured max 3.3e-6)
-        torch.testing.assert_close(two[key], tensor, atol=1e-5, rtol=1e-5, msg=lambda m: key + m)
+        torch.testing.assert_close(
+            two[key], tensor, atol=1e-5, rtol=1e-5, msg=lambda m, key=key: key + m
+        )
     adapter_one = load_file(tmp_path / "ws1" / "adapter_model.safetensors")
     adapter_two = load_file(tmp_path / "ws2" / "adapter_model.safetensors")
     assert adapter_one.keys() == adapter_two.keys()
@@ -104,5 +106,5 @@ def test_two_ranks_equal_one(
         # reduction-order noise of near-zero gradients: up to 7.9e-5 on entries of size 0.07
         # (measured, unwrapped 1 process vs 2 FSDP ranks)
         torch.testing.assert_close(
-            adapter_two[key], tensor, atol=1e-4, rtol=1e-4, msg=lambda m: key + m
+            adapter_two[key], tensor, atol=1e-4, rtol=1e-4, msg=lambda m, key=key: key + m
         )

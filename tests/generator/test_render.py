@@ -53,6 +53,21 @@ MATRIX += [
         ["lora", "qlora"], ["lora", "dora"], [(), ("ac", "lce", "optim-in-bwd", "adamw8bit")]
     )
 ] + [Spec(algo="qlora", peft="dora", model="qwen3-30b-a3b", gpus=8, out="runs/x")]
+# DPO (all parameters, LoRA, DoRA) and distillation: no trick and every trick they take
+MATRIX += [
+    Spec(algo=algo, peft=peft, tricks=t, out="runs/x")
+    for algo, peft, t in [
+        ("dpo", "lora", ()),
+        ("dpo", "lora", ("ac", "adamw8bit")),
+        ("dpo-lora", "lora", ()),
+        ("dpo-lora", "dora", ("ac", "adamw8bit")),
+        ("kd", "lora", ()),
+        ("kd", "lora", ("ac", "optim-in-bwd", "adamw8bit")),
+    ]
+] + [
+    Spec(algo="dpo-lora", model="qwen3-30b-a3b", gpus=8, out="runs/x"),
+    Spec(algo="kd", model="llama3.3-70b", dtype="fp32", gpus=8, out="runs/x"),
+]
 
 
 @pytest.mark.parametrize(
@@ -172,7 +187,9 @@ def test_new_writes_spec_and_base_and_refuses_overwrite(tmp_path):
         (["--tricks", "ac,ac"], "lists a trick twice"),
         (["--dtype", "fp16"], "--dtype 'fp16'; valid: bf16, fp32"),
         (["--gpus", "0"], "--gpus 0 and --nodes 1 must both be >= 1"),
-        (["--peft", "dora"], "--peft dora needs an adapter algorithm (--algo lora or qlora)"),
+        (["--peft", "dora"], "--peft dora needs an adapter algorithm (--algo lora or qlora or"),
+        (["--algo", "dpo", "--tricks", "lce"], "--algo dpo does not take --tricks lce"),
+        (["--algo", "kd", "--tricks", "lce"], "valid for kd: ac, optim-in-bwd, adamw8bit"),
         (["--algo", "qlora", "--peft", "vera"], "--peft 'vera'; valid: lora, dora"),
     ],
 )
@@ -223,3 +240,24 @@ def test_adapter_algorithms_render_their_template():
     assert "ignored_params" in qdora and "QLoRA (Dettmers et al. 2023" in qdora
     with_lce = render(Spec(algo="lora", tricks=("lce",), out="o"))
     assert "which the lce loss bypasses" in with_lce and "lce loss bypasses" not in lora
+
+
+def test_preference_and_distillation_algorithms_render_their_parts():
+    dpo = render(Spec(algo="dpo", dataset="dpo_en_demo.json", out="o"))
+    assert dpo.startswith('"""DPO (Direct Preference Optimization) of smollm2-135m')
+    assert 'ref_mode: str = "separate"' in dpo and 'REF_MODES = ("separate", "precomputed")' in dpo
+    assert "adapters_disabled" not in dpo and "--algo dpo-lora" in dpo  # the refusal names the fix
+    lora = render(Spec(algo="dpo-lora", dataset="dpo_en_demo.json", out="o"))
+    assert lora.startswith('"""LoRA DPO (Direct Preference Optimization)')
+    assert 'ref_mode: str = "adapters-off"' in lora and "with adapters_disabled(model):" in lora
+    assert "add_lora(" in lora and "save_adapter(" in lora
+    kd = render(Spec(algo="kd", out="o"))
+    assert kd.startswith('"""Knowledge distillation into smollm2-135m')
+    assert "def load_teacher(" in kd and "chunked_kd_loss(" in kd and "check_same_tokenizer(" in kd
+    assert render(Spec(out="o")).count("load_teacher") == 0
+
+
+def test_new_picks_the_algorithms_demo_dataset(tmp_path):
+    result = CliRunner().invoke(cli, ["new", "--algo", "dpo", "--out", str(tmp_path / "d")])
+    assert result.exit_code == 0, result.output
+    assert 'dataset: str = "dpo_en_demo.json"' in (tmp_path / "d" / "train.py").read_text()

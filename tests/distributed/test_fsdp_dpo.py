@@ -1,0 +1,63 @@
+"""DPO under FSDP2 over 2 gloo processes equals 1 process: the pair-count normalisation, the
+metrics all-reduce, the sharded separate reference and the precomputed table's all-reduce."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from runtime.testing import spawn
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _step(rank, world_size, model_dir, data_path):
+    from runtime import Tokenizer
+    from tests.conftest import import_script
+
+    script = import_script(REPO / "examples" / "dpo_smollm2" / "train.py", "dpo_train_dist")
+    cfg = script.Config(
+        model=model_dir, dataset=data_path, dtype="fp32", max_grad_norm=0.0, device="cpu",
+        max_seq_len=64, val_fraction=0.0, ref_mode="separate",
+    )  # fmt: skip
+    dist_info, mesh = script.setup_distributed(cfg)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    train_set, _ = script.build_datasets(cfg, tokenizer)
+    pairs = train_set[:4]  # the same global batch everywhere; each rank takes its half
+    mine = pairs[rank::world_size]
+    micro_batches = [script.collate([p], tokenizer.pad_token_id) for p in mine]
+    model = script.build_policy(cfg, Path(model_dir), mesh, dist_info.device)
+    reference = script.build_reference(cfg, Path(model_dir), mesh, dist_info.device)
+    dp = mesh["dp_shard"]
+    pre_cfg = dataclasses.replace(cfg, ref_mode="precomputed")
+    table = script.precompute_reference_logprobs(
+        model, pairs, pre_cfg, tokenizer.pad_token_id, dp.get_local_rank(), dp.size(), "cpu"
+    )
+    before = {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
+    # at policy == reference the loss is log 2 but its gradient is -beta/2 * d(h)/d(theta) != 0
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)  # update == gradient
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    metrics = script.train_step(model, reference, None, opt, sched, micro_batches, cfg, "cpu")
+    grads = {n: before[n] - p.detach().full_tensor() for n, p in model.named_parameters()}
+    return metrics, grads, table
+
+
+def test_fsdp2_two_ranks_equal_one_for_dpo(tiny_model_dir, tmp_path):
+    rows = [
+        {"prompt": f"Count to {i}.", "chosen": " ".join(map(str, range(1, i + 2))), "rejected": "No."}
+        for i in range(4)
+    ]  # fmt: skip
+    data = tmp_path / "pairs.json"
+    data.write_text(json.dumps(rows))
+    args = (str(tiny_model_dir), str(data))
+    ((ref_metrics, ref_grads, ref_table),) = spawn(_step, world_size=1, args=args)
+    for metrics, grads, table in spawn(_step, world_size=2, args=args):
+        assert metrics["num_pairs"] == ref_metrics["num_pairs"] == 4
+        for key in ("loss", "rewards/chosen", "logps/chosen", "logps/rejected"):
+            assert abs(metrics[key] - ref_metrics[key]) < 1e-5, key
+        torch.testing.assert_close(table, ref_table, atol=1e-5, rtol=1e-6)
+        for name, g in ref_grads.items():
+            torch.testing.assert_close(grads[name], g, atol=1e-6, rtol=1e-5, msg=name)
