@@ -51,7 +51,7 @@ def _setup(script, model_dir, data, **overrides):
     mbs = cfg.micro_batch_size
     batches = [
         script.collate(train_set[i : i + mbs], tokenizer.pad_token_id)
-        for i in range(0, 8 * mbs, mbs)
+        for i in range(0, min(8 * mbs, len(train_set) - mbs + 1), mbs)  # full batches only
     ]
     return cfg, model, optimizer, scheduler, batches, dist_info.device
 
