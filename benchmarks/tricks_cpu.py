@@ -163,9 +163,10 @@ def table(results: dict, args) -> str:
         "and its losses are over different batches); compile's first step (compilation) is "
         "excluded from tokens/s like every variant's. offload is GPU-only (refused on CPU).",
         "",
-        "Peak by category = PyTorch's MemTracker over 3 steps (tensor bytes, MiB). Under FSDP2 it "
-        "does not label gradients (sharded-gradient and reduce-scatter buffers land in activations/"
-        "temp; optim-in-bwd shows what removing them saves in the total). Peak RSS = the "
+        "Peak by category = PyTorch's MemTracker over 3 steps (tensor bytes, MiB), at the moment "
+        "of the peak (the baseline peaks at the end of the forward, before any gradient exists; "
+        "with ac the peak moves into the backward, where gradients are live). A 1-process fp32 "
+        "run is not FSDP-wrapped, so gradients are labelled. Peak RSS = the "
         "unmodified script in a fresh process with `GLIBC_TUNABLES=glibc.malloc.mmap_threshold=131072`"
         " (includes the Python heap, libraries and the tokenized dataset).",
         "",
@@ -242,6 +243,23 @@ def loss_step_peaks(T: int, D: int = 576, V: int = 49152, chunks: int = 8) -> di
         cwd=REPO, capture_output=True, text=True, check=True,
     )  # fmt: skip
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def optim_in_backward_cut(micro_batch_size: int = 1, max_seq_len: int = 512) -> dict:
+    """Tracked peak (MiB) of ac+lce with and without optim-in-bwd at one batch shape, and the cut
+    as a fraction of the gradient bytes (= parameter bytes): the torchtune paper's setting, where
+    activations (checkpointed) are small next to the gradients. Reuses the table's renders."""
+    args = argparse.Namespace(
+        steps=3, micro_batch_size=micro_batch_size, max_seq_len=max_seq_len, dtype="fp32"
+    )
+    peaks = {}
+    for name, tricks in (("ac+lce", "ac,lce"), ("ac+lce+optim-in-bwd", "ac,lce,optim-in-bwd")):
+        script = render(name, tricks)
+        peaks[name] = run_tracker(script, script_args(args, WORK / name / "out"))
+    grads = peaks["ac+lce"]["Parameter"]  # one fp32 gradient per fp32 parameter
+    cut = peaks["ac+lce"]["Total"] - peaks["ac+lce+optim-in-bwd"]["Total"]
+    return {**{k: round(v["Total"]) for k, v in peaks.items()}, "cut_mib": round(cut),
+            "gradient_mib": round(grads), "cut_x_gradient_bytes": round(cut / grads, 2)}  # fmt: skip
 
 
 def loss_step_lines(T: int, peaks: dict) -> list[str]:
