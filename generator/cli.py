@@ -71,6 +71,14 @@ def cli():
 @click.option("--gpus", default=1, show_default=True, type=int, help="Processes (GPUs) per node.")
 @click.option("--nodes", default=1, show_default=True, type=int, help="Number of nodes.")
 @click.option(
+    "--ep",
+    default=1,
+    show_default=True,
+    type=int,
+    help="Expert-parallel degree for MoE models (qwen3_moe): each rank holds num_experts/ep "
+    "experts; must equal --gpus x --nodes.",
+)
+@click.option(
     "--dtype",
     default="bf16",
     show_default=True,
@@ -91,7 +99,7 @@ def cli():
 )
 @click.option("--force", is_flag=True, help="Overwrite an existing train.py.")
 @_friendly
-def new(algo, peft, model, tricks, gpus, nodes, dtype, dataset, out, force):
+def new(algo, peft, model, tricks, gpus, nodes, ep, dtype, dataset, out, force):
     """Write OUT/train.py for the chosen model, algorithm, tricks and GPUs.
 
     \b
@@ -109,6 +117,7 @@ def new(algo, peft, model, tricks, gpus, nodes, dtype, dataset, out, force):
         tricks=tuple(t.strip() for t in tricks.split(",") if t.strip()),
         gpus=gpus,
         nodes=nodes,
+        ep=ep,
         dtype=dtype,
         dataset=dataset or (ALGOS[algo].dataset if algo in ALGOS else Spec.dataset),
         out=out,
@@ -184,7 +193,7 @@ def list_(what):
 
 
 _SET_HELP = (
-    "Change one option of the recorded spec (repeatable): algo, dataset, dtype, gpus, model, nodes, "
+    "Change one option of the recorded spec (repeatable): algo, dataset, dtype, ep, gpus, model, nodes, "
     "peft, tricks (comma list; `tricks=` for none). Validated like `scaffold new`."
 )
 

@@ -39,6 +39,7 @@ SETTABLE = (
     "algo",
     "dataset",
     "dtype",
+    "ep",
     "gpus",
     "model",
     "nodes",
@@ -166,7 +167,7 @@ def parse_settings(settings: tuple[str, ...] | list[str], spec: Spec) -> Spec:
             raise SpecError(f"--set {key} given twice")
         if key == "tricks":
             changes[key] = tuple(t.strip() for t in value.split(",") if t.strip())
-        elif key in ("gpus", "nodes"):
+        elif key in ("gpus", "nodes", "ep"):
             try:
                 changes[key] = int(value)
             except ValueError:
