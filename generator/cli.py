@@ -19,6 +19,9 @@ from generator.spec import ScaffoldError, Spec
 
 SPEC_FILE = Path(".scaffold") / "spec.json"
 BASE_FILE = Path(".scaffold") / "train.py.base"
+# pristine render of each launch file (`launch/slurm.sbatch` -> `.scaffold/launch/slurm.sbatch`):
+# the merge base for `scaffold regen`, as BASE_FILE is for train.py
+LAUNCH_BASE_DIR = Path(".scaffold")
 
 
 def _friendly(fn):
@@ -68,6 +71,14 @@ def cli():
 @click.option("--gpus", default=1, show_default=True, type=int, help="Processes (GPUs) per node.")
 @click.option("--nodes", default=1, show_default=True, type=int, help="Number of nodes.")
 @click.option(
+    "--ep",
+    default=1,
+    show_default=True,
+    type=int,
+    help="Expert-parallel degree for MoE models (qwen3_moe): each rank holds num_experts/ep "
+    "experts; must equal --gpus x --nodes.",
+)
+@click.option(
     "--dtype",
     default="bf16",
     show_default=True,
@@ -88,7 +99,7 @@ def cli():
 )
 @click.option("--force", is_flag=True, help="Overwrite an existing train.py.")
 @_friendly
-def new(algo, peft, model, tricks, gpus, nodes, dtype, dataset, out, force):
+def new(algo, peft, model, tricks, gpus, nodes, ep, dtype, dataset, out, force):
     """Write OUT/train.py for the chosen model, algorithm, tricks and GPUs.
 
     \b
@@ -97,7 +108,7 @@ def new(algo, peft, model, tricks, gpus, nodes, dtype, dataset, out, force):
       scaffold new --algo qlora --peft dora --out runs/qdora
       python runs/demo/train.py --max_steps 50
     """
-    from generator.render import render
+    from generator.render import render, render_launch
 
     spec = Spec(
         algo=algo,
@@ -106,6 +117,7 @@ def new(algo, peft, model, tricks, gpus, nodes, dtype, dataset, out, force):
         tricks=tuple(t.strip() for t in tricks.split(",") if t.strip()),
         gpus=gpus,
         nodes=nodes,
+        ep=ep,
         dtype=dtype,
         dataset=dataset or (ALGOS[algo].dataset if algo in ALGOS else Spec.dataset),
         out=out,
@@ -118,15 +130,25 @@ def new(algo, peft, model, tricks, gpus, nodes, dtype, dataset, out, force):
             "or --force to overwrite"
         )
     text = render(spec)
-    write_render(out_dir, spec, text)
-    click.echo(f"wrote {script} ({len(text.splitlines())} lines)\nrun: python {script}")
+    launch = render_launch(spec)
+    write_render(out_dir, spec, text, launch)
+    click.echo(
+        f"wrote {script} ({len(text.splitlines())} lines) and {', '.join(launch)}\n"
+        f"run: python {script}   (or: bash {out_dir / 'launch' / 'torchrun.sh'})"
+    )
 
 
-def write_render(out_dir: Path, spec: Spec, text: str) -> None:
-    """Write train.py plus the spec and pristine render that `scaffold regen` merges against."""
+def write_render(out_dir: Path, spec: Spec, text: str, launch: dict[str, str]) -> None:
+    """Write train.py and the launch files, plus the spec and the pristine renders that
+    `scaffold regen` merges against."""
     try:
         (out_dir / ".scaffold").mkdir(parents=True, exist_ok=True)
         (out_dir / "train.py").write_text(text)
+        for name, content in launch.items():
+            for path in (out_dir / name, out_dir / LAUNCH_BASE_DIR / name):
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(content)
+            (out_dir / name).chmod(0o755)  # ./launch/torchrun.sh works as well as bash ...
         (out_dir / SPEC_FILE).write_text(spec.to_json())
         (out_dir / BASE_FILE).write_text(text)
     except OSError as e:
@@ -171,7 +193,7 @@ def list_(what):
 
 
 _SET_HELP = (
-    "Change one option of the recorded spec (repeatable): algo, dataset, dtype, gpus, model, nodes, "
+    "Change one option of the recorded spec (repeatable): algo, dataset, dtype, ep, gpus, model, nodes, "
     "peft, tricks (comma list; `tricks=` for none). Validated like `scaffold new`."
 )
 
@@ -234,19 +256,25 @@ def regen(paths, settings, to_version, check):
         return
     apply(p)
     changes = "; ".join(p.spec_changes()) or "template update only"
-    if not p.result.conflicts:
-        click.echo(f"merged the new render into {script} ({changes}); your edits are kept")
+    conflicts = p.conflicts()
+    if not conflicts:
+        click.echo(
+            f"merged the new render into {script} and {p.directory / 'launch'} ({changes}); "
+            "your edits are kept"
+        )
         return
-    for c in p.result.conflicts:
-        click.echo(c.describe(str(script)), err=True)
+    for path, c in conflicts:
+        click.echo(c.describe(str(path)), err=True)
+    files = sorted({str(path) for path, _ in conflicts})
     raise ConflictError(
-        f"{len(p.result.conflicts)} conflicting region(s) in {script} ({changes}): edit each marked region "
-        f"and delete the markers; your previous file is {p.directory / 'train.py.orig'}"
+        f"{len(conflicts)} conflicting region(s) in {', '.join(files)} ({changes}): edit each "
+        "marked region and delete the markers; your previous file(s): "
+        f"{', '.join(f + '.orig' for f in files)}"
     )
 
 
 def _regen_check(paths) -> None:
-    from generator.render import render
+    from generator.render import render, render_launch
 
     dirs = sorted(
         {p.parent.parent for path in paths for p in Path(path).glob("**/.scaffold/spec.json")}
@@ -256,10 +284,14 @@ def _regen_check(paths) -> None:
     drifted = []
     for d in dirs:
         spec = Spec.from_json((d / SPEC_FILE).read_text(), source=str(d / SPEC_FILE))
-        fresh = render(spec)
-        for name in ("train.py", str(BASE_FILE)):
-            if (d / name).read_text() != fresh:
-                drifted.append(str(d / name))
+        text = render(spec)
+        fresh = {"train.py": text, str(BASE_FILE): text}
+        for name, content in render_launch(spec).items():
+            fresh[name] = fresh[str(LAUNCH_BASE_DIR / name)] = content
+        for name, content in fresh.items():
+            path = d / name
+            if not path.is_file() or path.read_text() != content:
+                drifted.append(str(path))
     for d in drifted:
         click.echo(f"drift: {d} differs from a fresh render of its spec", err=True)
     if drifted:

@@ -30,7 +30,7 @@ from pathlib import Path
 import merge3
 
 from generator import __version__
-from generator.cli import BASE_FILE, SPEC_FILE
+from generator.cli import BASE_FILE, LAUNCH_BASE_DIR, SPEC_FILE
 from generator.spec import ScaffoldError, Spec, SpecError, validate_spec
 
 SCRIPT = "train.py"
@@ -39,6 +39,7 @@ SETTABLE = (
     "algo",
     "dataset",
     "dtype",
+    "ep",
     "gpus",
     "model",
     "nodes",
@@ -166,7 +167,7 @@ def parse_settings(settings: tuple[str, ...] | list[str], spec: Spec) -> Spec:
             raise SpecError(f"--set {key} given twice")
         if key == "tricks":
             changes[key] = tuple(t.strip() for t in value.split(",") if t.strip())
-        elif key in ("gpus", "nodes"):
+        elif key in ("gpus", "nodes", "ep"):
             try:
                 changes[key] = int(value)
             except ValueError:
@@ -176,6 +177,39 @@ def parse_settings(settings: tuple[str, ...] | list[str], spec: Spec) -> Spec:
     new = dataclasses.replace(spec, **changes)
     validate_spec(new)
     return new
+
+
+@dataclass(frozen=True)
+class LaunchMerge:
+    """The 3-way merge of one launch file (`launch/slurm.sbatch`, ...), by train.py's rules.
+
+    base None: the directory predates launch files (merged against an empty base, so a file the
+    user wrote there is never overwritten: it conflicts unless equal to the render). ours None
+    with a base: the user deleted the file; it stays deleted (result None).
+    """
+
+    name: str  # path relative to the directory
+    base: str | None  # .scaffold/<name>, the last pristine render
+    ours: str | None  # the user's file
+    theirs: str  # the new render
+    result: MergeResult | None
+
+
+def _merge_launch(d: Path, name: str, theirs: str) -> LaunchMerge:
+    base_path, path = d / LAUNCH_BASE_DIR / name, d / name
+    base = base_path.read_text() if base_path.is_file() else None
+    ours = path.read_text() if path.is_file() else None
+    if ours is None:
+        result = None if base is not None else MergeResult(theirs, ())
+    else:
+        markers = marker_lines(ours)
+        if markers:
+            raise ConflictError(
+                f"{path} still has conflict markers at line(s) {', '.join(map(str, markers))}: "
+                f"resolve them first (your previous file is {path}.orig)"
+            )
+        result = merge(base or "", ours, theirs)
+    return LaunchMerge(name, base, ours, theirs, result)
 
 
 @dataclass(frozen=True)
@@ -190,14 +224,24 @@ class Plan:
     ours: str
     theirs: str
     result: MergeResult
+    launch: tuple[LaunchMerge, ...] = ()
 
     @property
     def up_to_date(self) -> bool:
         return (
             self.theirs == self.base
+            and all(m.base == m.theirs for m in self.launch)
             and self.new_spec == self.old_spec
             and self.recorded_version == __version__
         )
+
+    def conflicts(self) -> list[tuple[Path, Conflict]]:
+        """(file, conflict) for train.py and every launch file, in that order."""
+        found = [(self.directory / SCRIPT, c) for c in self.result.conflicts]
+        for m in self.launch:
+            if m.result is not None:
+                found += [(self.directory / m.name, c) for c in m.result.conflicts]
+        return found
 
     def spec_changes(self) -> list[str]:
         out = [
@@ -220,7 +264,7 @@ def plan(directory: str | Path, settings=(), to_version: str = "current") -> Pla
     Raises:
         ScaffoldError: missing files, conflict markers still in train.py, or an invalid --set.
     """
-    from generator.render import render
+    from generator.render import render, render_launch
 
     if to_version != "current":
         raise SpecError(
@@ -255,7 +299,8 @@ def plan(directory: str | Path, settings=(), to_version: str = "current") -> Pla
     merged = merge(base, ours.replace("\r\n", "\n") if crlf else ours, theirs)
     if crlf:  # a Windows editor rewrote the line endings: merge on \n, give the file back in CRLF
         merged = MergeResult(merged.text.replace("\n", "\r\n"), merged.conflicts)
-    return Plan(d, old_spec, new_spec, recorded_version, base, ours, theirs, merged)
+    launch = tuple(_merge_launch(d, n, t) for n, t in render_launch(new_spec).items())
+    return Plan(d, old_spec, new_spec, recorded_version, base, ours, theirs, merged, launch)
 
 
 def apply(p: Plan) -> None:
@@ -265,6 +310,17 @@ def apply(p: Plan) -> None:
         _write(d / ORIG, p.ours)
     if p.result.text != p.ours:
         _write(d / SCRIPT, p.result.text)
+    for m in p.launch:
+        path = d / m.name
+        if m.result is not None and m.result.conflicts:
+            _write(path.with_name(path.name + ".orig"), m.ours)
+        if m.result is not None and m.result.text != m.ours:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _write(path, m.result.text)
+            path.chmod(0o755)
+        if m.base != m.theirs:
+            (d / LAUNCH_BASE_DIR / m.name).parent.mkdir(parents=True, exist_ok=True)
+            _write(d / LAUNCH_BASE_DIR / m.name, m.theirs)
     _write(d / BASE_FILE, p.theirs)
     _write(d / SPEC_FILE, p.new_spec.to_json())
 

@@ -16,6 +16,12 @@ from libcst.metadata import MetadataWrapper, ScopeProvider
 from generator.spec import ScaffoldError, Spec, build_answers
 
 SKELETONS = "recipes/{}.py.jinja"  # per algorithm (generator.features); features fill its slots
+# Launch files written next to train.py (path relative to the output directory -> template).
+LAUNCH_FILES = {
+    "launch/torchrun.sh": "launch/torchrun.sh.jinja",
+    "launch/torchrun_multinode.sh": "launch/torchrun_multinode.sh.jinja",
+    "launch/slurm.sbatch": "launch/slurm.sbatch.jinja",
+}
 LINE_LENGTH = 100
 _RESIDUE = ("{{", "{%", "{#")
 FIRST_PARTY = ["--config", "lint.isort.known-first-party = ['runtime']"]
@@ -101,6 +107,29 @@ def render(spec: Spec) -> str:
             raise RenderError(f"template residue {marker!r} at line {line} of the rendered script")
     compile(text, "train.py", "exec")
     return text
+
+
+def render_launch(spec: Spec) -> dict[str, str]:
+    """The launch files for `spec` (one-node torchrun, multi-node torchrun, Slurm sbatch), keyed
+    by their path relative to the output directory. Deterministic, like `render`.
+
+    They print only validated numbers and names (gpus, nodes, algo), never user text, so no
+    value can break out of a shell comment or string.
+
+    Raises:
+        SpecError: invalid spec (from `build_answers`).
+        RenderError: template residue in a rendered file.
+    """
+    answers = build_answers(spec)
+    env = environment()
+    files = {}
+    for path, template in LAUNCH_FILES.items():
+        text = env.get_template(template).render(a=answers)
+        for marker in _RESIDUE:
+            if marker in text:
+                raise RenderError(f"template residue {marker!r} in the rendered {path}")
+        files[path] = text
+    return files
 
 
 class _UnusedImportRemover(cst.CSTTransformer):

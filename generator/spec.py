@@ -35,6 +35,7 @@ class Spec:
     tricks: tuple[str, ...] = ()
     gpus: int = 1  # processes per node
     nodes: int = 1
+    ep: int = 1  # expert-parallel degree (MoE models): experts sharded over ep ranks
     dtype: str = "bf16"
     dataset: str = "alpaca_en_demo.json"
     out: str = "."
@@ -66,7 +67,7 @@ class Spec:
             parts += ["--peft", self.peft]
         if self.tricks:
             parts += ["--tricks", ",".join(self.tricks)]
-        for name in ("gpus", "nodes", "dtype", "dataset"):
+        for name in ("gpus", "nodes", "ep", "dtype", "dataset"):
             if getattr(self, name) != getattr(default, name):
                 parts += [f"--{name}", str(getattr(self, name))]
         parts += ["--out", self.out]
@@ -119,9 +120,64 @@ def validate_spec(spec: Spec) -> None:
         raise SpecError(f"--dtype {spec.dtype!r}; valid: {', '.join(DTYPES)}")
     if spec.gpus < 1 or spec.nodes < 1:
         raise SpecError(f"--gpus {spec.gpus} and --nodes {spec.nodes} must both be >= 1")
+    if spec.ep != 1:
+        _validate_ep(spec)
     if not spec.dataset.strip():
         raise SpecError(
             "--dataset is empty; give a .json/.jsonl/.parquet path or a Hugging Face dataset name"
+        )
+
+
+MOE_FAMILIES = ("qwen3_moe",)  # model families with experts (`--ep` shards them)
+EP_TRICKS_REFUSED = {
+    "optim-in-bwd": "it steps each parameter inside backward, before the expert-parallel "
+    "gradient norm over all ranks' experts exists",
+}
+
+
+def _validate_ep(spec: Spec) -> None:
+    """--ep: MoE model, experts divisible, ep = every rank (the first restriction: each expert on
+    exactly one rank, the other parameters FSDP-sharded over the same ranks)."""
+    world = spec.gpus * spec.nodes
+    if spec.ep < 1:
+        raise SpecError(f"--ep {spec.ep} must be >= 1 (1 = no expert parallelism)")
+    if spec.algo != "sft":
+        raise SpecError(
+            f"--ep {spec.ep} is available for --algo sft only (got --algo {spec.algo}); use --ep 1"
+        )
+    entry = MODELS.get(spec.model)
+    if entry:
+        family, num_experts = entry.family, entry.config.get("num_experts", 0)
+    else:
+        try:
+            config = json.loads((Path(spec.model).expanduser() / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise SpecError(f"--model {spec.model}: cannot read config.json ({e})") from e
+        family, num_experts = config.get("model_type"), config.get("num_experts", 0)
+    if family not in MOE_FAMILIES:
+        moe = [name for name, e in MODELS.items() if e.family in MOE_FAMILIES]
+        raise SpecError(
+            f"--ep {spec.ep} shards experts, but --model {spec.model} ({family}) has none; use "
+            f"--ep 1, or a mixture-of-experts model ({', '.join(MOE_FAMILIES)} family: "
+            f"{', '.join(moe)} or a local directory of that family)"
+        )
+    if num_experts % spec.ep:
+        valid = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
+        raise SpecError(
+            f"--ep {spec.ep} does not divide num_experts={num_experts} of {spec.model}; "
+            f"valid --ep: {', '.join(map(str, valid))}"
+        )
+    if spec.ep != world:
+        raise SpecError(
+            f"--ep {spec.ep} must equal the number of ranks, --gpus {spec.gpus} x --nodes "
+            f"{spec.nodes} = {world}: each expert lives on exactly one rank and the other "
+            f"parameters are FSDP-sharded over the same ranks; set --ep {world} or change --gpus"
+        )
+    refused = [t for t in spec.tricks if t in EP_TRICKS_REFUSED]
+    if refused:
+        raise SpecError(
+            f"--ep {spec.ep} and --tricks {refused[0]} cannot be combined: "
+            f"{EP_TRICKS_REFUSED[refused[0]]}; drop one of them"
         )
 
 
@@ -216,6 +272,7 @@ def build_answers(spec: Spec) -> dict:
         "dtype": spec.dtype,
         "gpus": spec.gpus,
         "nodes": spec.nodes,
+        "ep": spec.ep,
         "gradient_accumulation_steps": 1,
         "warmup_steps": 10,
         "max_steps": 100,

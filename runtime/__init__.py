@@ -38,7 +38,7 @@ from runtime.loss import (
 )
 from runtime.metrics import MetricsLogger, peak_memory_mib, transformer_flops_per_token
 from runtime.models.llama import CausalLM, KVCache, LlamaForCausalLM, ModelArgs, build_model
-from runtime.models.moe import load_balancing_loss
+from runtime.models.moe import apply_expert_parallel, load_balancing_loss
 from runtime.offload import offload_activations
 from runtime.optim import cosine_schedule_with_warmup
 from runtime.optim_in_backward import setup_optimizer_in_backward
@@ -52,6 +52,7 @@ from runtime.parallel import (
     DistInfo,
     all_reduce_sum,
     build_mesh,
+    clip_grad_norm,
     destroy_distributed,
     disable_fsdp_gradient_division,
     init_distributed,
@@ -67,6 +68,8 @@ from runtime.train_state import (
 )
 
 __all__ = [
+    "clip_grad_norm",
+    "apply_expert_parallel",
     "IGNORE_INDEX",
     "LORA_TARGET_MODULES",
     "CausalLM",

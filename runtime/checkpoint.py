@@ -32,6 +32,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from runtime.models.moe import expert_parallel_save_tensors, experts_held_elsewhere
+
 SAFETENSORS_NAME = "model.safetensors"
 SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
@@ -144,6 +146,7 @@ def _plan_load(model, key_to_file, source, strict, exclude=()) -> dict[str, str]
     }  # tied head deduplicated
     aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - set(params)
     file_keys = {k for k in key_to_file if not k.endswith(_IGNORED_KEY_SUFFIXES)}
+    file_keys -= experts_held_elsewhere(model)  # expert parallel: other ranks load those
     plan = {n: n for n in params if n in file_keys}
     for name, src in _TIED_KEYS.items():
         if name in params and name not in file_keys and src in file_keys and _is_tied(model):
@@ -277,6 +280,10 @@ def _tensors_to_save(model: nn.Module, hf_config: dict) -> dict[str, torch.Tenso
     if hf_config.get("tie_word_embeddings", False):
         for name in _TIED_KEYS:
             tensors.pop(name, None)
+    local_experts, all_experts = expert_parallel_save_tensors(model)
+    if all_experts:  # expert parallel: every rank's experts, broadcast from their owners
+        tensors = {n: t for n, t in tensors.items() if n not in local_experts}
+        tensors.update(all_experts)
     return tensors
 
 

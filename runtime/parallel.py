@@ -7,6 +7,7 @@ FSDP2 and DeviceMesh code runs unchanged at world size 1).
 from __future__ import annotations
 
 import gc
+import math
 import os
 import socket
 from dataclasses import dataclass
@@ -144,3 +145,47 @@ def disable_fsdp_gradient_division(model: torch.nn.Module) -> None:
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip all gradients of `model` to a global L2 norm of `max_norm`; return the norm before.
+
+    Like `torch.nn.utils.clip_grad_norm_`, but also right under expert parallel, where the
+    parameters mix FSDP2 DTensors (norm over their shards) with plain expert tensors that differ
+    per rank (their squared norms are summed over the ep group). Every rank gets the same norm
+    and the same clip coefficient.
+
+    Args:
+        model: the (FSDP2-sharded, possibly expert-parallel) model.
+        max_norm: clip threshold; float("inf") only measures.
+
+    Returns:
+        Scalar fp32 tensor (plain, not a DTensor): the global gradient norm before clipping.
+
+    Reference: torch.nn.utils.clip_grad_norm_ (same norm, coefficient max_norm / (norm + 1e-6));
+    torchtitan `dist_utils.clip_grad_norm_` (expert-parallel norm).
+    """
+    from runtime.models.moe import SparseMoeBlock
+
+    expert_groups = {}
+    for m in model.modules():
+        if isinstance(m, SparseMoeBlock) and m.ep_group is not None:
+            expert_groups.update({id(p): m.ep_group for p in m.experts.parameters()})
+    params = [p for p in model.parameters() if p.grad is not None]
+    shared = [p.grad for p in params if id(p) not in expert_groups]
+    experts = [p for p in params if id(p) in expert_groups]
+    norm_sq = torch.zeros((), dtype=torch.float32)
+    if shared:
+        norm = torch.nn.utils.get_total_norm(shared)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        norm_sq = norm_sq.to(norm.device) + norm.float() ** 2
+    if experts:
+        local = torch.nn.utils.get_total_norm([p.grad for p in experts]).float() ** 2
+        dist.all_reduce(local, group=expert_groups[id(experts[0])])  # other ranks' experts
+        norm_sq = norm_sq.to(local.device) + local
+    total = norm_sq.sqrt()
+    coef = min(max_norm / (total.item() + 1e-6), 1.0)  # a Python float: DTensor and plain alike
+    if math.isfinite(coef) and coef < 1:
+        for p in params:
+            p.grad.mul_(coef)
+    return total

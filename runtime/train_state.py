@@ -5,7 +5,7 @@ A checkpoint directory `step_000120/` holds everything needed to continue bit-ex
     dcp/                      model + optimizer state (DCP: each rank writes its own shards)
     rng_rank{r}.pt            torch CPU (+ CUDA) and Python `random` RNG states of rank r
     scheduler.pt              the LR scheduler's state_dict
-    trainer_state.json        step, data position (epoch, batches consumed), seed, config
+    trainer_state.json        step, data position (epoch, samples consumed), world size, config
     COMPLETE                  written last: a directory without it is not a checkpoint
 
 Atomicity: everything is written into `step_000120.tmp/`, every file is fsynced, rank 0 writes
@@ -20,14 +20,25 @@ names, so the checkpoint is independent of parameter order and of the sharding (
 written by 4 ranks loads on 2). The same call covers torch optimizers, torchao's low-bit
 optimizers and the per-parameter optimizers of `OptimizerInBackward` (their `optimizers` list).
 
+Resuming on a different number of ranks (resharding): DCP re-slices every parameter and optimizer
+state to the new sharding, so the full tensors are exactly the saved ones. The data position is
+global (`samples_consumed` of the epoch's one permutation, which does not depend on the number of
+ranks; see `ResumableDistributedSampler`), so the resumed run uses exactly the examples the saved
+run had not used yet, in the same order. With the same global batch (micro_batch_size x
+gradient_accumulation_steps x data-parallel ranks) every later step sees the same examples as an
+uninterrupted run, and the losses agree up to float summation order (tested: 2 ranks -> 1 and 4);
+with a different global batch the steps group the examples differently. RNG states continue
+exactly only at the same world size; a rank without its own saved state takes rank
+(r mod saved world size)'s (all ranks start from the same seed).
+
 Reference: torchtitan's `CheckpointManager` (DCP + a step-numbered folder per save), PyTorch
 "Getting started with distributed checkpoint" tutorial.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
+import math
 import os
 import random
 import re
@@ -64,22 +75,32 @@ class TrainState:
     Attributes:
         step: optimizer steps done.
         epoch: current epoch of the data loader (0-based).
-        batches_consumed: micro-batches of `epoch` already used (this rank's loader).
+        samples_consumed: examples of `epoch`'s global order already used, by all data-parallel
+            ranks together (micro-batches per rank x micro_batch_size x data-parallel ranks), so
+            the position means the same on any number of ranks.
         path: the checkpoint this state was read from (None for a fresh start).
     """
 
     step: int = 0
     epoch: int = 0
-    batches_consumed: int = 0
+    samples_consumed: int = 0
     path: Path | None = None
 
 
 class ResumableDistributedSampler(DistributedSampler):
-    """`DistributedSampler` that can start an epoch part-way through, for exact resume.
+    """`DistributedSampler` that can start an epoch part-way through, on any number of ranks.
 
-    The order of an epoch depends only on (seed, epoch), so skipping the first `start_index`
-    indices of it continues exactly where a run stopped, without loading or collating the
-    skipped examples.
+    The epoch's global order is one permutation of the dataset that depends only on (seed,
+    epoch), as in `DistributedSampler`; rank r takes every num_replicas-th index of it from r on.
+    `set_position(epoch, start_index)` skips the first `start_index` indices of the global order
+    (without loading or collating them) and deals the rest out the same way. After k
+    micro-batches of b examples on each of R ranks, exactly the first k*b*R indices were used, so
+    a resume with start_index = k*b*R continues where the run stopped, also with a different
+    number of ranks. With the same number of ranks every rank gets exactly the indices it would
+    have had without the interruption.
+
+    Differs from `DistributedSampler`: drop_last trims the *remaining* indices to a multiple of
+    num_replicas (the same as trimming the whole epoch when start_index is a multiple of it).
     """
 
     def __init__(self, *args, **kwargs) -> None:
@@ -87,15 +108,33 @@ class ResumableDistributedSampler(DistributedSampler):
         self.start_index = 0
 
     def set_position(self, epoch: int, start_index: int) -> None:
-        """Next iteration yields epoch `epoch`'s indices from position `start_index` on."""
+        """Next iteration yields epoch `epoch`'s global order from index `start_index` on
+        (start_index counts examples used by all ranks together)."""
         self.set_epoch(epoch)
         self.start_index = start_index
 
+    def global_order(self) -> list[int]:
+        """The epoch's dataset indices in the order all ranks together consume them."""
+        if not self.shuffle:
+            return list(range(len(self.dataset)))
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)  # DistributedSampler's generator and seed
+        return torch.randperm(len(self.dataset), generator=g).tolist()
+
     def __iter__(self):
-        return itertools.islice(super().__iter__(), self.start_index, None)
+        order = self.global_order()[self.start_index :]
+        if self.drop_last:
+            order = order[: len(order) - len(order) % self.num_replicas]
+        elif order and len(order) % self.num_replicas:  # pad by repeating, as DistributedSampler
+            padding = self.num_replicas - len(order) % self.num_replicas
+            order += (order * math.ceil(padding / len(order)))[:padding]
+        return iter(order[self.rank :: self.num_replicas])
 
     def __len__(self) -> int:
-        return max(super().__len__() - self.start_index, 0)
+        remaining = max(len(self.dataset) - self.start_index, 0)
+        if self.drop_last:
+            return remaining // self.num_replicas
+        return math.ceil(remaining / self.num_replicas)
 
 
 def _rank() -> int:
@@ -238,7 +277,7 @@ def save_train_state(
             trainer_state = {
                 "step": state.step,
                 "epoch": state.epoch,
-                "batches_consumed": state.batches_consumed,
+                "samples_consumed": state.samples_consumed,
                 "world_size": dist.get_world_size() if dist.is_initialized() else 1,
                 "config": config,
             }
@@ -309,19 +348,30 @@ def load_train_state(path: str | os.PathLike, model: nn.Module, optimizer, sched
         options=_LOAD_OPTIONS,
     )
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
-    rng_file = path / f"rng_rank{_rank()}.pt"
+    meta = json.loads((path / "trainer_state.json").read_text())
+    saved_world = meta.get("world_size", 1)
+    # more ranks than saved: a new rank takes rank (r mod saved)'s state (every rank started from
+    # the same seed); exact only at the same world size
+    rng_file = path / f"rng_rank{_rank() % saved_world}.pt"
     if not rng_file.is_file():
         raise ValueError(
-            f"{rng_file} is missing: this checkpoint was written by fewer ranks; resume with the "
-            "same number of processes for an exact continuation"
+            f"{rng_file} is missing although trainer_state.json says {saved_world} ranks wrote "
+            "this checkpoint; it is damaged, resume from another one"
         )
     rng = torch.load(rng_file, weights_only=False)
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
-    if "cuda" in rng and torch.cuda.is_available():
+    if (
+        "cuda" in rng
+        and torch.cuda.is_available()
+        and len(rng["cuda"]) == torch.cuda.device_count()
+    ):
         torch.cuda.set_rng_state_all(rng["cuda"])
-    meta = json.loads((path / "trainer_state.json").read_text())
-    return TrainState(meta["step"], meta["epoch"], meta["batches_consumed"], path)
+    if "samples_consumed" in meta:
+        samples = meta["samples_consumed"]
+    else:  # written before the position was global: micro-batches of one rank, all ranks data-parallel
+        samples = meta["batches_consumed"] * meta["config"]["micro_batch_size"] * saved_world
+    return TrainState(meta["step"], meta["epoch"], samples, path)
 
 
 def read_checkpoint_config(path: str | os.PathLike) -> dict:

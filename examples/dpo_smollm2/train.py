@@ -7,6 +7,9 @@ no sampling. Parallelism: FSDP2 `fully_shard` over all processes (one code path 
 Launch:
     python train.py                                   # 1 process (CPU, or 1 GPU)
     torchrun --nproc-per-node 1 train.py --lr 1e-06 --max_steps 100
+    bash launch/torchrun.sh --max_steps 100           # the same line, from the file beside this one
+    sbatch launch/slurm.sbatch                        # Slurm: 1 node(s) x 1 GPU(s), c10d rendezvous
+    launch/torchrun_multinode.sh                      # torchrun --nnodes 1: the line to run on each node
     python train.py --ref_mode precomputed --beta 0.05   # reference log-probs cached before training
 
 Reference modes (--ref_mode):
@@ -466,18 +469,21 @@ def build_dataloader(
     )
 
 
-def infinite_batches(loader: DataLoader, epoch: int = 0, batches_consumed: int = 0):
-    """Yield ((epoch, batches_consumed), batch) forever, reshuffling every epoch.
+def infinite_batches(loader: DataLoader, epoch: int = 0, samples_consumed: int = 0):
+    """Yield ((epoch, samples_consumed), batch) forever, reshuffling every epoch.
 
-    Starts at micro-batch `batches_consumed` of `epoch` (a resumed run); the yielded position is
-    the one after that batch, i.e. what a checkpoint saved right then must record.
+    samples_consumed counts the examples of the epoch's global order used by all data-parallel
+    ranks together, so a resumed run (also on another number of ranks) starts right after them;
+    the yielded position is the one after that batch, i.e. what a checkpoint saved right then must
+    record.
     """
+    per_batch = loader.batch_size * loader.sampler.num_replicas  # one micro-batch on every rank
     while True:
-        loader.sampler.set_position(epoch, batches_consumed * loader.batch_size)
+        loader.sampler.set_position(epoch, samples_consumed)
         for batch in loader:
-            batches_consumed += 1
-            yield (epoch, batches_consumed), batch
-        epoch, batches_consumed = epoch + 1, 0
+            samples_consumed += per_batch
+            yield (epoch, samples_consumed), batch
+        epoch, samples_consumed = epoch + 1, 0
 
 
 @torch.no_grad()
@@ -705,10 +711,10 @@ def main(argv: list[str] | None = None) -> dict:
         if is_main:
             print(
                 f"resuming from {resume_from}: step {state.step}, epoch {state.epoch}, "
-                f"micro-batch {state.batches_consumed}"
+                f"sample {state.samples_consumed}"
                 + (f"; config changed: {changed}" if changed else "")
             )
-    batches = infinite_batches(train_loader, state.epoch, state.batches_consumed)
+    batches = infinite_batches(train_loader, state.epoch, state.samples_consumed)
     progress = tqdm(
         range(state.step + 1, cfg.max_steps + 1),
         initial=state.step,
@@ -721,7 +727,7 @@ def main(argv: list[str] | None = None) -> dict:
     for step in progress:
         micro_batches = []
         for _ in range(cfg.gradient_accumulation_steps):
-            (state.epoch, state.batches_consumed), micro_batch = next(batches)
+            (state.epoch, state.samples_consumed), micro_batch = next(batches)
             micro_batches.append(micro_batch)
         start = time.perf_counter()
         metrics = train_step(

@@ -191,6 +191,28 @@ def test_new_writes_spec_and_base_and_refuses_overwrite(tmp_path):
         (["--algo", "dpo", "--tricks", "lce"], "--algo dpo does not take --tricks lce"),
         (["--algo", "kd", "--tricks", "lce"], "valid for kd: ac, optim-in-bwd, adamw8bit"),
         (["--algo", "qlora", "--peft", "vera"], "--peft 'vera'; valid: lora, dora"),
+        (
+            ["--ep", "2", "--gpus", "2"],
+            "--ep 2 shards experts, but --model smollm2-135m (llama) has none; use --ep 1, or a "
+            "mixture-of-experts model (qwen3_moe family: qwen3-30b-a3b, qwen3-235b-a22b",
+        ),
+        (
+            ["--model", "qwen3-30b-a3b", "--ep", "3", "--gpus", "3"],
+            "--ep 3 does not divide num_experts=128 of qwen3-30b-a3b; valid --ep: 1, 2, 4, 8,",
+        ),
+        (
+            ["--model", "qwen3-30b-a3b", "--ep", "2", "--gpus", "4"],
+            "--ep 2 must equal the number of ranks, --gpus 4 x --nodes 1 = 4",
+        ),
+        (
+            ["--model", "qwen3-30b-a3b", "--ep", "2", "--gpus", "2", "--algo", "lora"],
+            "--ep 2 is available for --algo sft only (got --algo lora)",
+        ),
+        (
+            ["--model", "qwen3-30b-a3b", "--ep", "2", "--gpus", "2", "--tricks", "optim-in-bwd"],
+            "--ep 2 and --tricks optim-in-bwd cannot be combined",
+        ),
+        (["--ep", "0"], "--ep 0 must be >= 1"),
     ],
 )
 def test_cli_errors_are_one_line(args, message, tmp_path):
@@ -261,3 +283,21 @@ def test_new_picks_the_algorithms_demo_dataset(tmp_path):
     result = CliRunner().invoke(cli, ["new", "--algo", "dpo", "--out", str(tmp_path / "d")])
     assert result.exit_code == 0, result.output
     assert 'dataset: str = "dpo_en_demo.json"' in (tmp_path / "d" / "train.py").read_text()
+
+
+def test_expert_parallel_renders_only_with_ep(tmp_path):
+    """--ep 8 on an MoE model adds the ep field, its check, the expert sharding and the
+    expert-parallel grad norm; --ep 1 renders none of it."""
+    from generator.render import render
+
+    spec = Spec(model="qwen3-30b-a3b", gpus=8, ep=8, out="o")
+    text = render(spec)
+    for line in (
+        "    ep: int = 8  # expert-parallel degree",
+        '    fsdp_kwargs["ignored_params"] = apply_expert_parallel(model, mesh["dp_shard"])',
+        "    grad_norm = clip_grad_norm(model, max_norm)",
+    ):
+        assert line in text, line
+    assert "--ep 8" in spec.command()
+    plain = render(Spec(model="qwen3-30b-a3b", gpus=8, out="o"))
+    assert "apply_expert_parallel" not in plain and "ep: int" not in plain

@@ -49,7 +49,7 @@ def test_round_trip_restores_model_optimizer_scheduler_and_rng(process_group, tm
 
     model2, optimizer2, scheduler2 = make(seed=1)  # different init: everything must come back
     state = load_train_state(path, model2, optimizer2, scheduler2)
-    assert (state.step, state.epoch, state.batches_consumed, state.path) == (3, 1, 5, path)
+    assert (state.step, state.epoch, state.samples_consumed, state.path) == (3, 1, 5, path)
     assert scheduler2.last_epoch == 3
     train_steps(model2, optimizer2, scheduler2, 2)  # same RNG draws: the rng state came back
     for key, value in model2.state_dict().items():
@@ -100,13 +100,50 @@ def test_load_into_a_different_model_names_the_checkpoint(process_group, tmp_pat
 
 
 def test_resumable_sampler_continues_the_epoch_order():
+    from torch.utils.data import DistributedSampler
+
     data = list(range(23))
-    full = ResumableDistributedSampler(data, num_replicas=2, rank=1, shuffle=True, seed=3)
-    full.set_epoch(4)
-    order = list(full)
-    part = ResumableDistributedSampler(data, num_replicas=2, rank=1, shuffle=True, seed=3)
-    part.set_position(4, 5)
+    for drop_last in (False, True):  # ends with True: the training setting, used below
+        torch_order = DistributedSampler(data, 2, 1, shuffle=True, seed=3, drop_last=drop_last)
+        torch_order.set_epoch(4)
+        full = ResumableDistributedSampler(data, 2, 1, shuffle=True, seed=3, drop_last=drop_last)
+        full.set_epoch(4)
+        order = list(full)
+        assert order == list(torch_order) and len(full) == len(order)  # from 0: torch's order
+    part = ResumableDistributedSampler(data, 2, 1, shuffle=True, seed=3, drop_last=True)
+    part.set_position(4, 10)  # 10 examples used by both ranks = 5 of this rank's
     assert list(part) == order[5:] and len(part) == len(order) - 5
+
+
+@pytest.mark.parametrize("saved_ranks, resumed_ranks", [(2, 1), (2, 4), (4, 2), (2, 2)])
+def test_resumable_sampler_resumes_on_another_number_of_ranks(saved_ranks, resumed_ranks):
+    """After k micro-batches of b examples on R ranks, exactly the first k*b*R indices of the
+    epoch's global order were used; a resume at that position on any number of ranks deals out
+    exactly the rest, disjoint across ranks, and each resumed global batch (b' x R' = b x R) is
+    the set of examples the uninterrupted run's next global batch would have had."""
+    data, b, k = list(range(40)), 4 // saved_ranks, 3
+
+    def samplers(ranks, start):
+        out = [
+            ResumableDistributedSampler(data, ranks, r, shuffle=True, seed=7) for r in range(ranks)
+        ]
+        for s in out:
+            s.set_position(2, start)
+        return out
+
+    before = [list(s) for s in samplers(saved_ranks, 0)]
+    used = {i for rank in before for i in rank[: k * b]}
+    global_order = samplers(1, 0)[0].global_order()
+    assert used == set(global_order[: k * b * saved_ranks])
+    start = k * b * saved_ranks
+    after = [list(s) for s in samplers(resumed_ranks, start)]
+    flat = [i for rank in after for i in rank]
+    assert sorted(flat) == sorted(global_order[start:]) and not used & set(flat)
+    b2 = 4 // resumed_ranks  # the same global batch of 4 examples
+    for step in range(2):
+        uninterrupted = {i for rank in before for i in rank[(k + step) * b : (k + step + 1) * b]}
+        resumed = {i for rank in after for i in rank[step * b2 : (step + 1) * b2]}
+        assert resumed == uninterrupted, step
 
 
 def _save_with_failing_rank1(rank, world_size, root):

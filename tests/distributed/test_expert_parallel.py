@@ -1,0 +1,198 @@
+"""Expert parallel (ep = 2 = dp_shard, gloo) equals one process on a tiny random Qwen3-MoE: the loss
+of 3 AdamW steps and the gradients of every parameter at step 3 (experts gathered from their
+ranks), the HF save (all experts on rank 0 under HF keys) and a DCP train-state round trip.
+
+Each rank holds 2 of the 4 experts per MoE layer; tokens reach them by a differentiable
+all-to-all; everything else is FSDP2-sharded over the same 2 ranks. Tolerance: fp32, only the
+summation order differs (measured max |diff| ~1e-7); asserted at atol 1e-5 / rtol 1e-4.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from runtime.testing import TINY_CONFIG, full_tensor, spawn
+
+MOE = dict(
+    TINY_CONFIG,
+    model_type="qwen3_moe",
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    norm_topk_prob=True,
+)
+
+
+def _batch(step: int):
+    """The global batch of a step: [4, 16] ids and labels (some positions ignored)."""
+    g = torch.Generator().manual_seed(step)
+    ids = torch.randint(0, MOE["vocab_size"], (4, 16), generator=g)
+    labels = torch.randint(0, MOE["vocab_size"], (4, 16), generator=g)
+    labels[:, :3] = -100
+    return ids, labels
+
+
+def _build(model_dir: Path, world_size: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from runtime import (
+        ModelArgs,
+        apply_expert_parallel,
+        build_model,
+        disable_fsdp_gradient_division,
+        load_hf_checkpoint,
+        read_hf_config,
+    )
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp_shard",))
+    model = build_model(ModelArgs.from_hf_config(read_hf_config(model_dir)), device="meta")
+    if world_size > 1:
+        experts = apply_expert_parallel(model, mesh["dp_shard"])  # ep = dp_shard
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh["dp_shard"], ignored_params=experts)
+        fully_shard(model, mesh=mesh["dp_shard"], ignored_params=experts)
+        disable_fsdp_gradient_division(model)
+    model.to_empty(device="cpu")
+    model.init_rope()
+    load_hf_checkpoint(model, model_dir)
+    return model
+
+
+def _train(rank, world_size, model_dir, out_dir):
+    from runtime import TrainState, load_train_state, save_hf_checkpoint, save_train_state
+    from runtime.checkpoint import read_hf_config
+    from runtime.parallel import all_reduce_sum
+
+    model = _build(model_dir, world_size)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    losses = []
+    for step in range(3):
+        ids, labels = _batch(step)
+        n_global = (labels != -100).sum()
+        logits = model(ids[rank::world_size])  # this rank's rows
+        ce = F.cross_entropy(
+            logits.flatten(0, 1).float(), labels[rank::world_size].flatten(), reduction="sum"
+        )
+        loss = ce / n_global
+        loss.backward()
+        losses.append(all_reduce_sum(loss.detach().clone()).item())
+        if step < 2:
+            opt.step()
+            opt.zero_grad()
+    grads = {n: full_tensor(p.grad).clone() for n, p in model.named_parameters()}
+    save_hf_checkpoint(model, Path(out_dir) / "hf", read_hf_config(model_dir))
+    # DCP train state: save, load into a freshly built model + optimizer, compare this rank's part
+    path = save_train_state(Path(out_dir) / "ckpt", TrainState(3), model, opt, sched, {})
+    model2 = _build(model_dir, world_size)
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
+    sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, lambda s: 1.0)
+    load_train_state(path, model2, opt2, sched2)
+    same = all(
+        torch.equal(full_tensor(a.detach()), full_tensor(b.detach()))
+        for a, b in zip(model.parameters(), model2.parameters(), strict=True)
+    )
+    state1 = {n: s for n, s in zip(dict(model.named_parameters()), opt.state.values())}
+    state2 = {n: s for n, s in zip(dict(model2.named_parameters()), opt2.state.values())}
+    same_optim = state1.keys() == state2.keys() and all(
+        torch.equal(full_tensor(state1[n][k]), full_tensor(state2[n][k]))
+        for n in state1
+        for k in ("exp_avg", "exp_avg_sq")
+    )
+    del model, model2, opt, opt2
+    return losses, grads, same, same_optim
+
+
+def test_expert_parallel_two_ranks_equal_one_process(tmp_path):
+    from runtime import ModelArgs, build_model, save_hf_checkpoint
+
+    args = ModelArgs(**MOE)
+    model = build_model(args, device="cpu")
+    model.init_weights(generator=torch.Generator().manual_seed(0))
+    model_dir = tmp_path / "tiny_moe"
+    save_hf_checkpoint(model, model_dir, args.to_hf_config())
+
+    ((ref_losses, ref_grads, *_),) = spawn(_train, 1, args=(model_dir, tmp_path / "one"))
+    results = spawn(_train, 2, args=(model_dir, tmp_path / "ep2"))
+    expert_keys = {k for k in ref_grads if ".mlp.experts." in k}
+    assert len(expert_keys) == 2 * 4 * 3  # 2 MoE layers x 4 experts x gate/up/down
+    held = [{k for k in grads if ".mlp.experts." in k} for _, grads, _, _ in results]
+    assert held[0].isdisjoint(held[1]) and held[0] | held[1] == expert_keys  # 2 experts each
+    assert all(".experts.0." in k or ".experts.1." in k for k in held[0])
+    merged = {}
+    for losses, grads, same, same_optim in results:
+        assert same and same_optim  # DCP train state round trip on 2 EP ranks
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(ref_losses), atol=1e-5, rtol=1e-5
+        )
+        merged.update(grads)
+    assert merged.keys() == ref_grads.keys()
+    worst = max((merged[k] - ref_grads[k]).abs().max().item() for k in ref_grads)
+    print(f"max |grad difference| EP 2 vs 1 process at step 3: {worst:.2e}; losses {ref_losses}")
+    for name, g in ref_grads.items():
+        assert g.abs().sum() > 0, name  # every parameter, every expert got a gradient
+        torch.testing.assert_close(merged[name], g, atol=1e-5, rtol=1e-4, msg=name)
+
+    one, ep2 = (
+        load_file(tmp_path / "one/hf/model.safetensors"),
+        load_file(tmp_path / "ep2/hf/model.safetensors"),
+    )
+    assert one.keys() == ep2.keys() and expert_keys <= one.keys()
+    for key in one:
+        torch.testing.assert_close(ep2[key], one[key], atol=1e-5, rtol=1e-4, msg=key)
+
+
+def test_emitted_script_with_ep_matches_one_process(smollm2_dir, small_dataset, tmp_path):
+    """`scaffold new --model <tiny Qwen3-MoE dir> --gpus 2 --ep 2`: the script run by torchrun on 2
+    gloo ranks (experts split 2 + 2) logs the losses of the same script in 1 process (--ep 1,
+    global batch 4 both ways) and saves the same HF weights."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from generator.render import render
+    from generator.spec import Spec
+    from runtime import ModelArgs, build_model, copy_tokenizer_files, save_hf_checkpoint
+
+    args = ModelArgs(**{**MOE, "vocab_size": 49152}, max_position_embeddings=4096)
+    model = build_model(args, device="cpu")
+    model.init_weights(generator=torch.Generator().manual_seed(0))
+    model_dir = tmp_path / "tiny_moe"
+    save_hf_checkpoint(model, model_dir, args.to_hf_config())
+    copy_tokenizer_files(smollm2_dir, model_dir)
+    script = tmp_path / "train.py"
+    script.write_text(render(Spec(model=str(model_dir), gpus=2, ep=2, out=str(tmp_path))))
+
+    def run(launcher: list[str], out: Path, extra: list[str]) -> dict[int, float]:
+        argv = [
+            "--dataset", str(small_dataset), "--out_dir", str(out), "--device", "cpu",
+            "--dtype", "fp32", "--max_steps", "2", "--warmup_steps", "0", "--lr", "1e-3",
+            "--max_seq_len", "64", "--val_fraction", "0", "--eval_every_steps", "0",
+            "--sample_max_new_tokens", "0", *extra,
+        ]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(
+            [sys.executable, *launcher, str(script), *argv],
+            env=env, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+    one = run([], tmp_path / "one", ["--ep", "1", "--micro_batch_size", "4"])
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    two = run(torchrun, tmp_path / "ep2", ["--micro_batch_size", "2"])
+    assert sorted(two) == [1, 2]
+    for step in (1, 2):
+        assert abs(two[step] - one[step]) <= 1e-5 * one[step], (step, two[step], one[step])
+    a = load_file(tmp_path / "one/model/model.safetensors")
+    b = load_file(tmp_path / "ep2/model/model.safetensors")
+    assert a.keys() == b.keys() and any(".mlp.experts.3." in k for k in a)
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], atol=1e-5, rtol=1e-4, msg=key)
