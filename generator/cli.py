@@ -68,6 +68,23 @@ def cli():
 @click.option("--gpus", default=1, show_default=True, type=int, help="Processes (GPUs) per node.")
 @click.option("--nodes", default=1, show_default=True, type=int, help="Number of nodes.")
 @click.option(
+    "--tp",
+    default=1,
+    show_default=True,
+    type=int,
+    help="Tensor-parallel degree (+ sequence and loss parallel), within one node.",
+)
+@click.option(
+    "--cp", default=1, show_default=True, type=int, help="Context-parallel degree (CUDA only)."
+)
+@click.option(
+    "--dp-replicate",
+    default=1,
+    show_default=True,
+    type=int,
+    help="HSDP replica groups; FSDP shards over the rest: gpus*nodes / (dp_replicate*cp*tp).",
+)
+@click.option(
     "--dtype",
     default="bf16",
     show_default=True,
@@ -88,7 +105,7 @@ def cli():
 )
 @click.option("--force", is_flag=True, help="Overwrite an existing train.py.")
 @_friendly
-def new(algo, peft, model, tricks, gpus, nodes, dtype, dataset, out, force):
+def new(algo, peft, model, tricks, gpus, nodes, tp, cp, dp_replicate, dtype, dataset, out, force):
     """Write OUT/train.py for the chosen model, algorithm, tricks and GPUs.
 
     \b
@@ -106,6 +123,9 @@ def new(algo, peft, model, tricks, gpus, nodes, dtype, dataset, out, force):
         tricks=tuple(t.strip() for t in tricks.split(",") if t.strip()),
         gpus=gpus,
         nodes=nodes,
+        tp=tp,
+        cp=cp,
+        dp_replicate=dp_replicate,
         dtype=dtype,
         dataset=dataset or (ALGOS[algo].dataset if algo in ALGOS else Spec.dataset),
         out=out,
@@ -172,7 +192,7 @@ def list_(what):
 
 _SET_HELP = (
     "Change one option of the recorded spec (repeatable): algo, dataset, dtype, gpus, model, nodes, "
-    "peft, tricks (comma list; `tricks=` for none). Validated like `scaffold new`."
+    "tp, cp, dp_replicate, peft, tricks (comma list; `tricks=` for none). Validated like `scaffold new`."
 )
 
 

@@ -42,6 +42,9 @@ SETTABLE = (
     "gpus",
     "model",
     "nodes",
+    "tp",
+    "cp",
+    "dp_replicate",
     "peft",
     "tricks",
 )  # Spec fields for --set
@@ -166,7 +169,7 @@ def parse_settings(settings: tuple[str, ...] | list[str], spec: Spec) -> Spec:
             raise SpecError(f"--set {key} given twice")
         if key == "tricks":
             changes[key] = tuple(t.strip() for t in value.split(",") if t.strip())
-        elif key in ("gpus", "nodes"):
+        elif key in ("gpus", "nodes", "tp", "cp", "dp_replicate"):
             try:
                 changes[key] = int(value)
             except ValueError:
