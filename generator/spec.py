@@ -160,8 +160,6 @@ def _model_config(spec: Spec) -> dict:
 
 def _validate_parallel(spec: Spec) -> None:
     """The parallel plan: degrees multiply to the world size, TP fits the model and one node."""
-    from runtime.parallel import check_tp_degree
-
     degrees = {"tp": spec.tp, "cp": spec.cp, "dp_replicate": spec.dp_replicate}
     for name, value in degrees.items():
         if value < 1:
@@ -204,6 +202,8 @@ def _validate_parallel(spec: Spec) -> None:
                 f"drop it (--tricks {','.join(t for t in spec.tricks if t not in refused)}) "
                 "or use --tp 1"
             )
+        from runtime.parallel import check_tp_degree  # imports torch: only when TP is asked for
+
         config = _model_config(spec)
         try:
             check_tp_degree(

@@ -105,9 +105,7 @@ class Config:
     # precision and devices
     dtype: str = "bf16"  # "bf16" (bf16 compute, fp32 master weights) or "fp32"
     device: str = "auto"  # "auto" (CUDA if available), "cuda" or "cpu"
-    dp_replicate: int = (
-        1  # HSDP replica groups (1 = plain FSDP); FSDP shards over world / (dp_replicate * tp)
-    )
+    dp_replicate: int = 1  # HSDP replica groups (1 = FSDP over all dp ranks)
     tp: int = 2  # tensor-parallel degree: ranks of one node that split every block's heads/columns
     # logging, evaluation, checkpoints
     out_dir: str = "out"  # metrics.jsonl, checkpoints and the final model go here
