@@ -110,10 +110,11 @@ class Config:
     max_grad_norm: float = 1.0  # clip the global gradient norm to this (0 = off)
     micro_batch_size: int = 4  # sequences per rank per forward
     gradient_accumulation_steps: int = 1  # micro-batches per optimizer step
+    # parallelism
+    dp_replicate: int = 1  # HSDP replica groups (1 = FSDP over all dp ranks)
     # precision and devices
     dtype: str = "bf16"  # "bf16" (bf16 compute, fp32 master weights) or "fp32"
     device: str = "auto"  # "auto" (CUDA if available), "cuda" or "cpu"
-    dp_replicate: int = 1  # HSDP replica groups (1 = FSDP over all dp ranks)
     # adapters: W x + lora_scale * B A x with lora_scale = lora_alpha / lora_rank; only A, B (and
     # DoRA's magnitude) train
     lora_rank: int = 8  # r

@@ -93,10 +93,11 @@ class Config:
     max_grad_norm: float = 1.0  # clip the global gradient norm to this (0 = off)
     micro_batch_size: int = 4  # sequences per rank per forward
     gradient_accumulation_steps: int = 1  # micro-batches per optimizer step
+    # parallelism
+    dp_replicate: int = 1  # HSDP replica groups (1 = FSDP over all dp ranks)
     # precision and devices
     dtype: str = "bf16"  # "bf16" (bf16 compute, fp32 master weights) or "fp32"
     device: str = "auto"  # "auto" (CUDA if available), "cuda" or "cpu"
-    dp_replicate: int = 1  # HSDP replica groups (1 = FSDP over all dp ranks)
     # logging, evaluation, checkpoints
     out_dir: str = "out"  # metrics.jsonl, checkpoints and the final model go here
     log_every_steps: int = 1
