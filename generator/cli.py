@@ -71,6 +71,23 @@ def cli():
 @click.option("--gpus", default=1, show_default=True, type=int, help="Processes (GPUs) per node.")
 @click.option("--nodes", default=1, show_default=True, type=int, help="Number of nodes.")
 @click.option(
+    "--tp",
+    default=1,
+    show_default=True,
+    type=int,
+    help="Tensor-parallel degree (+ sequence and loss parallel), within one node.",
+)
+@click.option(
+    "--cp", default=1, show_default=True, type=int, help="Context-parallel degree (CUDA only)."
+)
+@click.option(
+    "--dp-replicate",
+    default=1,
+    show_default=True,
+    type=int,
+    help="HSDP replica groups; FSDP shards over the rest: gpus*nodes / (dp_replicate*cp*tp).",
+)
+@click.option(
     "--ep",
     default=1,
     show_default=True,
@@ -99,7 +116,9 @@ def cli():
 )
 @click.option("--force", is_flag=True, help="Overwrite an existing train.py.")
 @_friendly
-def new(algo, peft, model, tricks, gpus, nodes, ep, dtype, dataset, out, force):
+def new(
+    algo, peft, model, tricks, gpus, nodes, tp, cp, dp_replicate, ep, dtype, dataset, out, force
+):
     """Write OUT/train.py for the chosen model, algorithm, tricks and GPUs.
 
     \b
@@ -117,6 +136,9 @@ def new(algo, peft, model, tricks, gpus, nodes, ep, dtype, dataset, out, force):
         tricks=tuple(t.strip() for t in tricks.split(",") if t.strip()),
         gpus=gpus,
         nodes=nodes,
+        tp=tp,
+        cp=cp,
+        dp_replicate=dp_replicate,
         ep=ep,
         dtype=dtype,
         dataset=dataset or (ALGOS[algo].dataset if algo in ALGOS else Spec.dataset),
@@ -193,8 +215,8 @@ def list_(what):
 
 
 _SET_HELP = (
-    "Change one option of the recorded spec (repeatable): algo, dataset, dtype, ep, gpus, model, nodes, "
-    "peft, tricks (comma list; `tricks=` for none). Validated like `scaffold new`."
+    "Change one option of the recorded spec (repeatable): algo, dataset, dtype, gpus, model, nodes, "
+    "tp, cp, dp_replicate, ep, peft, tricks (comma list; `tricks=` for none). Validated like `scaffold new`."
 )
 
 

@@ -39,10 +39,13 @@ SETTABLE = (
     "algo",
     "dataset",
     "dtype",
-    "ep",
     "gpus",
     "model",
     "nodes",
+    "tp",
+    "cp",
+    "dp_replicate",
+    "ep",
     "peft",
     "tricks",
 )  # Spec fields for --set
@@ -167,7 +170,7 @@ def parse_settings(settings: tuple[str, ...] | list[str], spec: Spec) -> Spec:
             raise SpecError(f"--set {key} given twice")
         if key == "tricks":
             changes[key] = tuple(t.strip() for t in value.split(",") if t.strip())
-        elif key in ("gpus", "nodes", "ep"):
+        elif key in ("gpus", "nodes", "tp", "cp", "dp_replicate", "ep"):
             try:
                 changes[key] = int(value)
             except ValueError:

@@ -12,7 +12,15 @@ from pathlib import Path
 
 from generator import __version__
 from generator.catalog import MODELS
-from generator.features import ALGOS, PEFT_ALGOS, PEFT_METHODS, REF_MODE_HELP, REF_MODES, TRICKS
+from generator.features import (
+    ALGOS,
+    PARALLEL_FEATURES,
+    PEFT_ALGOS,
+    PEFT_METHODS,
+    REF_MODE_HELP,
+    REF_MODES,
+    TRICKS,
+)
 
 DTYPES = ("bf16", "fp32")
 
@@ -35,6 +43,9 @@ class Spec:
     tricks: tuple[str, ...] = ()
     gpus: int = 1  # processes per node
     nodes: int = 1
+    tp: int = 1  # tensor-parallel degree (within a node)
+    cp: int = 1  # context-parallel degree
+    dp_replicate: int = 1  # HSDP replica groups; dp_shard = gpus * nodes / (dp_replicate * cp * tp)
     ep: int = 1  # expert-parallel degree (MoE models): experts sharded over ep ranks
     dtype: str = "bf16"
     dataset: str = "alpaca_en_demo.json"
@@ -67,9 +78,9 @@ class Spec:
             parts += ["--peft", self.peft]
         if self.tricks:
             parts += ["--tricks", ",".join(self.tricks)]
-        for name in ("gpus", "nodes", "ep", "dtype", "dataset"):
+        for name in ("gpus", "nodes", "tp", "cp", "dp_replicate", "ep", "dtype", "dataset"):
             if getattr(self, name) != getattr(default, name):
-                parts += [f"--{name}", str(getattr(self, name))]
+                parts += [f"--{name.replace('_', '-')}", str(getattr(self, name))]
         parts += ["--out", self.out]
         return shlex.join(parts)
 
@@ -126,6 +137,87 @@ def validate_spec(spec: Spec) -> None:
         raise SpecError(
             "--dataset is empty; give a .json/.jsonl/.parquet path or a Hugging Face dataset name"
         )
+    _validate_parallel(spec)
+
+
+# What tensor parallel has been made right for: the SFT skeleton's full-parameter model. The
+# refusals say why (a feature whose modules the TP plan does not cover, or an untested pairing).
+_TP_ALGOS = ("sft",)
+_TP_REFUSED_TRICKS = {
+    "compile": "per-block torch.compile of DTensor (tensor-parallel) blocks is not tested here",
+}
+
+
+def _model_config(spec: Spec) -> dict:
+    """The HF config.json fields of --model (catalog entry or local directory)."""
+    entry = MODELS.get(spec.model)
+    if entry:
+        return entry.config
+    from runtime.checkpoint import read_hf_config
+
+    try:
+        return read_hf_config(Path(spec.model).expanduser())
+    except (ValueError, OSError) as e:
+        raise SpecError(f"--model {spec.model}: {e}") from e
+
+
+def _validate_parallel(spec: Spec) -> None:
+    """The parallel plan: degrees multiply to the world size, TP fits the model and one node."""
+    degrees = {"tp": spec.tp, "cp": spec.cp, "dp_replicate": spec.dp_replicate}
+    for name, value in degrees.items():
+        if value < 1:
+            raise SpecError(f"--{name.replace('_', '-')} {value}: must be >= 1")
+    world = spec.gpus * spec.nodes
+    others = spec.tp * spec.cp * spec.dp_replicate
+    if world % others:
+        valid = [d for d in range(1, world + 1) if world % d == 0]
+        raise SpecError(
+            f"--gpus {spec.gpus} x --nodes {spec.nodes} = {world} processes is not divisible by "
+            f"dp_replicate*cp*tp = {spec.dp_replicate}*{spec.cp}*{spec.tp} = {others} "
+            f"(dp_shard = world / that must be a whole number >= 1); choose degrees whose product "
+            f"divides {world}: one of {valid}"
+        )
+    if spec.tp > spec.gpus:
+        raise SpecError(
+            f"--tp {spec.tp} > --gpus {spec.gpus} (per node): tensor parallel all-gathers and "
+            "reduce-scatters activations in every block, which needs the intra-node links "
+            f"(NVLink); keep tp <= {spec.gpus} and scale across nodes with data parallel"
+        )
+    if spec.cp > 1:
+        raise SpecError(
+            f"--cp {spec.cp}: context parallel is not available yet. PyTorch's context_parallel "
+            "has no CPU sharding rule for causal SDPA (so it cannot be tested on this project's "
+            "CPU CI) and scaffold's CUDA path for it is not written; use --cp 1 (long sequences: "
+            "--tricks ac,lce, or --tp)"
+        )
+    if spec.tp > 1 or spec.dp_replicate > 1:
+        if spec.algo not in _TP_ALGOS:
+            raise SpecError(
+                f"--algo {spec.algo} with --tp {spec.tp} --dp-replicate {spec.dp_replicate}: "
+                f"tensor parallel and HSDP are wired into the SFT skeleton only (--algo "
+                f"{', '.join(_TP_ALGOS)}); use --tp 1 --dp-replicate 1 (FSDP over all GPUs)"
+            )
+    if spec.tp > 1:
+        refused = [t for t in spec.tricks if t in _TP_REFUSED_TRICKS]
+        if refused:
+            raise SpecError(
+                f"--tricks {refused[0]} with --tp {spec.tp}: {_TP_REFUSED_TRICKS[refused[0]]}; "
+                f"drop it (--tricks {','.join(t for t in spec.tricks if t not in refused)}) "
+                "or use --tp 1"
+            )
+        from runtime.parallel import check_tp_degree  # imports torch: only when TP is asked for
+
+        config = _model_config(spec)
+        try:
+            check_tp_degree(
+                spec.tp,
+                config["num_attention_heads"],
+                config.get("num_key_value_heads", config["num_attention_heads"]),
+                config["vocab_size"],
+                config.get("model_type", "llama"),
+            )
+        except ValueError as e:
+            raise SpecError(f"--model {spec.model} --tp {spec.tp}: {e}") from e
 
 
 MOE_FAMILIES = ("qwen3_moe",)  # model families with experts (`--ep` shards them)
@@ -172,6 +264,14 @@ def _validate_ep(spec: Spec) -> None:
             f"--ep {spec.ep} must equal the number of ranks, --gpus {spec.gpus} x --nodes "
             f"{spec.nodes} = {world}: each expert lives on exactly one rank and the other "
             f"parameters are FSDP-sharded over the same ranks; set --ep {world} or change --gpus"
+        )
+    others = {n: getattr(spec, n) for n in ("tp", "cp", "dp_replicate") if getattr(spec, n) != 1}
+    if others:
+        name, value = next(iter(others.items()))
+        raise SpecError(
+            f"--ep {spec.ep} with --{name.replace('_', '-')} {value}: expert parallel spans every "
+            f"rank as the FSDP shard dim (ep = dp_shard), so it takes no other parallel dim yet; "
+            f"use --{name.replace('_', '-')} 1"
         )
     refused = [t for t in spec.tricks if t in EP_TRICKS_REFUSED]
     if refused:
@@ -257,6 +357,8 @@ def build_answers(spec: Spec) -> dict:
     algo = ALGOS[spec.algo]
     ordered_tricks = [name for name in TRICKS if name in spec.tricks]
     features = [algo.template] if algo.template else []
+    # the parallel plan next: TP before activation checkpointing, compile and FSDP (torchtitan)
+    features += [name for name, on in PARALLEL_FEATURES.items() if on(spec)]
     features += [TRICKS[name].template for name in ordered_tricks]
     if algo.lr is not None:
         model["lr"] = algo.lr
@@ -273,6 +375,14 @@ def build_answers(spec: Spec) -> dict:
         "gpus": spec.gpus,
         "nodes": spec.nodes,
         "ep": spec.ep,
+        "world_size": spec.gpus * spec.nodes,
+        "tp": spec.tp,
+        "dp_replicate": spec.dp_replicate,
+        # extra build_mesh arguments and collate padding of the parallel features
+        "mesh_args": ", tp=cfg.tp" if spec.tp > 1 else "",
+        "collate_args": ", pad_to_multiple_of=cfg.tp" if spec.tp > 1 else "",
+        # decoding feeds 1 token per step, which sequence parallel cannot split over tp ranks
+        "sample_max_new_tokens": 0 if spec.tp > 1 else 48,
         "gradient_accumulation_steps": 1,
         "warmup_steps": 10,
         "max_steps": 100,

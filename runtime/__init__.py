@@ -35,6 +35,7 @@ from runtime.loss import (
     cross_entropy_sum,
     linear_cross_entropy,
     token_logprobs,
+    vocab_parallel_cross_entropy_sum,
 )
 from runtime.metrics import MetricsLogger, peak_memory_mib, transformer_flops_per_token
 from runtime.models.llama import CausalLM, KVCache, LlamaForCausalLM, ModelArgs, build_model
@@ -52,10 +53,13 @@ from runtime.parallel import (
     DistInfo,
     all_reduce_sum,
     build_mesh,
+    check_tp_degree,
     clip_grad_norm,
     destroy_distributed,
     disable_fsdp_gradient_division,
     init_distributed,
+    llama_block_tp_plan,
+    llama_tp_plan,
 )
 from runtime.tokenizer import Tokenizer, check_same_tokenizer, check_vocab_fits
 from runtime.train_state import (
@@ -90,6 +94,7 @@ __all__ = [
     "all_reduce_sum",
     "build_mesh",
     "build_model",
+    "check_tp_degree",
     "check_same_tokenizer",
     "check_vocab_fits",
     "copy_tokenizer_files",
@@ -104,6 +109,8 @@ __all__ = [
     "init_lora",
     "is_adapter_param",
     "linear_cross_entropy",
+    "llama_block_tp_plan",
+    "llama_tp_plan",
     "load_balancing_loss",
     "load_adapter",
     "load_hf_checkpoint",
@@ -133,4 +140,5 @@ __all__ = [
     "to_preference",
     "token_logprobs",
     "transformer_flops_per_token",
+    "vocab_parallel_cross_entropy_sum",
 ]

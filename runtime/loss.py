@@ -16,21 +16,130 @@ IGNORE_INDEX = (
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed next-token cross-entropy over supervised positions.
 
+    Loss parallel: when `logits` is a DTensor sharded on the vocab dim over a 1-D (tensor-parallel)
+    mesh, e.g. the output of `lm_head` under `runtime.parallel.llama_tp_plan(loss_parallel=True)`,
+    the CE is computed on the local [.., V/tp] shard with three all-reduces of [T] vectors (max,
+    sum of exp, target logit) and no all-gather of the logits (`vocab_parallel_cross_entropy_sum`).
+
     Args:
-        logits: [B, S, V] or [T, V], any float dtype; upcast to fp32 for the softmax.
+        logits: [B, S, V] or [T, V], any float dtype; upcast to fp32 for the softmax. Or a DTensor
+            with placements (Shard(-1),) (vocab-sharded).
         labels: [B, S] or [T] int64, pre-shifted (labels[:, t] is the target of position t),
-            IGNORE_INDEX = not supervised.
+            IGNORE_INDEX = not supervised. A plain tensor, the same on every tensor-parallel rank.
 
     Returns:
         Scalar fp32: the sum of token losses (0.0, never NaN, when nothing is supervised). Divide by
-        the global number of supervised tokens of the optimizer step, not per micro-batch.
+        the global number of supervised tokens of the optimizer step, not per micro-batch. Under
+        loss parallel a plain tensor, equal on every rank of the tensor-parallel group.
+
+    Raises:
+        ValueError: a DTensor logits that is not vocab-sharded over one mesh dim.
     """
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(logits, DTensor):
+        return vocab_parallel_cross_entropy_sum(logits, labels)
     return F.cross_entropy(
         logits.reshape(-1, logits.size(-1)).float(),
         labels.reshape(-1),
         ignore_index=IGNORE_INDEX,
         reduction="sum",
     )
+
+
+def _vocab_shard(t, dim: int, what: str):
+    """(local tensor, vocab_start, process group) of a DTensor sharded evenly on `dim` over 1 mesh dim."""
+    from torch.distributed.tensor import Shard
+
+    placements = t.placements
+    if len(placements) != 1 or not (
+        isinstance(placements[0], Shard) and placements[0].dim % t.ndim == dim % t.ndim
+    ):
+        raise ValueError(
+            f"{what} is a DTensor {tuple(t.shape)} with placements {placements} on mesh "
+            f"{t.device_mesh.mesh_dim_names}; loss parallel needs it sharded on the vocab dim over "
+            "the tensor-parallel mesh only (Shard on the vocab dim of mesh['tp'])"
+        )
+    mesh = t.device_mesh
+    V = t.shape[dim]
+    if V % mesh.size():
+        raise ValueError(
+            f"vocab_size={V} is not divisible by tp={mesh.size()}; loss parallel needs equal "
+            "vocab shards: pick tp dividing the vocabulary size"
+        )
+    local = t.to_local()  # differentiable: the gradient comes back as a DTensor of t's layout
+    return local, mesh.get_local_rank() * (V // mesh.size()), mesh.get_group()
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """CE sum of vocab-sharded logits: local [T, V/tp] + all-reduces of [T] vectors.
+
+    Forward keeps the local fp32 softmax [T, V/tp] (as F.cross_entropy keeps its log-softmax);
+    backward is local: softmax - one_hot (1 only on the shard owning the target). The gradient of
+    lm_head's input is summed over tp by ColwiseParallel's own backward.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, vocab_start, group):
+        import torch.distributed as dist
+
+        z = logits.float()  # [T, Vl]
+        Vl = z.shape[-1]
+        valid = targets != IGNORE_INDEX
+        local_t = targets - vocab_start
+        in_shard = valid & (local_t >= 0) & (local_t < Vl)
+        idx = local_t.clamp(0, Vl - 1)
+        m = z.max(dim=-1).values
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)  # [T] global max per row
+        e = (z - m[:, None]).exp_()  # [T, Vl]
+        sum_exp = e.sum(dim=-1)
+        target_logit = torch.where(in_shard, z.gather(1, idx[:, None]).squeeze(1), 0.0)
+        both = torch.stack([sum_exp, target_logit])  # [2, T]: one collective for both
+        dist.all_reduce(both, op=dist.ReduceOp.SUM, group=group)
+        sum_exp, target_logit = both[0], both[1]
+        lse = sum_exp.log() + m
+        loss = torch.where(valid, lse - target_logit, 0.0).sum()
+        e.div_(sum_exp[:, None])  # local softmax, kept for backward
+        ctx.save_for_backward(e, idx, in_shard, valid)
+        ctx.logits_dtype = logits.dtype
+        return loss
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss):
+        probs, idx, in_shard, valid = ctx.saved_tensors
+        rows = torch.arange(probs.shape[0], device=probs.device)
+        probs[rows, idx] -= in_shard.to(probs.dtype)  # softmax - one_hot on the owning shard
+        probs.mul_((valid.to(probs.dtype) * grad_loss)[:, None])  # ignored rows: no gradient
+        return probs.to(ctx.logits_dtype), None, None, None
+
+
+def vocab_parallel_cross_entropy_sum(logits, labels: torch.Tensor) -> torch.Tensor:
+    """Loss parallel: summed CE of logits sharded on the vocab dim over the tensor-parallel ranks.
+
+    Equals `cross_entropy_sum(logits.full_tensor(), labels)` (loss and gradient; fp32 math) without
+    the [T, V] all-gather: each rank reduces its [T, V/tp] shard and the ranks all-reduce the row
+    max, the row sum of exp and the target logit ([T] vectors). Works outside
+    `torch.distributed.tensor.parallel.loss_parallel()` (no context needed for the backward).
+
+    Args:
+        logits: DTensor [B, S, V] or [T, V], placements (Shard(-1),) on a 1-D mesh, V divisible
+            by the mesh size.
+        labels: [B, S] or [T] int64 plain tensor, the same on every rank, IGNORE_INDEX = ignored.
+
+    Returns:
+        Scalar fp32 plain tensor, the same on every rank of the mesh.
+
+    Raises:
+        ValueError: other placements, or V not divisible by the mesh size.
+
+    Reference: Shoeybi et al. 2019, "Megatron-LM", arXiv:1909.08053 (vocab-parallel CE),
+    Megatron-LM `core/tensor_parallel/cross_entropy.py`; PyTorch
+    `torch.distributed.tensor.parallel.loss_parallel` (same layout contract).
+    """
+    local, vocab_start, group = _vocab_shard(logits, -1, "logits")
+    local = local.reshape(-1, local.shape[-1])  # [T, V/tp]
+    return _VocabParallelCrossEntropy.apply(local, labels.reshape(-1), vocab_start, group)
 
 
 _DEFAULT_NUM_CHUNKS = 8  # 1/8 of the tokens per chunk: peak logits memory is ~1/8 of plain CE's
@@ -52,6 +161,12 @@ def linear_cross_entropy(
     Memory: nothing of size V is kept for backward, and the peak is about two chunks of fp32
     logits plus the [V, D] fp32 weight-gradient accumulator; time: one extra logits matmul in
     backward (recompute). See `_LinearCrossEntropy` for the strategy, numerics and trade-off.
+
+    Loss parallel: when `weight` is a DTensor sharded on the vocab dim over the mesh named "tp"
+    (lm_head / the tied embedding under `runtime.parallel.llama_tp_plan`), each rank runs the
+    chunks on its [V/tp, D] rows and the ranks combine the per-token logsumexp and target logit
+    with all-reduces of [T] vectors; the weight gradient stays local (vocab-sharded) and the hidden
+    gradient is summed over tp. `hidden` must then be the same [B, S, D] on every tp rank.
 
     Tied embeddings: the returned weight gradient is an ordinary autograd gradient, so when
     `weight` is also `embed_tokens.weight` it adds to the embedding's gradient in the same
@@ -77,8 +192,8 @@ def linear_cross_entropy(
 
     Raises:
         ValueError: mismatched shapes or dtypes, num_chunks < 1 or chunk_size < 1.
-        RuntimeError: weight is a DTensor (e.g. an FSDP2-sharded lm_head.weight used outside the
-            root's forward).
+        RuntimeError: weight is a DTensor other than the tp vocab-sharded one (e.g. an FSDP2-sharded
+            lm_head.weight used outside the root's forward).
 
     Reference:
         Wijmans et al. 2024, "Cut Your Losses in Large-Vocabulary Language Models",
@@ -87,6 +202,9 @@ def linear_cross_entropy(
         Differs from reference: PyTorch ops per chunk (no fused Triton kernel), so the chunk's
         logits are materialised; no gradient filtering (the CCE paper's sparsity skip).
     """
+    vocab_start, group = 0, None
+    if _is_tp_vocab_sharded(weight):  # loss parallel: this rank's [V/tp, D] rows of lm_head
+        weight, vocab_start, group = _vocab_shard(weight, 0, "lm_head.weight")
     _check_lce_inputs(hidden, weight, labels, num_chunks, chunk_size)
     D = hidden.shape[-1]
     flat_labels = labels.reshape(-1)  # [B, S] -> [B*S]
@@ -95,7 +213,20 @@ def linear_cross_entropy(
     targets = flat_labels.index_select(0, valid)  # [T]
     T = targets.numel()
     size = chunk_size if chunk_size is not None else -(-T // num_chunks)  # ceil(T / num_chunks)
-    return _LinearCrossEntropy.apply(hidden_valid, weight, targets, max(1, size))
+    return _LinearCrossEntropy.apply(
+        hidden_valid, weight, targets, max(1, size), vocab_start, group
+    )
+
+
+def _is_tp_vocab_sharded(weight: torch.Tensor) -> bool:
+    """True for a DTensor [V, D] weight sharded on the vocab dim over the 1-D mesh named "tp"."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    return (
+        isinstance(weight, DTensor)
+        and weight.device_mesh.mesh_dim_names == ("tp",)
+        and tuple(weight.placements) == (Shard(0),)
+    )
 
 
 def _check_lce_inputs(hidden, weight, labels, num_chunks, chunk_size) -> None:
@@ -152,37 +283,53 @@ class _LinearCrossEntropy(torch.autograd.Function):
     fp32 matmul) is summed across chunks in fp32 and cast to weight.dtype at the end. float64
     inputs stay float64 throughout (for gradcheck).
 
-    Loss parallel (vocab-sharded weight, later): the math is split so that it composes. Per chunk
-    and shard, `lse_local = logsumexp(z_local)` and the target logit (from the shard owning the
-    label, 0 elsewhere) are combined across shards by `lse = logsumexp(all_gather(lse_local))` and
-    a sum all-reduce; the backward is local per shard given the global `lse`:
-    `dz_local = exp(z_local - lse) - one_hot_local`, and grad_hidden needs a sum all-reduce.
+    Loss parallel (vocab-sharded weight, `group` set): per chunk and shard,
+    `lse_local = logsumexp(z_local)` and the target logit (from the shard owning the label, 0
+    elsewhere) are stored for all T tokens, then combined across shards once, after the loop:
+    `lse = M + log(sum_shards exp(lse_local - M))` with `M` the all-reduced max, and a sum
+    all-reduce of the target logits. The backward is local per shard given the global `lse`:
+    `dz_local = exp(z_local - lse) - one_hot_local`; grad_hidden is all-reduced (summed) once.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_size):
-        """hidden [T, D], weight [V, D], targets [T] int64 (all valid) -> scalar fp32 loss sum."""
-        T = targets.numel()
+    def forward(ctx, hidden, weight, targets, chunk_size, vocab_start=0, group=None):
+        """hidden [T, D], weight [V, D] (this rank's [V/tp, D] rows under loss parallel, starting
+        at vocab id vocab_start), targets [T] int64 (all valid) -> scalar fp32 loss sum."""
+        import torch.distributed as dist
+
+        T, V_local = targets.numel(), weight.shape[0]
         acc_dtype = torch.promote_types(hidden.dtype, torch.float32)  # fp32 (fp64 for gradcheck)
         lse = torch.empty(T, dtype=acc_dtype, device=hidden.device)  # [T] logsumexp
-        loss = torch.zeros((), dtype=acc_dtype, device=hidden.device)
+        target_logits = torch.zeros(T, dtype=acc_dtype, device=hidden.device)  # [T]
+        local_targets = targets - vocab_start
+        in_shard = (local_targets >= 0) & (local_targets < V_local)  # all True without TP
+        local_targets = local_targets.clamp(0, V_local - 1)
         with torch.autocast(hidden.device.type, enabled=False):  # compute in the inputs' dtype
             for start in range(0, T, chunk_size):
                 end = min(start + chunk_size, T)
                 logits = (hidden[start:end] @ weight.T).to(acc_dtype)  # [C, V] fp32
                 lse[start:end] = torch.logsumexp(logits, dim=-1)
-                target_logits = logits.gather(1, targets[start:end, None]).squeeze(1)  # [C]
-                loss += (lse[start:end] - target_logits).sum()
+                picked = logits.gather(1, local_targets[start:end, None]).squeeze(1)  # [C]
+                target_logits[start:end] = torch.where(in_shard[start:end], picked, 0.0)
                 del logits  # free the chunk before the next one is allocated
-        ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.chunk_size = chunk_size
+        if group is not None:  # combine the vocab shards: global logsumexp and target logit
+            M = lse.clone()
+            dist.all_reduce(M, op=dist.ReduceOp.MAX, group=group)
+            both = torch.stack([(lse - M).exp(), target_logits])  # [2, T]: one collective
+            dist.all_reduce(both, op=dist.ReduceOp.SUM, group=group)
+            lse, target_logits = both[0].log() + M, both[1]
+        loss = (lse - target_logits).sum()
+        ctx.save_for_backward(hidden, weight, local_targets, in_shard, lse)
+        ctx.chunk_size, ctx.group = chunk_size, group
         return loss
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss):
-        """grad_loss: scalar -> (grad hidden [T, D], grad weight [V, D], None, None)."""
-        hidden, weight, targets, lse = ctx.saved_tensors
+        """grad_loss: scalar -> (grad hidden [T, D], grad weight [V, D], None x 4)."""
+        import torch.distributed as dist
+
+        hidden, weight, targets, in_shard, lse = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         T = targets.numel()
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
@@ -199,7 +346,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 h = hidden[start:end]  # [C, D]
                 probs = (h @ weight.T).to(lse.dtype)  # [C, V] fp32, recomputed
                 probs.sub_(lse[start:end, None]).exp_()  # softmax
-                probs[rows[: end - start], targets[start:end]] -= 1.0  # d loss / d logits
+                # d loss / d logits: softmax - one_hot (the 1 only on the shard owning the target)
+                probs[rows[: end - start], targets[start:end]] -= in_shard[start:end].to(lse.dtype)
                 grad_logits = probs.mul_(grad_loss).to(hidden.dtype)  # [C, V]
                 del probs
                 if need_hidden:
@@ -213,7 +361,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 del grad_logits
         if need_weight:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None
+        if need_hidden and ctx.group is not None:  # each shard gave its vocab rows' part
+            dist.all_reduce(grad_hidden, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def _chunk_sizes(T: int, num_chunks: int, chunk_size: int | None) -> int:

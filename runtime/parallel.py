@@ -75,46 +75,223 @@ def init_distributed(device_type: str = "auto") -> DistInfo:
     return DistInfo(rank, local_rank, world_size, device)
 
 
+# Mesh dims, outermost first (torchtitan's order): replicas, FSDP shards, context-parallel ranks,
+# tensor-parallel ranks. tp is innermost so its ranks are neighbours (one node, fast links).
+MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
+
+
 def build_mesh(
-    device_type: str, dp_replicate: int = 1, dp_shard: int = -1, tp: int = 1
+    device_type: str, dp_replicate: int = 1, dp_shard: int = -1, cp: int = 1, tp: int = 1
 ) -> DeviceMesh:
-    """A DeviceMesh with named dims ("dp_replicate", "dp_shard", "tp"); dims of size 1 are dropped
-    except "dp_shard", which always exists (FSDP2 shards over it; at size 1 it only applies the
-    mixed-precision policy).
+    """A DeviceMesh with named dims ("dp_replicate", "dp_shard", "cp", "tp") plus flattened dims.
+
+    Dims of size 1 are dropped except "dp_shard", which always exists (FSDP2 shards over it; at
+    size 1 it only applies the mixed-precision policy). Flattened dims (DeviceMesh._flatten, as
+    torchtitan's `ParallelDims`) that the script slices by name:
+
+    - "dp" = dp_replicate x dp_shard: the data-parallel ranks. The sampler shards the data over
+      them, and the supervised-token count is all-reduced over them (TP and CP ranks of one dp rank
+      see the same batch, so reducing over the world would count it tp * cp times).
+    - "dp_shard_cp" = dp_shard x cp (only when cp > 1): FSDP shards over it, since a CP rank holds
+      a slice of every sequence and can also hold a shard of the weights.
+    - "dp_cp" = dp_replicate x dp_shard x cp (only when cp > 1): the ranks that hold different
+      tokens, i.e. the group of the loss normalisation under CP.
 
     Args:
         device_type: "cpu" or "cuda".
-        dp_replicate: replica groups (HSDP); dp_shard: FSDP shard degree (-1 = whatever is left);
-        tp: tensor-parallel degree.
+        dp_replicate: replica groups (HSDP: each group holds one sharded copy; gradients are
+            reduce-scattered within a group and all-reduced across groups).
+        dp_shard: FSDP shard degree; -1 = world // (dp_replicate * cp * tp).
+        cp: context-parallel degree (sequence split over ranks in attention).
+        tp: tensor-parallel degree (heads / hidden columns split over ranks).
 
     Raises:
-        ValueError: the degrees do not multiply to the world size (message lists them).
+        ValueError: a degree < 1 (other than dp_shard=-1), or the degrees do not multiply to the
+            world size (the message lists them).
+
+    Reference: torchtitan `torchtitan/distributed/parallel_dims.py` (`ParallelDims.build_mesh`).
     """
     world = dist.get_world_size()
+    sizes = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp}
+    bad = {n: s for n, s in sizes.items() if s < 1 and not (n == "dp_shard" and s == -1)}
+    if bad:
+        raise ValueError(f"parallel degrees {bad} must be >= 1 (dp_shard may be -1 = the rest)")
+    others = dp_replicate * cp * tp
     if dp_shard == -1:
-        if world % (dp_replicate * tp):
+        if world % others:
             raise ValueError(
-                f"world size {world} is not divisible by dp_replicate*tp={dp_replicate * tp}; "
-                "set --dp_replicate/--tp so that they divide the number of processes"
+                f"world size {world} is not divisible by dp_replicate*cp*tp="
+                f"{dp_replicate}*{cp}*{tp}={others}; set --dp_replicate/--cp/--tp so that their "
+                "product divides the number of processes"
             )
-        dp_shard = world // (dp_replicate * tp)
-    if dp_replicate * dp_shard * tp != world:
+        sizes["dp_shard"] = dp_shard = world // others
+    if others * dp_shard != world:
         raise ValueError(
-            f"dp_replicate={dp_replicate} x dp_shard={dp_shard} x tp={tp} = "
-            f"{dp_replicate * dp_shard * tp}, but the world size is {world}; make the product equal "
+            f"dp_replicate={dp_replicate} x dp_shard={dp_shard} x cp={cp} x tp={tp} = "
+            f"{others * dp_shard}, but the world size is {world}; make the product equal "
             "the number of processes (torchrun --nproc-per-node x --nnodes)"
         )
-    dims = [("dp_replicate", dp_replicate), ("dp_shard", dp_shard), ("tp", tp)]
-    dims = [(n, s) for n, s in dims if s > 1 or n == "dp_shard"]
-    return init_device_mesh(
-        device_type, tuple(s for _, s in dims), mesh_dim_names=tuple(n for n, _ in dims)
+    names = [n for n in MESH_DIMS if sizes[n] > 1 or n == "dp_shard"]
+    mesh = init_device_mesh(
+        device_type, tuple(sizes[n] for n in names), mesh_dim_names=tuple(names)
+    )
+    _flatten(mesh, ("dp_replicate", "dp_shard"), "dp")
+    if cp > 1:
+        _flatten(mesh, ("dp_shard", "cp"), "dp_shard_cp")
+        _flatten(mesh, ("dp_replicate", "dp_shard", "cp"), "dp_cp")
+    return mesh
+
+
+def _flatten(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> None:
+    """Register `name` as the flattened product of those of `dims` that exist in `mesh`."""
+    present = tuple(d for d in dims if d in mesh.mesh_dim_names)
+    mesh[present]._flatten(name)
+
+
+def check_tp_degree(
+    tp: int,
+    num_attention_heads: int,
+    num_key_value_heads: int,
+    vocab_size: int,
+    model_type: str = "llama",
+) -> None:
+    """Raise ValueError unless the tensor-parallel plan can split this model over `tp` ranks.
+
+    Each rank must hold whole query and KV heads (ColwiseParallel on q/k/v_proj), and an equal
+    slice of the vocabulary (vocab-sharded embed_tokens / lm_head and loss parallel). The message
+    names the numbers and lists the valid tp values. MoE models (qwen3_moe) are refused: their
+    experts take expert parallel, not this dense plan.
+    """
+    if tp == 1:
+        return
+    if model_type == "qwen3_moe":
+        raise ValueError(
+            f"tp={tp} with a {model_type} model: the tensor-parallel plan covers dense MLPs only; "
+            "MoE experts are split with expert parallel; use tp=1"
+        )
+    dims = {
+        "num_attention_heads": num_attention_heads,
+        "num_key_value_heads": num_key_value_heads,
+        "vocab_size": vocab_size,
+    }
+    bad = {n: v for n, v in dims.items() if v % tp}
+    if bad:
+        valid = [
+            d for d in range(1, num_key_value_heads + 1) if all(v % d == 0 for v in dims.values())
+        ]
+        raise ValueError(
+            f"tp={tp} does not divide {', '.join(f'{n}={v}' for n, v in bad.items())} (each "
+            f"tensor-parallel rank holds whole heads and an equal vocabulary slice); pick tp in "
+            f"{{{', '.join(map(str, valid))}}}"
+        )
+
+
+def llama_tp_plan(loss_parallel: bool = True) -> dict:
+    """Tensor + sequence parallel plan of the non-block modules of a `CausalLM` (HF names).
+
+    Applied to the root with `parallelize_module(model, mesh["tp"], plan)`; the blocks take
+    `llama_block_tp_plan`. Layouts between modules (the residual stream is sequence-sharded,
+    `Shard(1)` over S, so S must be a multiple of tp):
+
+    - embed_tokens: `RowwiseParallel` shards the [V, D] table on the vocab dim; tokens are
+      looked up in the local rows and the partial sums reduce-scattered over S: [B, S] ->
+      [B, S/tp, D] local.
+    - model.norm: `SequenceParallel` (the norm runs on S/tp tokens; its weight is replicated and
+      its gradient summed over tp).
+    - model: `PrepareModuleOutput` all-gathers the final hidden states to [B, S, D] on every tp
+      rank (a plain tensor), so `logits_mask` selects the supervised rows and `forward_hidden`
+      feeds the vocab-parallel linear cross-entropy.
+    - lm_head: `ColwiseParallel` shards the [V, D] weight on the vocab dim (the same dim as
+      embed_tokens, so a tied weight is one DTensor `Shard(0)`; call `model.tie_weights()` after
+      `parallelize_module`, which replaced both Parameters). With `loss_parallel` its output stays
+      vocab-sharded ([T, V] DTensor `Shard(-1)`; `runtime.loss.cross_entropy_sum` computes the
+      vocab-parallel CE on it, no [T, V] all-gather); without, the logits are all-gathered.
+
+    Reference: torchtitan `torchtitan/models/llama3/infra/parallelize.py` (`apply_tp`).
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
     )
 
+    return {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "model.norm": SequenceParallel(),
+        "model": PrepareModuleOutput(
+            output_layouts=Shard(1), desired_output_layouts=Replicate(), use_local_output=True
+        ),
+        "lm_head": ColwiseParallel(
+            input_layouts=Replicate(),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+    }
 
-def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
-    """Sum a tensor over all ranks in place (no-op without a process group) and return it."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+
+def llama_block_tp_plan(use_qk_norm: bool = False) -> dict:
+    """Tensor + sequence parallel plan of one `LlamaDecoderLayer` (HF names), Megatron-style.
+
+    q/k/v_proj and gate/up_proj are `ColwiseParallel` (each rank computes H/tp query heads,
+    Hkv/tp KV heads and I/tp MLP columns; biases sharded alike); o_proj and down_proj are
+    `RowwiseParallel` and reduce-scatter their output back to the sequence-sharded residual
+    stream `Shard(1)`; the two norms are `SequenceParallel`; `PrepareModuleInput` all-gathers the
+    normed [B, S/tp, D] input to [B, S, D] before attention and the MLP. Attention runs on the
+    local heads (`LlamaAttention` reshapes with -1 heads, so H/tp and Hkv/tp follow from the
+    sharded projections). Qwen3's q_norm/k_norm act on the local heads [B, S, H/tp, Dh]:
+    `SequenceParallel(sequence_dim=2)` treats them as head-sharded, so their replicated weight's
+    gradient is summed over tp.
+
+    Needs num_attention_heads and num_key_value_heads divisible by tp; dense MLP only (MoE
+    blocks take expert parallel instead). Reference: torchtitan
+    `torchtitan/models/llama3/infra/parallelize.py` (`apply_tp`), Korthikanti et al. 2022,
+    "Reducing Activation Recomputation in Large Transformer Models", arXiv:2205.05198 (SP).
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    plan = {
+        "input_layernorm": SequenceParallel(),
+        # self_attn(x, cos, sin, attention_mask, is_causal, kv_cache): only x is laid out
+        "self_attn": PrepareModuleInput(
+            input_layouts=(Shard(1), None, None, None, None, None),
+            desired_input_layouts=(Replicate(), None, None, None, None, None),
+            use_local_output=True,
+        ),
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+        "post_attention_layernorm": SequenceParallel(),
+        "mlp": PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+        ),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    if use_qk_norm:
+        plan["self_attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan["self_attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    return plan
+
+
+def all_reduce_sum(value: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Sum a tensor in place over `group` (None = all ranks) and return it.
+
+    No-op without a process group or on a 1-rank group. Pass the data-parallel group
+    (`mesh["dp"].get_group()`) for token counts and losses: TP/CP ranks hold copies of the same
+    batch, so summing over all ranks would count it tp * cp times.
+    """
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
     return value
 
 

@@ -1,9 +1,10 @@
 """Supervised fine-tuning (full parameters) of smollm2-135m (llama family).
 
 Trains on chat or instruction rows: the prompt is masked, every assistant reply (with its end-of-turn
-token) is supervised. Parallelism: FSDP2 `fully_shard` over all processes; the same code runs 1..N
-processes (a 1-process fp32 run skips the wrapper, which would only add copies; 1-process bf16 keeps it
-for its mixed-precision policy).
+token) is supervised. Parallelism: FSDP2 `fully_shard` over the data-parallel processes (HSDP with
+--dp_replicate > 1: replica groups of shards); the same code runs 1..N processes (a 1-process fp32
+run skips the wrapper, which would only add copies; 1-process bf16 keeps it for its mixed-precision
+policy).
 
 Launch:
     python train.py                                   # 1 process (CPU, or 1 GPU)
@@ -96,6 +97,8 @@ class Config:
     max_grad_norm: float = 1.0  # clip the global gradient norm to this (0 = off)
     micro_batch_size: int = 4  # sequences per rank per forward
     gradient_accumulation_steps: int = 1  # micro-batches per optimizer step
+    # parallelism
+    dp_replicate: int = 1  # HSDP replica groups (1 = FSDP over all dp ranks)
     # precision and devices
     dtype: str = "bf16"  # "bf16" (bf16 compute, fp32 master weights) or "fp32"
     device: str = "auto"  # "auto" (CUDA if available), "cuda" or "cpu"
@@ -118,6 +121,12 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 def validate(cfg: Config) -> None:
     """Check every field and combination at once, before any model or data work."""
     errors = []
+    world_size = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's; 1 for `python train.py`
+    if cfg.dp_replicate < 1 or world_size % cfg.dp_replicate:
+        errors.append(
+            f"dp_replicate={cfg.dp_replicate}: must divide the world size {world_size}; choose one of "
+            f"{[d for d in range(1, world_size + 1) if world_size % d == 0]}"
+        )
     if cfg.dtype not in DTYPES:
         errors.append(f"dtype={cfg.dtype!r}: choose one of {sorted(DTYPES)}")
     if cfg.device not in ("auto", "cuda", "cpu"):
@@ -153,9 +162,13 @@ def validate(cfg: Config) -> None:
 
 # === 3. Distributed + mesh ===
 def setup_distributed(cfg: Config):
-    """Process group, device and the data-parallel mesh; the same code for 1 and N processes."""
+    """Process group, device and the DeviceMesh; the same code for 1 and N processes.
+
+    Mesh dims: "dp_replicate" (if > 1), "dp_shard" (the rest of the world), and the
+    flattened "dp" = dp_replicate x dp_shard: the ranks that read different data.
+    """
     dist_info = init_distributed(cfg.device)
-    mesh = build_mesh(dist_info.device.type, dp_shard=-1)  # all processes shard the model (FSDP2)
+    mesh = build_mesh(dist_info.device.type, dp_replicate=cfg.dp_replicate, dp_shard=-1)
     torch.manual_seed(cfg.seed)  # same seed on every rank: identical init and sampling
     return dist_info, mesh
 
@@ -177,11 +190,14 @@ def build_sft_model(cfg: Config, model_dir: Path, mesh, device: torch.device) ->
     # fp32 parameters are the master weights; FSDP casts to param_dtype for compute and reduces
     # gradients in fp32, so bf16 runs still apply every small AdamW update.
     mp_policy = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.dtype], reduce_dtype=torch.float32)
-    fsdp_kwargs = {"mesh": mesh["dp_shard"], "mp_policy": mp_policy}
+    # FSDP shards over dp_shard; HSDP (dp_replicate > 1) keeps one sharded copy per replica group
+    # and all-reduces the gradients across the groups
+    fsdp_mesh = mesh["dp_replicate", "dp_shard"] if cfg.dp_replicate > 1 else mesh["dp_shard"]
+    fsdp_kwargs = {"mesh": fsdp_mesh, "mp_policy": mp_policy}
     # A 1-process fp32 run is left unwrapped: nothing to shard or cast, and fully_shard's gather and
     # reduce copies cost ~25% of a step there (measured: 6.1-6.8 s vs 4.7-5.3 s, SmolLM2-135M,
     # 4 x 256 tokens). Everything below works on both plain and sharded (DTensor) parameters.
-    if mesh["dp_shard"].size() > 1 or cfg.dtype != "fp32":
+    if fsdp_kwargs["mesh"].size() > 1 or cfg.dtype != "fp32":
         # one FSDP unit per block: forward and backward gather one block's weights at a time
         for layer in model.model.layers:
             fully_shard(layer, **fsdp_kwargs)
@@ -266,14 +282,18 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer) -> tuple[list[dict], list[
     return split_train_val(kept, cfg.val_fraction, cfg.seed)
 
 
-def collate(examples: list[dict], pad_token_id: int, pad_to: int = 0) -> dict:
-    """Right-pad a list of examples to the longest (or to `pad_to`).
+def collate(
+    examples: list[dict], pad_token_id: int, pad_to: int = 0, pad_to_multiple_of: int = 1
+) -> dict:
+    """Right-pad a list of examples to the longest (or to `pad_to`), rounded up to a multiple of
+    `pad_to_multiple_of`.
 
     Returns:
         input_ids [B, S] int64 (pad_token_id on padding), labels [B, S] int64 (IGNORE_INDEX on
         padding), num_tokens: scalar int64, the non-padding input tokens, sample_ids [B] int64.
     """
     S = max(pad_to, max(len(ex["input_ids"]) for ex in examples))
+    S = -(-S // pad_to_multiple_of) * pad_to_multiple_of
     input_ids = torch.full((len(examples), S), pad_token_id, dtype=torch.long)
     labels = torch.full((len(examples), S), IGNORE_INDEX, dtype=torch.long)
     for i, ex in enumerate(examples):
@@ -328,20 +348,25 @@ def infinite_batches(loader: DataLoader, epoch: int = 0, samples_consumed: int =
 
 
 # === 9. train_step ===
-def train_step(model, optimizer, scheduler, micro_batches: list[dict], cfg: Config, device) -> dict:
+def train_step(
+    model, optimizer, scheduler, micro_batches: list[dict], cfg: Config, device, dp_group=None
+) -> dict:
     """One optimizer step over `gradient_accumulation_steps` micro-batches.
 
     Every micro-batch's summed loss is divided by the supervised-token count of the whole step
-    (all micro-batches, all data-parallel ranks; all-reduced before the first backward), so the
-    gradient equals that of one large batch regardless of how tokens fall into micro-batches.
+    (all micro-batches, all data-parallel ranks; all-reduced over `dp_group`, None = all ranks,
+    before the first backward), so the gradient equals that of one large batch regardless of how
+    tokens fall into micro-batches.
 
     Returns:
         loss (per supervised token), grad_norm (before clipping), lr, num_tokens (non-pad input
         tokens, all ranks), num_supervised (supervised tokens, all ranks).
     """
     local_counts = [(mb["labels"] != IGNORE_INDEX).sum() for mb in micro_batches]
-    global_supervised = all_reduce_sum(torch.stack(local_counts).sum().to(device).float())
-    global_inputs = all_reduce_sum(sum(mb["num_tokens"] for mb in micro_batches).to(device).float())
+    global_supervised = all_reduce_sum(torch.stack(local_counts).sum().to(device).float(), dp_group)
+    global_inputs = all_reduce_sum(
+        sum(mb["num_tokens"] for mb in micro_batches).to(device).float(), dp_group
+    )
     loss_sum = torch.zeros((), device=device)
     for mb in micro_batches:
         batch = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
@@ -359,7 +384,7 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], cfg: Conf
     scheduler.step()
     return {
         "sample_ids": torch.cat([mb["sample_ids"] for mb in micro_batches]).tolist(),  # this rank's
-        "loss": all_reduce_sum(loss_sum).item(),
+        "loss": all_reduce_sum(loss_sum, dp_group).item(),
         "grad_norm": grad_norm.item(),
         "lr": lr,
         "num_tokens": int(global_inputs.item()),
@@ -368,7 +393,7 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], cfg: Conf
 
 
 @torch.no_grad()
-def evaluate(model, loader: DataLoader, cfg: Config, device) -> float:
+def evaluate(model, loader: DataLoader, cfg: Config, device, dp_group=None) -> float:
     """Mean validation loss per supervised token over the whole (sharded) validation set."""
     model.eval()
     totals = torch.zeros(2, device=device)
@@ -377,7 +402,7 @@ def evaluate(model, loader: DataLoader, cfg: Config, device) -> float:
         totals[0] += sft_loss(model, batch, cfg)
         totals[1] += (batch["labels"] != IGNORE_INDEX).sum()
     model.train()
-    all_reduce_sum(totals)
+    all_reduce_sum(totals, dp_group)
     return (totals[0] / totals[1].clamp(min=1)).item()
 
 
@@ -416,7 +441,12 @@ def main(argv: list[str] | None = None) -> dict:
     validate(cfg)
     dist_info, mesh = setup_distributed(cfg)
     is_main, device = dist_info.is_main, dist_info.device
-    dp_rank, dp_size = mesh["dp_shard"].get_local_rank(), mesh["dp_shard"].size()
+    # data parallel = "dp" (dp_replicate x dp_shard): each dp rank reads its own shard of the data
+    dp_rank, dp_size, dp_group = (
+        mesh["dp"].get_local_rank(),
+        mesh["dp"].size(),
+        mesh["dp"].get_group(),
+    )
     out_dir = prepare_out_dir(cfg.out_dir)  # an unwritable out_dir fails now, not at the first save
     model_dir = resolve_model_dir(cfg.model, cfg.hf_repo_id)
     tokenizer = Tokenizer.from_dir(model_dir)
@@ -476,7 +506,7 @@ def main(argv: list[str] | None = None) -> dict:
             (state.epoch, state.samples_consumed), micro_batch = next(batches)
             micro_batches.append(micro_batch)
         start = time.perf_counter()
-        metrics = train_step(model, optimizer, scheduler, micro_batches, cfg, device)
+        metrics = train_step(model, optimizer, scheduler, micro_batches, cfg, device, dp_group)
         step_time = time.perf_counter() - start
         if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
             last_good = state.path or "none (set --save_every_steps)"
@@ -494,7 +524,7 @@ def main(argv: list[str] | None = None) -> dict:
         if (cfg.eval_every_steps and step % cfg.eval_every_steps == 0) or (
             is_last and len(val_set)
         ):
-            metrics["val_loss"] = evaluate(model, val_loader, cfg, device)
+            metrics["val_loss"] = evaluate(model, val_loader, cfg, device, dp_group)
         if is_main and (step % cfg.log_every_steps == 0 or is_last or "val_loss" in metrics):
             logger.log(metrics, step)
             progress.set_postfix(

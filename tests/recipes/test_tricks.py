@@ -74,7 +74,9 @@ def _losses_in_process(tricks, tmp: Path, model_dir: Path, data: Path) -> list[f
     2, clipping on (a fresh interpreter per set would cost ~4 s of imports each)."""
     from tests.conftest import import_script
 
-    script = import_script(_render(tricks, tmp / "run"), "sweep_" + "_".join(tricks).replace("-", "_"))
+    script = import_script(
+        _render(tricks, tmp / "run"), "sweep_" + "_".join(tricks).replace("-", "_")
+    )
     max_seq_len = PACKED_LEN if "packing" in tricks else 64
     script.main(_args(tmp / "out", model_dir, data, max_seq_len))
     return _read_losses(tmp / "out")
