@@ -52,7 +52,7 @@ TOOLS = ("scaffold", "scaffold+lce", "trl", "torchtune")
 BASES = ("scaffold", "trl", "torchtune")
 TRICKS_BY_BASE = {
     "scaffold": ("ac", "lce", "optim-in-bwd", "adamw8bit"),
-    "trl": (),
+    "trl": ("no-ac",),  # TRL 1.x's SFTConfig checkpoints activations by default; no-ac turns it off
     "torchtune": ("ac", "optim-in-bwd", "adamw8bit", "plain-ce"),
 }
 
@@ -605,6 +605,10 @@ NOTES = """\
   `\\n` after `<|im_end|>`, Scaffold stops at `<|im_end|>` (the end-of-turn token is what
   generation needs); that near-zero-loss token lowers the peers' mean loss (step-1 loss on the
   same weights and rows: Scaffold 1.935, TRL and torchtune 1.876) at equal compute.
+- TRL 1.x's `SFTConfig` turns activation checkpointing on by default (`gradient_checkpointing=True`):
+  the "trl" rows recompute every block's activations in backward (less memory, more compute).
+  "trl+no-ac" sets it to False, like Scaffold's and torchtune's defaults; "scaffold+ac" and
+  "torchtune+ac" checkpoint activations like TRL's default.
 - Scaffold computes lm_head and the softmax only at supervised positions (`logits_mask`): prompt
   and padding rows never reach the [D, V] projection; the peers project every position.
   After the timed steps Scaffold saves the final model in HF layout (included in its peak RSS).

@@ -90,7 +90,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=2e-5)
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    p.add_argument(
+        "--tricks",
+        default="",
+        help="no-ac: gradient_checkpointing=False (TRL 1.x's SFTConfig turns it on by default)",
+    )
+    args = p.parse_args(argv)
+    unknown = [t for t in args.tricks.split(",") if t and t != "no-ac"]
+    if unknown:
+        p.error(f"--tricks: unknown {unknown}; valid: no-ac")
+    return args
 
 
 def summarize(timer: StepTimer, dtype: str, steps: int) -> dict:
@@ -145,6 +154,8 @@ def main(argv: list[str] | None = None) -> None:
             dataloader_num_workers=0,
             seed=args.seed,
             data_seed=args.seed,
+            # TRL's own default (True) unless the tool is "trl+no-ac"
+            **({"gradient_checkpointing": False} if "no-ac" in args.tricks.split(",") else {}),
         )
         trainer = SFTTrainer(
             model=model,
