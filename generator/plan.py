@@ -18,8 +18,10 @@ What is simulated, and what is not:
 - The synthetic batch: micro_batch_size rows of max_seq_len tokens, every position supervised
   (the largest logits a batch of that size can produce), gradient_accumulation_steps = 1.
 - Data-dependent branches take the path of a healthy step: `torch.isfinite(grad_norm)` is True
-  (the optimizer steps), a boolean mask selects every position. Any other host sync inside the
-  step is an error (the step must stay on the device).
+  (the optimizer steps), a boolean mask selects every position, and a number read on the host
+  (the step's `.item()` metrics) is 0, so the script's train_step runs unchanged.
+- DTensor's sharding propagation gets a fake mode of its own (as on real tensors), so its
+  global-shape metadata tensors are not counted (`_separate_propagation_fake_mode`).
 - Weights are not loaded (`load_hf_checkpoint` is skipped: it copies into the already sharded
   parameters and frees each source tensor at once).
 - Not simulated (the plan says so instead of printing a number): --tricks compile (inductor
@@ -65,18 +67,12 @@ GPU_MEMORY_GIB = {
 HEADROOM = 0.10
 # Tricks the planner may add to make a run fit, with a rough cost rank (lower = cheaper to turn
 # on): lce is free (one more matmul), 8-bit AdamW changes the update slightly, ac costs about 1/3
-# more compute, 4-bit AdamW moves the update most. optim-in-bwd is not offered until the planner
-# simulates it right (UNSIMULATED_TRICKS).
-FIT_TRICKS = {"lce": 1, "adamw8bit": 2, "ac": 3, "adamw4bit": 5}  # optim-in-bwd: not simulated
+# more compute, optim-in-bwd rules out gradient accumulation, 4-bit AdamW moves the update most.
+FIT_TRICKS = {"lce": 1, "adamw8bit": 2, "ac": 3, "optim-in-bwd": 4, "adamw4bit": 5}
 MAX_SUGGESTED_WORLD = 1024  # "more GPUs" doubles the GPU count up to this many in all
 UNSIMULATED_TRICKS = {
     "compile": "inductor fuses temporaries, which fake tensors cannot model",
     "offload": "activations move to pinned host memory on a side stream, outside the simulation",
-    # measured: tiny Llama, 1 rank, ac+lce+optim-in-bwd: simulated optimizer state 76 MB vs 26 MB
-    # on real tensors (3x), peak 0.106 vs 0.077 GiB; the per-parameter optimizers stepped inside
-    # backward hooks are not yet accounted right under fake tensors (not resolved)
-    "optim-in-bwd": "its per-parameter optimizer state, created inside backward hooks, is counted "
-    "3x under fake tensors (measured against a real run); not yet resolved",
 }
 UNSIMULATED_ALGOS = {
     "qlora": "NF4 quantization of the base happens inside the checkpoint load, which the plan skips",
@@ -157,11 +153,18 @@ def check_simulable(spec: Spec, micro_batch_size: int, max_seq_len: int) -> None
             f"scaffold plan cannot simulate --tricks {','.join(blocked)} ({why}); plan without "
             f"it (--tricks {kept}): its memory is an upper bound for compile"
         )
-    if spec.dtype == "fp32" and spec.gpus * spec.nodes == 1:
+    degrees = {
+        "--tp": spec.tp,
+        "--cp": spec.cp,
+        "--dp-replicate": spec.dp_replicate,
+        "--ep": spec.ep,
+    }
+    unverified = [f"{flag} {n}" for flag, n in degrees.items() if n > 1]
+    if unverified:
         raise PlanError(
-            "scaffold plan cannot simulate a 1-process fp32 run: the script leaves that model "
-            "unwrapped (no fully_shard), and `to_empty` cannot replace fake parameters in place; "
-            "plan --dtype bf16 or --gpus 2 (the same bytes per parameter, 1 or 2 ranks)"
+            f"scaffold plan does not simulate {' '.join(unverified)} yet: it is checked against "
+            "real runs for FSDP2 over all ranks only; plan without it (--tp 1 --cp 1 "
+            "--dp-replicate 1 --ep 1)"
         )
     if micro_batch_size < 1 or max_seq_len < 1:
         raise PlanError(
@@ -240,6 +243,41 @@ def _separate_propagation_fake_mode():
         yield
     finally:
         _sharding_prop.detect_fake_mode = detect
+
+
+@contextlib.contextmanager
+def _fake_to_empty():
+    """`Module.to_empty` for a model built on meta under FakeTensorMode.
+
+    The 1-process fp32 script leaves its model unwrapped and calls `model.to_empty(device)`.
+    PyTorch swaps fake parameters in place (`torch.utils.swap_tensors`), which refuses a tied
+    parameter (embed_tokens.weight is lm_head.weight). This replacement gives every parameter and
+    buffer an uninitialised tensor of the same shape and dtype on `device`, keeping ties (one new
+    tensor per original): the bytes `to_empty` allocates on a real device.
+    """
+    import torch
+
+    original = torch.nn.Module.to_empty
+
+    def to_empty(module, *, device, recurse=True):
+        new = {}
+        for sub in module.modules() if recurse else [module]:
+            for name, t in [*sub._parameters.items(), *sub._buffers.items()]:
+                if t is None:
+                    continue
+                if id(t) not in new:
+                    empty = torch.empty_like(t, device=device)
+                    is_param = isinstance(t, torch.nn.Parameter)
+                    new[id(t)] = torch.nn.Parameter(empty, t.requires_grad) if is_param else empty
+                table = sub._parameters if name in sub._parameters else sub._buffers
+                table[name] = new[id(t)]
+        return module
+
+    torch.nn.Module.to_empty = to_empty
+    try:
+        yield
+    finally:
+        torch.nn.Module.to_empty = original
 
 
 def _peak_tracker():
@@ -342,7 +380,8 @@ def measure_step(
         script.load_hf_checkpoint = lambda *args, **kwargs: None
     try:
         with fake_mode, torch.compiler.set_stance("force_eager"):
-            model = script.build_sft_model(cfg, model_dir, mesh, dist_info.device)
+            with _fake_to_empty() if fake else contextlib.nullcontext():
+                model = script.build_sft_model(cfg, model_dir, mesh, dist_info.device)
             optimizer, scheduler = script.build_optimizer(cfg, model)
             batch = synthetic_batch(micro_batch_size, max_seq_len, packing)
             logits = [0]

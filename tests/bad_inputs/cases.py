@@ -199,6 +199,8 @@ CASES = [
              r"--gpu-memory '-8'", r"must be a number of GiB > 0"),
     scaffold("plan-cannot-simulate-compile", ["plan", "--tricks", "compile"],
              r"cannot simulate --tricks compile", r"inductor", r"--tricks \(none\)"),
+    scaffold("plan-tp-not-simulated", ["plan", "--gpus", "3", "--tp", "3"],
+             r"does not simulate --tp 3", r"--tp 1"),
     scaffold("plan-zero-seq-len", ["plan", "--max-seq-len", "0"],
              r"--max-seq-len 0", r">= 1"),
     scaffold("new-model-unsupported-arch", ["new", "--model", "{model}", "--out", "{tmp}/o"],
