@@ -249,7 +249,8 @@ def _separate_propagation_fake_mode():
 def _fake_to_empty():
     """`Module.to_empty` for a model built on meta under FakeTensorMode.
 
-    The 1-process fp32 script leaves its model unwrapped and calls `model.to_empty(device)`.
+    The 1-process fp32 script leaves its model unwrapped and calls `model.to_empty(device)`
+    (a model under fully_shard, with DTensor parameters, keeps PyTorch's own `to_empty`).
     PyTorch swaps fake parameters in place (`torch.utils.swap_tensors`), which refuses a tied
     parameter (embed_tokens.weight is lm_head.weight). This replacement gives every parameter and
     buffer an uninitialised tensor of the same shape and dtype on `device`, keeping ties (one new
@@ -260,6 +261,10 @@ def _fake_to_empty():
     original = torch.nn.Module.to_empty
 
     def to_empty(module, *, device, recurse=True):
+        from torch.distributed.tensor import DTensor
+
+        if any(isinstance(p, DTensor) for p in module.parameters()):  # FSDP2: its own path works
+            return original(module, device=device, recurse=recurse)
         new = {}
         for sub in module.modules() if recurse else [module]:
             for name, t in [*sub._parameters.items(), *sub._buffers.items()]:
