@@ -15,6 +15,7 @@ import click
 from generator import __version__
 from generator.catalog import MODELS
 from generator.features import ALGOS, PEFT_ALGOS, PEFT_METHODS, TRICKS
+from generator.plan import GPU_MEMORY_GIB, parse_gpu_memory
 from generator.spec import ScaffoldError, Spec
 
 SPEC_FILE = Path(".scaffold") / "spec.json"
@@ -158,6 +159,93 @@ def new(
         f"wrote {script} ({len(text.splitlines())} lines) and {', '.join(launch)}\n"
         f"run: python {script}   (or: bash {out_dir / 'launch' / 'torchrun.sh'})"
     )
+
+
+@cli.command()
+@click.option(
+    "--algo", default="sft", show_default=True, help=f"Training algorithm: {', '.join(ALGOS)}."
+)
+@click.option("--peft", default="lora", show_default=True, help="Adapter type (lora, dora).")
+@click.option("--model", default="smollm2-135m", show_default=True, help="Catalog name or HF dir.")
+@click.option("--tricks", default="", help=f"Comma-separated tricks: {', '.join(TRICKS)}.")
+@click.option("--gpus", default=1, show_default=True, type=int, help="Processes (GPUs) per node.")
+@click.option("--nodes", default=1, show_default=True, type=int, help="Number of nodes.")
+@click.option("--tp", default=1, show_default=True, type=int, help="Tensor-parallel degree.")
+@click.option("--dp-replicate", default=1, show_default=True, type=int, help="HSDP replicas.")
+@click.option("--dtype", default="bf16", show_default=True, help="bf16 or fp32.")
+@click.option(
+    "--micro-batch-size",
+    type=int,
+    default=None,
+    help="Sequences per rank per forward [default: the script's Config default].",
+)
+@click.option(
+    "--max-seq-len",
+    type=int,
+    default=None,
+    help="Tokens per sequence [default: the script's Config default].",
+)
+@click.option(
+    "--gpu-memory",
+    default="h100-80",
+    show_default=True,
+    help="Memory per GPU: a number of GiB or a name: "
+    + ", ".join(f"{n} ({g:g})" for n, g in GPU_MEMORY_GIB.items())
+    + ".",
+)
+@click.option(
+    "--suggest/--no-suggest",
+    default=True,
+    show_default=True,
+    help="If it does not fit, simulate added tricks and more GPUs (cheapest first) and print "
+    "the smallest change that fits.",
+)
+@_friendly
+def plan(
+    algo, peft, model, tricks, gpus, nodes, tp, dp_replicate, dtype, micro_batch_size,
+    max_seq_len, gpu_memory, suggest,
+):  # fmt: skip
+    """Per-GPU peak memory of the script `scaffold new` would write, simulated.
+
+    \b
+    Runs the rendered script's own model build and two training steps under fake tensors
+    (no memory, no GPU) with a fake process group of gpus x nodes ranks, and PyTorch's memory
+    tracker; prints parameters, gradients, optimizer state, activations, temporaries and the
+    peak of one rank, a fits / does not fit verdict, and what would make it fit.
+
+    \b
+    Examples:
+      scaffold plan --model llama3.3-70b --gpus 8 --gpu-memory h200-141
+      scaffold plan --model smollm2-135m --tricks ac,lce --micro-batch-size 8 --gpu-memory 24
+    """
+    from generator.plan import check_simulable, format_result, format_suggestion, simulate
+    from generator.plan import fits as plan_fits
+    from generator.plan import suggest as plan_suggest
+    from generator.spec import build_answers
+
+    gpu_label, gpu_gib = parse_gpu_memory(gpu_memory)
+    spec = Spec(
+        algo=algo,
+        peft=peft,
+        model=model,
+        tricks=tuple(t.strip() for t in tricks.split(",") if t.strip()),
+        gpus=gpus,
+        nodes=nodes,
+        tp=tp,
+        dp_replicate=dp_replicate,
+        dtype=dtype,
+        dataset=ALGOS[algo].dataset if algo in ALGOS else Spec.dataset,
+    )
+    answers = build_answers(spec)  # validates the spec
+    mbs = answers["micro_batch_size"] if micro_batch_size is None else micro_batch_size
+    seq = answers["max_seq_len"] if max_seq_len is None else max_seq_len
+    check_simulable(spec, mbs, seq)
+    progress = lambda line: click.echo(f"simulating {line} ...", err=True)  # noqa: E731
+    (result,) = simulate([spec], mbs, seq, progress)
+    click.echo(format_result(result, gpu_label, gpu_gib))
+    if suggest and not plan_fits(result, gpu_gib):
+        s = plan_suggest(result, gpu_gib, mbs, seq, progress)
+        click.echo(format_suggestion(s, spec))
 
 
 def write_render(out_dir: Path, spec: Spec, text: str, launch: dict[str, str]) -> None:

@@ -506,4 +506,8 @@ def build_model(
     """
     with torch.device(device):
         model = CausalLM(args)
+    if all(t.dtype == dtype for t in model.parameters()):
+        # already built in `dtype`: no conversion (under FakeTensorMode, as `scaffold plan` runs
+        # it, a no-op `.to` would still try to swap every fake parameter and fail)
+        return model
     return model.to(dtype=dtype)
