@@ -33,6 +33,8 @@ import sys
 import time
 from pathlib import Path
 
+from _sections import write_marked_section
+
 REPO = Path(__file__).resolve().parents[1]
 WORK = REPO / "benchmarks" / ".work" / "dpo"
 VARIANTS = [
@@ -173,13 +175,7 @@ def table(results: dict, args) -> str:
 
 
 def write_section(path: Path, section: str) -> None:
-    text = path.read_text() if path.exists() else ""
-    if MARK_BEGIN in text:
-        head, rest = text.split(MARK_BEGIN, 1)
-        text = head + section + rest.split(MARK_END, 1)[1].lstrip("\n")
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text)
+    write_marked_section(path, section, MARK_BEGIN, MARK_END)
 
 
 def main() -> None:

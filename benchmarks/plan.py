@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from _sections import write_marked_section
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -36,13 +38,7 @@ ANCHOR = (
 
 
 def write_section(path: Path, section: str) -> None:
-    text = path.read_text() if path.exists() else ""
-    if MARK_BEGIN in text:
-        head, rest = text.split(MARK_BEGIN, 1)
-        text = head + section + rest.split(MARK_END, 1)[1].lstrip("\n")
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text)
+    write_marked_section(path, section, MARK_BEGIN, MARK_END)
 
 
 def render_section(args, rows, command: str, gpu_label: str, gpu_gib: float) -> str:
