@@ -116,19 +116,29 @@ def cli():
     help="Directory to write train.py (and .scaffold/) into.",
 )
 @click.option("--force", is_flag=True, help="Overwrite an existing train.py.")
+@click.option(
+    "--gpu-memory",
+    default=None,
+    help="Also print `scaffold plan`'s per-GPU memory of the written script and a fits / does "
+    "not fit verdict for this GPU (GiB or a name, e.g. h100-80; simulated, takes seconds).",
+)
 @_friendly
 def new(
-    algo, peft, model, tricks, gpus, nodes, tp, cp, dp_replicate, ep, dtype, dataset, out, force
-):
+    algo, peft, model, tricks, gpus, nodes, tp, cp, dp_replicate, ep, dtype, dataset, out, force,
+    gpu_memory,
+):  # fmt: skip
     """Write OUT/train.py for the chosen model, algorithm, tricks and GPUs.
 
     \b
     Example:
       scaffold new --algo sft --model smollm2-135m --out runs/demo
       scaffold new --algo qlora --peft dora --out runs/qdora
+      scaffold new --model llama3.3-70b --gpus 8 --tricks ac,lce --gpu-memory h200-141 --out r70
       python runs/demo/train.py --max_steps 50
     """
     from generator.render import render, render_launch
+
+    gpu = parse_gpu_memory(gpu_memory) if gpu_memory is not None else None
 
     spec = Spec(
         algo=algo,
@@ -159,6 +169,30 @@ def new(
         f"wrote {script} ({len(text.splitlines())} lines) and {', '.join(launch)}\n"
         f"run: python {script}   (or: bash {out_dir / 'launch' / 'torchrun.sh'})"
     )
+    _plan_summary(spec, gpu)
+
+
+def _plan_summary(spec: Spec, gpu: tuple[str, float] | None) -> None:
+    """After `scaffold new`: the simulated per-GPU memory and verdict (with --gpu-memory), or the
+    `scaffold plan` command that gives it. A spec the planner cannot simulate says why; it never
+    fails `new` (the script is already written)."""
+    from generator.plan import PlanError, check_simulable, format_result, plan_command, simulate
+    from generator.spec import build_answers
+
+    answers = build_answers(spec)
+    mbs, seq = answers["micro_batch_size"], answers["max_seq_len"]
+    try:
+        check_simulable(spec, mbs, seq)
+        if gpu is None:
+            click.echo(f"memory per GPU: {plan_command(spec, 'h100-80')}")
+            return
+        click.echo(f"simulating memory per GPU (micro-batch {mbs} x {seq} tokens) ...", err=True)
+        (result,) = simulate([spec], mbs, seq)
+    except PlanError as e:
+        if gpu is not None:
+            click.echo(f"memory per GPU: not simulated: {e}")
+        return
+    click.echo(format_result(result, *gpu))
 
 
 @cli.command()

@@ -153,18 +153,14 @@ def check_simulable(spec: Spec, micro_batch_size: int, max_seq_len: int) -> None
             f"scaffold plan cannot simulate --tricks {','.join(blocked)} ({why}); plan without "
             f"it (--tricks {kept}): its memory is an upper bound for compile"
         )
-    degrees = {
-        "--tp": spec.tp,
-        "--cp": spec.cp,
-        "--dp-replicate": spec.dp_replicate,
-        "--ep": spec.ep,
-    }
+    # checked against real gloo runs: FSDP2, TP (+ sequence and loss parallel), TP x FSDP, HSDP
+    degrees = {"--cp": spec.cp, "--ep": spec.ep}
     unverified = [f"{flag} {n}" for flag, n in degrees.items() if n > 1]
     if unverified:
         raise PlanError(
             f"scaffold plan does not simulate {' '.join(unverified)} yet: it is checked against "
-            "real runs for FSDP2 over all ranks only; plan without it (--tp 1 --cp 1 "
-            "--dp-replicate 1 --ep 1)"
+            "real runs for FSDP2, HSDP (--dp-replicate) and TP (--tp) only; plan without it "
+            "(--cp 1 --ep 1)"
         )
     if micro_batch_size < 1 or max_seq_len < 1:
         raise PlanError(
@@ -243,6 +239,31 @@ def _separate_propagation_fake_mode():
         yield
     finally:
         _sharding_prop.detect_fake_mode = detect
+
+
+@contextlib.contextmanager
+def _real_mesh_ops():
+    """Build the meshes FSDP derives while wrapping (`DeviceMesh._concatenate` of the dp and tp
+    meshes for a TP-sharded parameter) on real tensors.
+
+    A DeviceMesh is a small int tensor of ranks plus this rank's coordinates, found with
+    `nonzero`; under the planner's FakeTensorMode that is a data-dependent op on a real tensor
+    and fails. The mesh is process-group metadata, not memory the plan counts.
+    """
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    concatenate = DeviceMesh._concatenate
+
+    def real_concatenate(meshes):
+        with unset_fake_temporarily():
+            return concatenate(meshes)
+
+    DeviceMesh._concatenate = staticmethod(real_concatenate)
+    try:
+        yield
+    finally:
+        DeviceMesh._concatenate = staticmethod(concatenate)
 
 
 @contextlib.contextmanager
@@ -385,7 +406,7 @@ def measure_step(
         script.load_hf_checkpoint = lambda *args, **kwargs: None
     try:
         with fake_mode, torch.compiler.set_stance("force_eager"):
-            with _fake_to_empty() if fake else contextlib.nullcontext():
+            with _fake_to_empty() if fake else contextlib.nullcontext(), _real_mesh_ops():
                 model = script.build_sft_model(cfg, model_dir, mesh, dist_info.device)
             optimizer, scheduler = script.build_optimizer(cfg, model)
             batch = synthetic_batch(micro_batch_size, max_seq_len, packing)
@@ -538,7 +559,10 @@ def _child() -> None:
 
 def describe_spec(spec: Spec) -> str:
     tricks = ",".join(spec.tricks) or "no tricks"
-    return f"{spec.model} {spec.algo} {spec.dtype}, {tricks}, {spec.gpus * spec.nodes} rank(s)"
+    degrees = (("tp", spec.tp), ("dp_replicate", spec.dp_replicate))
+    mesh = "".join(f", {name} {n}" for name, n in degrees if n > 1)
+    ranks = spec.gpus * spec.nodes
+    return f"{spec.model} {spec.algo} {spec.dtype}, {tricks}, {ranks} rank(s){mesh}"
 
 
 def plan_command(spec: Spec, gpu_memory: str) -> str:

@@ -17,6 +17,7 @@ from generator.plan import (
     PlanError,
     PlanResult,
     _candidate_trick_sets,
+    check_simulable,
     fits,
     format_result,
     import_script,
@@ -92,6 +93,28 @@ def test_two_rank_simulation_matches_two_gloo_ranks(tiny_model_dir, tmp_path):
         _assert_agrees(sim, rank_result)
 
 
+def test_tp_and_hsdp_simulations_match_four_gloo_ranks(tiny_model_dir, tmp_path):
+    """TP 2 x FSDP 2 with lce (sequence parallel, vocab-sharded lm_head and loss) and HSDP 2 x 2
+    with ac: the simulated rank equals every real gloo rank (both were exact when written)."""
+    specs = [
+        Spec(model=str(tiny_model_dir), gpus=4, tp=2, tricks=("lce",)),
+        Spec(model=str(tiny_model_dir), gpus=4, dp_replicate=2, tricks=("ac",)),
+    ]
+    simulated = simulate(specs, 2, 128)
+    for i, (spec, sim) in enumerate(zip(specs, simulated, strict=True)):
+        args = (json.dumps(asdict(spec)), str(tiny_model_dir), 2, 128, str(tmp_path / f"s{i}"))
+        for rank_result in spawn(_real_rank, world_size=4, args=args):
+            _assert_agrees(sim, rank_result)
+
+
+def test_plan_refuses_what_it_has_not_been_checked_on(tiny_model_dir):
+    for spec, flag in [
+        (Spec(model=str(tiny_model_dir), tricks=("compile",)), "--tricks compile"),
+    ]:
+        with pytest.raises(PlanError, match=f"not simulate {flag}"):
+            check_simulable(spec, 1, 128)
+
+
 def test_verdict_and_cheapest_fitting_tricks(tiny_model_dir):
     """On a GPU just too small for the plain run, the suggestion is lce alone: the cheapest trick,
     and the one that removes the [T, V] logits."""
@@ -143,3 +166,24 @@ def test_gpu_memory_names_and_bad_values():
     for bad in ("0", "-1", "nan", "inf"):
         with pytest.raises(PlanError, match=r"must be a number of GiB > 0"):
             parse_gpu_memory(bad)
+
+
+def test_new_prints_the_plan_summary(tiny_model_dir, tmp_path):
+    """`scaffold new --gpu-memory` simulates the script it wrote; without it, the plan command is
+    printed; a spec the planner refuses still gets its script and a line saying why."""
+    model = ["--model", str(tiny_model_dir)]
+    result = CliRunner().invoke(
+        cli, ["new", *model, "--out", str(tmp_path / "a"), "--gpu-memory", "24"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "peak" in result.output and "verdict: fits on 24 GiB" in result.output
+    result = CliRunner().invoke(cli, ["new", *model, "--out", str(tmp_path / "b")])
+    assert f"memory per GPU: scaffold plan --algo sft --model {tiny_model_dir}" in result.output
+    assert "--gpu-memory h100-80" in result.output
+    result = CliRunner().invoke(
+        cli, ["new", "--algo", "dpo", *model, "--out", str(tmp_path / "c"), "--gpu-memory", "24"]
+    )
+    assert result.exit_code == 0 and (tmp_path / "c" / "train.py").exists(), result.output
+    assert (
+        "memory per GPU: not simulated: scaffold plan cannot simulate --algo dpo" in result.output
+    )
