@@ -29,7 +29,8 @@ from generator.spec import Spec  # noqa: E402
 
 MARK_BEGIN = "<!-- plan:begin -->"
 MARK_END = "<!-- plan:end -->"
-VARIANTS = ["", "ac", "lce", "ac,lce", "ac,lce,optim-in-bwd"]
+# tricks, optionally "/tpN" for tensor parallel N x FSDP gpus/N (sequence + loss parallel)
+VARIANTS = ["", "ac", "lce", "ac,lce", "ac,lce,optim-in-bwd", "ac,lce/tp2", "ac,lce/tp8"]
 ANCHOR = (
     'torchtune README, "Memory and training speed" table: Llama 3.1 70B full fine-tune on '
     '8 x A100, 13.9 GiB peak per GPU, "uses CPU offload with fused optimizer"; all rows there '
@@ -59,14 +60,16 @@ def render_section(args, rows, command: str, gpu_label: str, gpu_gib: float) -> 
         "tokens, every position supervised, max_grad_norm 1.0. Verdict: peak <= "
         f"{1 - HEADROOM:.0%} of {gpu_gib:g} GiB.",
         "",
-        "| tricks | " + " | ".join(cols) + " | logits | peak | verdict | sim time |",
-        "|---|" + "---:|" * (len(cols) + 2) + "---|---:|",
+        "| tricks | plan | " + " | ".join(cols) + " | logits | peak | verdict | sim time |",
+        "|---|---|" + "---:|" * (len(cols) + 2) + "---|---:|",
     ]
     for tricks, r in rows:
+        tp = r.spec.tp
+        plan = f"TP {tp} x FSDP {args.gpus // tp}" if tp > 1 else f"FSDP {args.gpus}"
         cells = [f"{r.categories[c] / GIB:.1f}" for c in cols]
         verdict = "fits" if fits(r, gpu_gib) else "does not fit"
         lines.append(
-            f"| {tricks or 'none'} | " + " | ".join(cells)
+            f"| {tricks or 'none'} | {plan} | " + " | ".join(cells)
             + f" | {r.logits / GIB:.2f} | **{r.peak / GIB:.1f}** | {verdict} | {r.seconds:.0f} s |"
         )  # fmt: skip
     lines += [
@@ -74,12 +77,15 @@ def render_section(args, rows, command: str, gpu_label: str, gpu_gib: float) -> 
         f"Anchor: {ANCHOR}. What differs: torchtune's recipe keeps its bf16 parameters, "
         "gradients and optimizer state in CPU memory (FSDP CPU offload) and steps the optimizer "
         "inside backward, so its GPU holds the gathered weights of the blocks in flight plus "
-        "activations; the rows above keep fp32 master weights and fp32 AdamW state on the GPU "
+        "activations; the FSDP rows above keep fp32 master weights and fp32 AdamW state on the GPU "
         "(pure bf16 learns badly at fine-tuning learning rates), sharded 8 ways, "
         "with no FSDP CPU offload (the script's `offload` trick moves activations only and is not "
         "simulated), and no compile (not simulated). "
         "Arithmetic check: 70.55 B fp32 parameters / 8 = 32.9 GiB per rank, "
-        "fp32 AdamW states 65.7 GiB per rank.",
+        "fp32 AdamW states 65.7 GiB per rank. The TP rows split each block's matmuls over "
+        "TP ranks (sequence parallel between them, vocab-sharded lm_head and loss) and shard "
+        "what TP leaves over the remaining FSDP ranks: the same parameter bytes per rank, "
+        "activations divided by TP.",
         "",
         "Not simulated: the CUDA context, NCCL buffers and allocator fragmentation (hence the "
         f"{HEADROOM:.0%} headroom); tensors are placed on a fake CPU device (FSDP2's CUDA "
@@ -99,20 +105,23 @@ def main() -> None:
     p.add_argument("--micro_batch_size", type=int, default=2)  # the anchor's batch
     p.add_argument("--max_seq_len", type=int, default=2048)
     p.add_argument("--gpu_memory", default="h200-141")
-    p.add_argument("--variants", default=";".join(VARIANTS), help="';'-separated trick lists")
+    p.add_argument(
+        "--variants", default=";".join(VARIANTS), help="';'-separated TRICKS[/tpN] variants"
+    )
     p.add_argument("--out", default=str(REPO / "benchmarks" / "RESULTS.md"))
     args = p.parse_args()
     gpu_label, gpu_gib = parse_gpu_memory(args.gpu_memory)
     rows = []
-    for tricks in args.variants.split(";"):
+    for variant in args.variants.split(";"):
+        tricks, _, tp = variant.partition("/tp")
         spec = Spec(
-            model=args.model, gpus=args.gpus, dtype=args.dtype,
+            model=args.model, gpus=args.gpus, dtype=args.dtype, tp=int(tp or 1),
             tricks=tuple(t for t in tricks.split(",") if t),
         )  # fmt: skip
         start = time.perf_counter()
         (result,) = simulate([spec], args.micro_batch_size, args.max_seq_len)
         print(
-            f"{tricks or 'none':24} peak {result.peak / GIB:7.1f} GiB "
+            f"{variant or 'none':24} peak {result.peak / GIB:7.1f} GiB "
             f"({time.perf_counter() - start:.0f} s)", flush=True,
         )  # fmt: skip
         rows.append((tricks, result))

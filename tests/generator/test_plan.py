@@ -109,6 +109,7 @@ def test_tp_and_hsdp_simulations_match_four_gloo_ranks(tiny_model_dir, tmp_path)
 
 def test_plan_refuses_what_it_has_not_been_checked_on(tiny_model_dir):
     for spec, flag in [
+        (Spec(model="qwen3-30b-a3b", gpus=2, ep=2), "--ep 2"),
         (Spec(model=str(tiny_model_dir), tricks=("compile",)), "--tricks compile"),
     ]:
         with pytest.raises(PlanError, match=f"not simulate {flag}"):
