@@ -125,7 +125,8 @@ class VLLMEngine:
 
     Raises:
         ImportError: vllm is not installed (the message says how to install it).
-        ValueError: `llm_kwargs` sets `logprobs_mode` or `worker_extension_cls`.
+        ValueError: `llm_kwargs` sets `logprobs_mode` or `worker_extension_cls`; or, on CPU, the
+            model's head_dim has no vLLM CPU attention kernel (e.g. 16; 32, 64, 128 work).
     """
 
     def __init__(
@@ -148,6 +149,7 @@ class VLLMEngine:
         self.update_timeout_s = update_timeout_s
         self._shapes = _checkpoint_shapes(self.model_dir)
         config = _read_config(self.model_dir)
+        _check_cpu_head_dim(config, self.model_dir)
         self._required = sorted(self._shapes)  # update_weights must send all of these
         if config.get("tie_word_embeddings") and "lm_head.weight" not in self._shapes:
             # a tied head is the embedding (vLLM skips this key); a trainer may still send it
@@ -344,6 +346,24 @@ class VLLMEngine:
                 f"update_weights: shape (given, checkpoint) differs for {bad}; send full "
                 "(unsharded) tensors, e.g. DTensor.full_tensor()."
             )
+
+
+def _check_cpu_head_dim(config: dict, model_dir: Path) -> None:
+    """vLLM's CPU attention only has kernels for some head sizes; it fails late and obscurely
+    (EngineDeadError at the first request, "Unsupported CPU attention configuration") otherwise."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if head_dim not in supported:
+        raise ValueError(
+            f"{model_dir}: head_dim={head_dim} has no vLLM CPU attention kernel (supported: "
+            f"{supported}); use a model with one of these head sizes, or run vLLM on a GPU."
+        )
 
 
 def _chunks(named_tensors: dict[str, torch.Tensor], max_bytes: int):
