@@ -102,6 +102,31 @@ def test_sampled_logprobs_match_runtime(setup, temperature):
     assert engine.generate(PROMPTS, n, 10, temperature, 1.0, [], seed=123) == got
 
 
+def test_top_p_logprobs_are_renormalised_over_the_nucleus(setup):
+    """With top_p < 1 vLLM returns log-probs of the distribution it sampled from: softmax(logits /
+    T) cut to the nucleus (the smallest top set with mass >= top_p, as runtime.generate's
+    sample_next_token cuts it) and renormalised."""
+    engine, ref = setup
+    temperature, top_p = 0.8, 0.7
+    got = engine.generate(PROMPTS, 4, 8, temperature, top_p, [], seed=7)
+    max_diff = 0.0
+    for prompt, rows in zip(PROMPTS, got, strict=True):
+        for tokens, logprobs in rows:
+            seq = torch.tensor([prompt + tokens])
+            with torch.no_grad():
+                logits = ref["model"](seq)[0, len(prompt) - 1 : -1].float() / temperature
+            probs = torch.softmax(logits, dim=-1)  # [T, V]
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            kept = (sorted_probs.cumsum(-1) - sorted_probs) < top_p  # mass before < top_p
+            nucleus = torch.zeros_like(probs).scatter(-1, order, sorted_probs * kept)
+            picked = nucleus.gather(-1, torch.tensor(tokens)[:, None])[:, 0]  # [T]
+            assert (picked > 0).all(), "a sampled token lies outside the nucleus"
+            expected = (picked / nucleus.sum(-1)).log()
+            max_diff = max(max_diff, (torch.tensor(logprobs) - expected).abs().max().item())
+    print(f"top_p={top_p}: max |vLLM - runtime nucleus| log-prob = {max_diff:.2e}")
+    assert max_diff < LOGPROB_ATOL
+
+
 def test_weight_sync_then_score_matches_trainer(setup):
     engine, ref = setup
     sequence = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46]
