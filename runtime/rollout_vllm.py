@@ -151,8 +151,10 @@ class VLLMEngine:
         config = _read_config(self.model_dir)
         _check_cpu_head_dim(config, self.model_dir)
         self._required = sorted(self._shapes)  # update_weights must send all of these
-        if config.get("tie_word_embeddings") and "lm_head.weight" not in self._shapes:
-            # a tied head is the embedding (vLLM skips this key); a trainer may still send it
+        self._tied = (
+            bool(config.get("tie_word_embeddings")) and "lm_head.weight" not in self._shapes
+        )
+        if self._tied:  # a tied checkpoint has no lm_head.weight; update_weights fills it in
             self._shapes["lm_head.weight"] = self._shapes["model.embed_tokens.weight"]
         self.llm = vllm.LLM(
             model=str(self.model_dir),
@@ -273,7 +275,8 @@ class VLLMEngine:
         All keys and shapes are checked before anything is sent, so a bad call changes nothing.
         Every checkpoint tensor must be sent: vLLM's layerwise reload re-materialises whole
         layers, and a partial update leaves the unsent parts uninitialised (NaN log-probs, measured
-        on vLLM 0.32 CPU). A tied `lm_head.weight` may be sent or left out.
+        on vLLM 0.32 CPU). A tied `lm_head.weight` may be sent or left out (as
+        `named_parameters()` leaves it out); it is sent as the embedding either way.
 
         Args:
             named_tensors: HF name (`model.layers.0.self_attn.q_proj.weight`) -> full (unsharded)
@@ -292,6 +295,11 @@ class VLLMEngine:
             RuntimeError: the workers did not finish within `update_timeout_s` seconds.
         """
         self._check_update(named_tensors)
+        if self._tied and "lm_head.weight" not in named_tensors:
+            # vLLM's layerwise reload gives embed_tokens a new tensor and leaves the tied head on
+            # the old one (measured: log-probs off by 0.8 after a sync); load the head explicitly
+            embed = named_tensors["model.embed_tokens.weight"]
+            named_tensors = {**named_tensors, "lm_head.weight": embed}
         try:
             for chunk in _chunks(named_tensors, _RPC_CHUNK_BYTES):
                 packed = {k: _pack(v) for k, v in chunk.items()}
