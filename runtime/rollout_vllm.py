@@ -250,7 +250,8 @@ class VLLMEngine:
             nats for t = prompt_len .. len(sequence) - 1, from vLLM's prompt_logprobs.
 
         Raises:
-            ValueError: mismatched lengths or a prompt_len out of range.
+            ValueError: mismatched lengths or a prompt_len out of range (vLLM also raises
+                ValueError for a sequence longer than max_model_len - 1: it decodes one token).
         """
         _check_prompts(sequences)
         if len(prompt_lens) != len(sequences) or any(
