@@ -114,7 +114,8 @@ def context_parallel_attention(
     L = S_loc // 2
     kv = torch.stack((k, v))  # 2 x [B, Hkv, S_loc, Dh] -> [2, B, Hkv, S_loc, Dh]: one collective
     gathered = all_gather_single_autograd(kv.contiguous(), gather_dim=0, group=cp_group)
-    gathered = gathered.view(cp, 2, B, Hkv, 2, L, Dh)  # [cp * 2, ...] -> [cp, k|v, B, Hkv, 2, L, Dh]
+    # [cp * 2, B, Hkv, S_loc, Dh] -> [cp, k|v, B, Hkv, 2 chunks, L, Dh]
+    gathered = gathered.view(cp, 2, B, Hkv, 2, L, Dh)
     # chunk j < cp is rank j's first chunk; chunk 2*cp-1-j is rank j's second: reverse the ranks
     in_order = torch.cat((gathered[:, :, :, :, 0], gathered[:, :, :, :, 1].flip(0)))
     # [2 * cp, k|v, B, Hkv, L, Dh] -> [k|v, B, Hkv, 2 * cp, L, Dh] -> [k|v, B, Hkv, S, Dh]
