@@ -402,7 +402,8 @@ def train_step(
     cfg: Config,
     device,
     dp_group=None,
-    cp_mesh=None,
+    cp_rank=0,
+    cp_size=1,
 ) -> dict:
     """One optimizer step over `gradient_accumulation_steps` micro-batches.
 
@@ -410,7 +411,7 @@ def train_step(
     (all micro-batches, all data-parallel ranks; all-reduced over `dp_group`, None = all ranks,
     before the first backward), so the gradient equals that of one large batch regardless of how
     tokens fall into micro-batches.
-    Context parallel: `cp_mesh` is mesh["cp"] (required) and `dp_group` the dp x cp ranks.
+    Context parallel: this rank's place in mesh["cp"]; `dp_group` is then the dp x cp ranks.
 
     Returns:
         loss (per supervised token), grad_norm (before clipping), lr, num_tokens (non-pad input
@@ -419,7 +420,6 @@ def train_step(
     # context parallel: cp rank r keeps chunks r and 2*cp-1-r of every row (the causal work is then
     # balanced) with their global position_ids; the counts below are of this rank's tokens, so
     # dp_group must be the dp x cp ranks
-    cp_rank, cp_size = cp_mesh.get_local_rank(), cp_mesh.size()
     micro_batches = [shard_for_context_parallel(mb, cp_rank, cp_size) for mb in micro_batches]
     local_counts = [(mb["labels"] != IGNORE_INDEX).sum() for mb in micro_batches]
     global_supervised = all_reduce_sum(torch.stack(local_counts).sum().to(device).float(), dp_group)
@@ -452,13 +452,15 @@ def train_step(
 
 
 @torch.no_grad()
-def evaluate(model, loader: DataLoader, cfg: Config, device, dp_group=None, cp_mesh=None) -> float:
+def evaluate(
+    model, loader: DataLoader, cfg: Config, device, dp_group=None, cp_rank=0, cp_size=1
+) -> float:
     """Mean validation loss per supervised token over the whole (sharded) validation set."""
     model.eval()
     totals = torch.zeros(2, device=device)
     for mb in loader:
         # context parallel: this cp rank's two chunks of every row, as in train_step
-        mb = shard_for_context_parallel(mb, cp_mesh.get_local_rank(), cp_mesh.size())
+        mb = shard_for_context_parallel(mb, cp_rank, cp_size)
         batch = {k: v.to(device) for k, v in mb.items()}
         totals[0] += sft_loss(model, batch, cfg)
         totals[1] += (batch["labels"] != IGNORE_INDEX).sum()
@@ -510,7 +512,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
     # context parallel: the cp ranks of one dp rank read the same rows but keep different chunks of
     # them, so token counts and loss sums are reduced over dp x cp ("dp_cp"); data is split over "dp"
-    dp_group, cp_mesh = mesh["dp_cp"].get_group(), mesh["cp"]
+    dp_group = mesh["dp_cp"].get_group()
+    cp_rank, cp_size = (mesh["cp"].get_local_rank(), cfg.cp) if cfg.cp > 1 else (0, 1)
     out_dir = prepare_out_dir(cfg.out_dir)  # an unwritable out_dir fails now, not at the first save
     model_dir = resolve_model_dir(cfg.model, cfg.hf_repo_id)
     tokenizer = Tokenizer.from_dir(model_dir)
@@ -571,7 +574,7 @@ def main(argv: list[str] | None = None) -> dict:
             micro_batches.append(micro_batch)
         start = time.perf_counter()
         metrics = train_step(
-            model, optimizer, scheduler, micro_batches, cfg, device, dp_group, cp_mesh
+            model, optimizer, scheduler, micro_batches, cfg, device, dp_group, cp_rank, cp_size
         )
         step_time = time.perf_counter() - start
         if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
@@ -590,7 +593,9 @@ def main(argv: list[str] | None = None) -> dict:
         if (cfg.eval_every_steps and step % cfg.eval_every_steps == 0) or (
             is_last and len(val_set)
         ):
-            metrics["val_loss"] = evaluate(model, val_loader, cfg, device, dp_group, cp_mesh)
+            metrics["val_loss"] = evaluate(
+                model, val_loader, cfg, device, dp_group, cp_rank, cp_size
+            )
         if is_main and (step % cfg.log_every_steps == 0 or is_last or "val_loss" in metrics):
             logger.log(metrics, step)
             progress.set_postfix(
