@@ -217,7 +217,7 @@ def _validate_parallel(spec: Spec) -> None:
 
 
 # Context parallel (runtime.context_parallel) is tested for full SFT, alone and with FSDP, HSDP,
-# lce and ac; these pairings are refused, each with the reason.
+# TP, lce and ac; these pairings are refused, each with the reason.
 _CP_REFUSED_TRICKS = {
     "packing": "packed rows need a block-causal document mask, and the context-parallel "
     "attention is plain causal over whole rows",
@@ -227,12 +227,7 @@ _CP_REFUSED_TRICKS = {
 
 
 def _validate_cp(spec: Spec, world: int) -> None:
-    """--cp: SFT's dense models, no TP yet, rows split into 2*cp equal chunks of max_seq_len."""
-    if spec.tp > 1:
-        raise SpecError(
-            f"--cp {spec.cp} with --tp {spec.tp}: context parallel together with tensor parallel "
-            "is not tested yet; choose one of them (--tp 1, or --cp 1)"
-        )
+    """--cp: SFT's dense models; rows split into 2*cp equal chunks (times tp under TP)."""
     refused = [t for t in spec.tricks if t in _CP_REFUSED_TRICKS]
     if refused:
         raise SpecError(
@@ -250,12 +245,19 @@ def _validate_cp(spec: Spec, world: int) -> None:
     max_seq_len = (
         entry.default_max_seq_len if entry else min(2048, config["max_position_embeddings"])
     )
-    if max_seq_len % (2 * spec.cp):
-        valid = [c for c in range(1, world + 1) if world % c == 0 and max_seq_len % (2 * c) == 0]
+    # 2*cp chunks per row, each split again over tp by sequence parallel
+    if max_seq_len % (2 * spec.cp * spec.tp):
+        valid = [
+            c
+            for c in range(1, world + 1)
+            if world % (c * spec.tp) == 0 and max_seq_len % (2 * c * spec.tp) == 0
+        ]
+        chunks = f"2*cp*tp={2 * spec.cp * spec.tp}" if spec.tp > 1 else f"2*cp={2 * spec.cp}"
         raise SpecError(
             f"--cp {spec.cp}: max_seq_len={max_seq_len} (the default of --model {spec.model}) is "
-            f"not divisible by 2*cp={2 * spec.cp}; context parallel cuts every row into 2*cp "
-            f"equal chunks; choose --cp in {valid}"
+            f"not divisible by {chunks}; context parallel cuts every row into 2*cp equal chunks"
+            f"{' (and sequence parallel each into tp)' if spec.tp > 1 else ''}; choose --cp in "
+            f"{valid}"
         )
 
 
@@ -378,7 +380,7 @@ def feature_slots(templates: list[str]) -> dict[str, list[str]]:
 def _collate_args(spec: Spec) -> str:
     """collate's padding: rows split over tp (sequence parallel) and into 2*cp chunks (cp)."""
     if spec.cp > 1:
-        return ", pad_to_multiple_of=2 * cfg.cp"
+        return ", pad_to_multiple_of=2 * cfg.cp" + (" * cfg.tp" if spec.tp > 1 else "")
     return ", pad_to_multiple_of=cfg.tp" if spec.tp > 1 else ""
 
 

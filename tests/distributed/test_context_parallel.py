@@ -1,5 +1,5 @@
 """Context parallel (runtime.context_parallel) of the emitted SFT script over gloo equals one
-process: CP 2 (2 ranks) and CP 2 x FSDP 2 (4 ranks), with the plain `logits_mask` loss and with
+process: CP 2 (2 ranks), CP 2 x FSDP 2, HSDP x CP and CP 2 x TP 2 (4 ranks), with the plain `logits_mask` loss and with
 `--tricks ac,lce` (recomputed all-gather, per-token linear CE), for a tied Llama and an untied
 Qwen3 (q/k norm, biases). Plus the batch layout of `shard_for_context_parallel`.
 
@@ -58,7 +58,7 @@ def test_shard_layout_head_tail_chunks_and_global_positions():
         shard_for_context_parallel(batch, 0, 3)
 
 
-def run_case(script_path: str, model_dir: str, dp_replicate: int, cp: int) -> dict:
+def run_case(script_path: str, model_dir: str, dp_replicate: int, cp: int, tp: int = 1) -> dict:
     """3 SGD steps of the script under this plan; losses, grad norms and full parameters."""
     import torch.distributed as dist
 
@@ -68,6 +68,7 @@ def run_case(script_path: str, model_dir: str, dp_replicate: int, cp: int) -> di
     cfg = script.Config(
         model=model_dir, dtype="fp32", max_grad_norm=0.0, device="cpu", max_seq_len=32,
         val_fraction=0.0, cp=cp, dp_replicate=dp_replicate, sample_max_new_tokens=0,
+        **({"tp": tp} if tp > 1 else {}),
     )  # fmt: skip
     script.validate(cfg)
     dist_info, mesh = script.setup_distributed(cfg)
@@ -75,12 +76,15 @@ def run_case(script_path: str, model_dir: str, dp_replicate: int, cp: int) -> di
     cp_rank = mesh["cp"].get_local_rank() if cp > 1 else 0
     rows = _examples(256)[dp.get_local_rank() :: dp.size()]  # this dp rank's share of 8 rows
     micro_batches = [
-        script.collate(rows[i : i + 2], pad_token_id=0, pad_to_multiple_of=2 * cp)
+        script.collate(rows[i : i + 2], pad_token_id=0, pad_to_multiple_of=2 * cp * tp)
         for i in range(0, len(rows), 2)
     ]
     model = script.build_sft_model(cfg, Path(model_dir), mesh, dist_info.device)
     attn = model.model.layers[0].self_attn
     assert (attn.cp_group is not None) == (cp > 1)
+    if tp > 1:  # the TP plan is on too: vocab-sharded lm_head (loss parallel)
+        w = model.lm_head.weight
+        assert w.placements[w.device_mesh.mesh_dim_names.index("tp")].is_shard(0), w.placements
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     losses, norms = [], []
@@ -109,14 +113,15 @@ def _worker(rank, world_size, scripts, model_dirs, cases):
 
 @pytest.fixture(scope="module")
 def cp_scripts(tmp_path_factory) -> dict[str, str]:
-    """The emitted CP script, with the plain loss and with --tricks ac,lce."""
+    """The emitted CP script: plain loss, --tricks ac,lce, and with --tp 2 (loss parallel)."""
     from generator.render import render
     from generator.spec import Spec
 
     out = {}
-    for name, tricks in (("plain", ()), ("ac_lce", ("ac", "lce"))):
+    for name, tricks, tp in (("plain", (), 1), ("ac_lce", ("ac", "lce"), 1), ("tp", (), 2)):
         d = tmp_path_factory.mktemp(f"cp_{name}")
-        spec = Spec(algo="sft", gpus=4, cp=2, tricks=tricks, out=str(d))
+        model = "qwen3-0.6b" if tp > 1 else "smollm2-135m"  # heads divisible by tp
+        spec = Spec(algo="sft", model=model, gpus=4, cp=2, tp=tp, tricks=tricks, out=str(d))
         (d / "train.py").write_text(render(spec))
         out[name] = str(d / "train.py")
     return out
@@ -145,7 +150,7 @@ def _check(results: dict, reference: dict) -> None:
 
 def test_cp2_equals_one_process(cp_scripts, tiny_dirs, reference):  # noqa: F811
     """CP over 2 ranks (dp_shard=1): each rank holds 2 of the 4 chunks of every row."""
-    cases = [(s, m, (1, 2)) for s in cp_scripts for m in tiny_dirs]
+    cases = [(s, m, (1, 2)) for s in ("plain", "ac_lce") for m in tiny_dirs]
     results = spawn(_worker, 2, args=(cp_scripts, tiny_dirs, cases))
     for r in results:
         _check(r, reference)
@@ -153,13 +158,14 @@ def test_cp2_equals_one_process(cp_scripts, tiny_dirs, reference):  # noqa: F811
     assert first[-1] < first[0], "the 3 steps must train (loss goes down)"
 
 
-def test_cp2_fsdp2_and_hsdp_cp_four_ranks_equal_one(cp_scripts, tiny_dirs, reference):  # noqa: F811
-    """CP 2 x FSDP 2 (dp_shard=2, cp=2) and HSDP x CP (dp_replicate=2, cp=2), on 4 ranks
-    (a subset of the script x model pairs: 4 processes share 2 cores)."""
+def test_cp2_with_fsdp2_hsdp_and_tp2_four_ranks_equal_one(cp_scripts, tiny_dirs, reference):  # noqa: F811
+    """CP 2 x FSDP 2 (dp_shard=2, cp=2), HSDP x CP (dp_replicate=2, cp=2) and CP 2 x TP 2, on 4
+    ranks (a subset of the script x model pairs: 4 processes share 2 cores)."""
     cases = [
         ("plain", "llama_tied", (1, 2)),
         ("ac_lce", "qwen3_untied", (1, 2)),
         ("plain", "qwen3_untied", (2, 2)),
+        ("tp", "qwen3_untied", (1, 2, 2)),  # CP 2 x TP 2 (dp_shard=1), q/k norm under SP
     ]
     results = spawn(_worker, 4, args=(cp_scripts, tiny_dirs, cases))
     for r in results:

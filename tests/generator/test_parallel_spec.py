@@ -26,7 +26,8 @@ from generator.spec import Spec, SpecError, validate_spec
         (Spec(gpus=4, cp=3), ["= 4 processes", "dp_replicate*cp*tp = 1*3*1 = 3"]),
         (Spec(gpus=4, cp=0), ["--cp 0: must be >= 1"]),
         # context parallel: untested pairings are refused with the reason
-        (Spec(model="qwen3-0.6b", gpus=4, cp=2, tp=2), ["--cp 2 with --tp 2", "not tested"]),
+        # under TP each chunk is split again over tp: qwen3's default max_seq_len 2048 % (2*3*2)
+        (Spec(model="qwen3-0.6b", gpus=12, cp=3, tp=2), ["2*cp*tp=12", "choose --cp in [1, 2]"]),
         (Spec(gpus=2, cp=2, tricks=("packing",)), ["--tricks packing with --cp 2", "document mask"]),
         (Spec(gpus=2, cp=2, tricks=("compile", "lce")), ["--tricks compile with --cp 2", "--tricks lce"]),
         (Spec(algo="lora", gpus=2, cp=2), ["--algo lora", "--cp 1"]),
@@ -53,11 +54,13 @@ def test_valid_plans_pass_and_command_prints_non_defaults():
     hsdp = Spec(gpus=4, dp_replicate=2, out="o")
     cp = Spec(gpus=2, cp=2, tricks=("ac", "lce"), out="o")
     hsdp_cp = Spec(gpus=8, cp=2, dp_replicate=2, out="o")
+    tp_cp = Spec(model="qwen3-0.6b", gpus=8, cp=2, tp=2, out="o")
     for spec in (
         tp,
         hsdp,
         cp,
         hsdp_cp,
+        tp_cp,
         Spec(model="qwen3-0.6b", gpus=8, nodes=2, tp=8, dp_replicate=2),
     ):
         validate_spec(spec)
