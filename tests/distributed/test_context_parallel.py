@@ -170,3 +170,20 @@ def test_cp2_with_fsdp2_hsdp_and_tp2_four_ranks_equal_one(cp_scripts, tiny_dirs,
     results = spawn(_worker, 4, args=(cp_scripts, tiny_dirs, cases))
     for r in results:
         _check(r, reference)
+
+
+def test_script_validate_names_the_cp_numbers(monkeypatch):
+    """The emitted example's own validate(): world size and max_seq_len against 2*cp."""
+    from tests.conftest import EXAMPLES, import_script
+
+    script = import_script(EXAMPLES / "sft_smollm2_cp2" / "train.py", "sft_smollm2_cp2_train")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    script.validate(script.Config())  # the defaults: cp=2 on 2 processes, max_seq_len 512
+    with pytest.raises(ValueError) as e:
+        script.validate(script.Config(max_seq_len=30))
+    assert "max_seq_len=30 is not divisible by 2*cp=4" in str(e.value)
+    assert "multiple of 4 (e.g. 32) or choose cp in [1]" in str(e.value)
+    with pytest.raises(ValueError, match=r"cp=3, dp_replicate=1: .* world size 2 .* \[1, 2\]"):
+        script.validate(script.Config(cp=3))
+    with pytest.raises(ValueError, match="sample_max_new_tokens=8 with cp=2"):
+        script.validate(script.Config(sample_max_new_tokens=8))
