@@ -79,7 +79,11 @@ def cli():
     help="Tensor-parallel degree (+ sequence and loss parallel), within one node.",
 )
 @click.option(
-    "--cp", default=1, show_default=True, type=int, help="Context-parallel degree (CUDA only)."
+    "--cp",
+    default=1,
+    show_default=True,
+    type=int,
+    help="Context-parallel degree: rows split into 2*cp chunks, K/V all-gathered in attention.",
 )
 @click.option(
     "--dp-replicate",

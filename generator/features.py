@@ -163,8 +163,9 @@ TRICKS: dict[str, Trick] = {
 
 
 # Parallel-plan templates, rendered when the spec asks for them (after the algorithm's template,
-# before the tricks: TP -> activation checkpointing -> compile -> FSDP, STYLE.md §2 section 4).
+# before the tricks: TP and CP -> activation checkpointing -> compile -> FSDP, STYLE.md §2 section 4).
 # file stem -> predicate on the Spec. HSDP (dp_replicate) is the skeleton's own FSDP mesh choice.
 PARALLEL_FEATURES = {
     "tensor_parallel": lambda spec: spec.tp > 1,
+    "context_parallel": lambda spec: spec.cp > 1,
 }

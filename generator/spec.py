@@ -183,20 +183,16 @@ def _validate_parallel(spec: Spec) -> None:
             "reduce-scatters activations in every block, which needs the intra-node links "
             f"(NVLink); keep tp <= {spec.gpus} and scale across nodes with data parallel"
         )
-    if spec.cp > 1:
-        raise SpecError(
-            f"--cp {spec.cp}: context parallel is not available yet. PyTorch's context_parallel "
-            "has no CPU sharding rule for causal SDPA (so it cannot be tested on this project's "
-            "CPU CI) and scaffold's CUDA path for it is not written; use --cp 1 (long sequences: "
-            "--tricks ac,lce, or --tp)"
-        )
-    if spec.tp > 1 or spec.dp_replicate > 1:
+    if spec.tp > 1 or spec.dp_replicate > 1 or spec.cp > 1:
         if spec.algo not in _TP_ALGOS:
             raise SpecError(
-                f"--algo {spec.algo} with --tp {spec.tp} --dp-replicate {spec.dp_replicate}: "
-                f"tensor parallel and HSDP are wired into the SFT skeleton only (--algo "
-                f"{', '.join(_TP_ALGOS)}); use --tp 1 --dp-replicate 1 (FSDP over all GPUs)"
+                f"--algo {spec.algo} with --tp {spec.tp} --cp {spec.cp} --dp-replicate "
+                f"{spec.dp_replicate}: tensor parallel, context parallel and HSDP are wired into "
+                f"the SFT skeleton only (--algo {', '.join(_TP_ALGOS)}); use --tp 1 --cp 1 "
+                "--dp-replicate 1 (FSDP over all GPUs)"
             )
+    if spec.cp > 1:
+        _validate_cp(spec, world)
     if spec.tp > 1:
         refused = [t for t in spec.tricks if t in _TP_REFUSED_TRICKS]
         if refused:
@@ -218,6 +214,51 @@ def _validate_parallel(spec: Spec) -> None:
             )
         except ValueError as e:
             raise SpecError(f"--model {spec.model} --tp {spec.tp}: {e}") from e
+
+
+# Context parallel (runtime.context_parallel) is tested for full SFT, alone and with FSDP, HSDP,
+# TP, lce and ac; these pairings are refused, each with the reason.
+_CP_REFUSED_TRICKS = {
+    "packing": "packed rows need a block-causal document mask, and the context-parallel "
+    "attention is plain causal over whole rows",
+    "compile": "per-block torch.compile of the K/V all-gather attention is not tested here",
+    "offload": "activation offloading (CUDA) with the context-parallel attention is not tested",
+}
+
+
+def _validate_cp(spec: Spec, world: int) -> None:
+    """--cp: SFT's dense models; rows split into 2*cp equal chunks (times tp under TP)."""
+    refused = [t for t in spec.tricks if t in _CP_REFUSED_TRICKS]
+    if refused:
+        raise SpecError(
+            f"--tricks {refused[0]} with --cp {spec.cp}: {_CP_REFUSED_TRICKS[refused[0]]}; drop "
+            f"it (--tricks {','.join(t for t in spec.tricks if t not in refused)}) or use --cp 1"
+        )
+    config = _model_config(spec)
+    if config.get("model_type", "llama") in MOE_FAMILIES:
+        raise SpecError(
+            f"--cp {spec.cp} with --model {spec.model} ({config['model_type']}): context parallel "
+            "is tested on dense models only (the MoE router and its load-balancing loss see "
+            "each rank's tokens); use --cp 1"
+        )
+    entry = MODELS.get(spec.model)
+    max_seq_len = (
+        entry.default_max_seq_len if entry else min(2048, config["max_position_embeddings"])
+    )
+    # 2*cp chunks per row, each split again over tp by sequence parallel
+    if max_seq_len % (2 * spec.cp * spec.tp):
+        valid = [
+            c
+            for c in range(1, world + 1)
+            if world % (c * spec.tp) == 0 and max_seq_len % (2 * c * spec.tp) == 0
+        ]
+        chunks = f"2*cp*tp={2 * spec.cp * spec.tp}" if spec.tp > 1 else f"2*cp={2 * spec.cp}"
+        raise SpecError(
+            f"--cp {spec.cp}: max_seq_len={max_seq_len} (the default of --model {spec.model}) is "
+            f"not divisible by {chunks}; context parallel cuts every row into 2*cp equal chunks"
+            f"{' (and sequence parallel each into tp)' if spec.tp > 1 else ''}; choose --cp in "
+            f"{valid}"
+        )
 
 
 MOE_FAMILIES = ("qwen3_moe",)  # model families with experts (`--ep` shards them)
@@ -336,6 +377,13 @@ def feature_slots(templates: list[str]) -> dict[str, list[str]]:
     return filled
 
 
+def _collate_args(spec: Spec) -> str:
+    """collate's padding: rows split over tp (sequence parallel) and into 2*cp chunks (cp)."""
+    if spec.cp > 1:
+        return ", pad_to_multiple_of=2 * cfg.cp" + (" * cfg.tp" if spec.tp > 1 else "")
+    return ", pad_to_multiple_of=cfg.tp" if spec.tp > 1 else ""
+
+
 def build_answers(spec: Spec) -> dict:
     """Every value the templates print, computed once (after `validate_spec`)."""
     validate_spec(spec)
@@ -377,12 +425,16 @@ def build_answers(spec: Spec) -> dict:
         "ep": spec.ep,
         "world_size": spec.gpus * spec.nodes,
         "tp": spec.tp,
+        "cp": spec.cp,
         "dp_replicate": spec.dp_replicate,
         # extra build_mesh arguments and collate padding of the parallel features
-        "mesh_args": ", tp=cfg.tp" if spec.tp > 1 else "",
-        "collate_args": ", pad_to_multiple_of=cfg.tp" if spec.tp > 1 else "",
-        # decoding feeds 1 token per step, which sequence parallel cannot split over tp ranks
-        "sample_max_new_tokens": 0 if spec.tp > 1 else 48,
+        "mesh_args": (", cp=cfg.cp" if spec.cp > 1 else "")
+        + (", tp=cfg.tp" if spec.tp > 1 else ""),
+        "collate_args": _collate_args(spec),
+        # FSDP's shard dim: under cp the cp ranks hold weight shards too (torchtitan's dp_shard_cp)
+        "fsdp_shard_dim": "dp_shard_cp" if spec.cp > 1 else "dp_shard",
+        # decoding feeds 1 token per step, which sequence / context parallel cannot split
+        "sample_max_new_tokens": 0 if spec.tp > 1 or spec.cp > 1 else 48,
         "gradient_accumulation_steps": 1,
         "warmup_steps": 10,
         "max_steps": 100,

@@ -13,6 +13,11 @@ from runtime.checkpoint import (
 )
 from runtime.cli import ConfigError
 from runtime.cli import parse as parse_config
+from runtime.context_parallel import (
+    apply_context_parallel,
+    context_parallel_chunks,
+    shard_for_context_parallel,
+)
 from runtime.data import load_rows, split_train_val, to_messages, to_preference
 from runtime.generate import generate
 from runtime.hub import resolve_data_path, resolve_model_dir, scaffold_home
@@ -92,11 +97,13 @@ __all__ = [
     "adapters_disabled",
     "add_lora",
     "all_reduce_sum",
+    "apply_context_parallel",
     "build_mesh",
     "build_model",
     "check_tp_degree",
     "check_same_tokenizer",
     "check_vocab_fits",
+    "context_parallel_chunks",
     "copy_tokenizer_files",
     "cosine_schedule_with_warmup",
     "chunked_kd_loss",
@@ -135,6 +142,7 @@ __all__ = [
     "save_train_state",
     "scaffold_home",
     "setup_optimizer_in_backward",
+    "shard_for_context_parallel",
     "split_train_val",
     "to_messages",
     "to_preference",

@@ -92,9 +92,9 @@ def build_mesh(
     - "dp" = dp_replicate x dp_shard: the data-parallel ranks. The sampler shards the data over
       them, and the supervised-token count is all-reduced over them (TP and CP ranks of one dp rank
       see the same batch, so reducing over the world would count it tp * cp times).
-    - "dp_shard_cp" = dp_shard x cp (only when cp > 1): FSDP shards over it, since a CP rank holds
+    - "dp_shard_cp" = dp_shard x cp: FSDP shards over it, since a CP rank holds
       a slice of every sequence and can also hold a shard of the weights.
-    - "dp_cp" = dp_replicate x dp_shard x cp (only when cp > 1): the ranks that hold different
+    - "dp_cp" = dp_replicate x dp_shard x cp: the ranks that hold different
       tokens, i.e. the group of the loss normalisation under CP.
 
     Args:
@@ -136,9 +136,9 @@ def build_mesh(
         device_type, tuple(sizes[n] for n in names), mesh_dim_names=tuple(names)
     )
     _flatten(mesh, ("dp_replicate", "dp_shard"), "dp")
-    if cp > 1:
-        _flatten(mesh, ("dp_shard", "cp"), "dp_shard_cp")
-        _flatten(mesh, ("dp_replicate", "dp_shard", "cp"), "dp_cp")
+    # also at cp = 1 (then equal to dp_shard and dp), so a context-parallel script runs with --cp 1
+    _flatten(mesh, ("dp_shard", "cp"), "dp_shard_cp")
+    _flatten(mesh, ("dp_replicate", "dp_shard", "cp"), "dp_cp")
     return mesh
 
 

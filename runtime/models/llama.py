@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from runtime.context_parallel import context_parallel_attention
 from runtime.models.args import HF_ARCHITECTURES, ModelArgs
 from runtime.models.moe import SparseMoeBlock
 
@@ -189,12 +190,17 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        # context parallel (runtime.context_parallel.apply_context_parallel): the cp process
+        # group whose ranks hold the other chunks of the sequence; None = the whole sequence here
+        self.cp_group = None
 
     def forward(self, x, cos, sin, attention_mask, is_causal, kv_cache):
         """x: [B, S, D]; cos/sin: [B, S, Dh]; attention_mask: [B|1, 1, S, S_kv] bool, a flex
         attention BlockMask (then flex attention runs instead of SDPA), or None.
 
-        `is_causal` is used only when attention_mask is None. Returns [B, S, D].
+        `is_causal` is used only when attention_mask is None. Returns [B, S, D]. Under context
+        parallel (`cp_group` set) x holds this rank's two chunks of every row and attention is
+        causal over the K/V gathered from all cp ranks (no mask, no KV cache).
         """
         B, S, _ = x.shape
         # -1 for the head count: tensor parallel shards heads, so a rank holds H/tp of them.
@@ -209,7 +215,15 @@ class LlamaAttention(nn.Module):
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)  # -> [B, Hkv, S_kv, Dh]
-        if isinstance(attention_mask, BlockMask):  # flex attention (packed documents on GPU)
+        if self.cp_group is not None:
+            if attention_mask is not None or kv_cache is not None or not is_causal:
+                raise NotImplementedError(
+                    "context parallel attention is plain causal over whole rows: an attention "
+                    "mask (packing), a KV cache (decoding) or non-causal attention is not "
+                    "supported; run those without cp (cp_group=None)"
+                )
+            out = context_parallel_attention(q, k, v, self.cp_group)  # [B, H, S, Dh]
+        elif isinstance(attention_mask, BlockMask):  # flex attention (packed documents on GPU)
             out = _flex_attention(q, k, v, attention_mask)  # [B, H, S, Dh]
         else:
             out = F.scaled_dot_product_attention(

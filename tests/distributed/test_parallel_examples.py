@@ -1,8 +1,9 @@
 """The emitted distributed examples, launched for real with torchrun (gloo, CPU) on a tiny random
 Llama (4 heads, 2 KV heads) with SmolLM2's tokenizer and real alpaca rows.
 
-sft_qwen3_tp2 on 2 processes (tp=2: dp size 1) and sft_smollm2_hsdp on 4 (dp_replicate=2 x
-dp_shard=2) read the same global batch as one process, so their losses equal the 1-process run of
+sft_qwen3_tp2 on 2 processes (tp=2: dp size 1), sft_smollm2_cp2 on 2 (cp=2: dp size 1, each rank
+holds 2 of the 4 chunks of every row) and sft_smollm2_hsdp on 4 (dp_replicate=2 x dp_shard=2) read
+the same global batch as one process, so their losses equal the 1-process run of
 the plain script (fp32, 1e-5; constant lr, so the 2-step run and its resumed step 3 follow the
 3-step reference schedule); each saves a resumable DCP checkpoint of its DTensor state and a
 HF checkpoint, and a resumed run continues from it.
@@ -29,12 +30,14 @@ def one_process(tiny_model_dir, small_dataset, tmp_path_factory) -> list[dict]:
     return run_script(tmp, [*args, "--max_steps", "3", "--micro_batch_size", "4"], nproc=1)
 
 
-@pytest.mark.parametrize(("example", "nproc"), [("sft_qwen3_tp2", 2), ("sft_smollm2_hsdp", 4)])
+@pytest.mark.parametrize(
+    ("example", "nproc", "dp_size"),
+    [("sft_qwen3_tp2", 2, 1), ("sft_smollm2_cp2", 2, 1), ("sft_smollm2_hsdp", 4, 4)],
+)
 def test_distributed_example_runs_and_resumes(
-    example, nproc, one_process, tiny_model_dir, small_dataset, tmp_path
+    example, nproc, dp_size, one_process, tiny_model_dir, small_dataset, tmp_path
 ):
     script = REPO / "examples" / example / "train.py"
-    dp_size = 1 if example.endswith("tp2") else nproc
     args = [
         "--model", str(tiny_model_dir), "--dataset", str(small_dataset), *COMMON,
         "--micro_batch_size", str(4 // dp_size), "--save_every_steps", "1",

@@ -20,14 +20,24 @@ from generator.spec import Spec, SpecError, validate_spec
         (Spec(gpus=2, tp=2), ["num_attention_heads=9", "num_key_value_heads=3", "pick tp in {1, 3}"]),
         # TP within a node
         (Spec(model="qwen3-0.6b", gpus=2, nodes=2, tp=4), ["--tp 4 > --gpus 2", "intra-node"]),
-        # context parallel: refused, with the reason
-        (Spec(gpus=2, cp=2), ["--cp 2", "no CPU sharding rule for causal SDPA"]),
+        # context parallel: rows cut into 2*cp chunks (SmolLM2's default max_seq_len is 512)
+        (Spec(gpus=3, cp=3), ["--cp 3", "max_seq_len=512", "2*cp=6", "choose --cp in [1]"]),
+        (Spec(gpus=6, cp=3), ["2*cp=6", "choose --cp in [1, 2]"]),
+        (Spec(gpus=4, cp=3), ["= 4 processes", "dp_replicate*cp*tp = 1*3*1 = 3"]),
+        (Spec(gpus=4, cp=0), ["--cp 0: must be >= 1"]),
+        # context parallel: untested pairings are refused with the reason
+        # under TP each chunk is split again over tp: qwen3's default max_seq_len 2048 % (2*3*2)
+        (Spec(model="qwen3-0.6b", gpus=12, cp=3, tp=2), ["2*cp*tp=12", "choose --cp in [1, 2]"]),
+        (Spec(gpus=2, cp=2, tricks=("packing",)), ["--tricks packing with --cp 2", "document mask"]),
+        (Spec(gpus=2, cp=2, tricks=("compile", "lce")), ["--tricks compile with --cp 2", "--tricks lce"]),
+        (Spec(algo="lora", gpus=2, cp=2), ["--algo lora", "--cp 1"]),
+        (Spec(model="qwen3-30b-a3b", gpus=2, cp=2), ["--cp 2 with --model qwen3-30b-a3b", "dense models"]),
         # degrees >= 1
         (Spec(dp_replicate=0), ["--dp-replicate 0: must be >= 1"]),
         (Spec(tp=0), ["--tp 0: must be >= 1"]),
         # TP / HSDP are wired into the SFT skeleton only
         (Spec(algo="dpo", model="qwen3-0.6b", gpus=2, tp=2, dataset="dpo_en_demo.json"), ["--algo dpo", "SFT skeleton only"]),
-        (Spec(algo="lora", gpus=4, dp_replicate=2), ["--algo lora", "--tp 1 --dp-replicate 1"]),
+        (Spec(algo="lora", gpus=4, dp_replicate=2), ["--algo lora", "--tp 1 --cp 1 --dp-replicate 1"]),
         # compile of DTensor blocks is not tested here
         (Spec(model="qwen3-0.6b", gpus=2, tp=2, tricks=("compile",)), ["--tricks compile with --tp 2"]),
     ],
@@ -42,10 +52,21 @@ def test_refused_parallel_plans(spec, expected):
 def test_valid_plans_pass_and_command_prints_non_defaults():
     tp = Spec(model="qwen3-0.6b", gpus=4, tp=2, out="o")
     hsdp = Spec(gpus=4, dp_replicate=2, out="o")
-    for spec in (tp, hsdp, Spec(model="qwen3-0.6b", gpus=8, nodes=2, tp=8, dp_replicate=2)):
+    cp = Spec(gpus=2, cp=2, tricks=("ac", "lce"), out="o")
+    hsdp_cp = Spec(gpus=8, cp=2, dp_replicate=2, out="o")
+    tp_cp = Spec(model="qwen3-0.6b", gpus=8, cp=2, tp=2, out="o")
+    for spec in (
+        tp,
+        hsdp,
+        cp,
+        hsdp_cp,
+        tp_cp,
+        Spec(model="qwen3-0.6b", gpus=8, nodes=2, tp=8, dp_replicate=2),
+    ):
         validate_spec(spec)
     assert "--gpus 4 --tp 2 --out" in tp.command() and "--cp" not in tp.command()
     assert "--gpus 4 --dp-replicate 2 --out" in hsdp.command()
+    assert "--gpus 2 --cp 2 --out" in cp.command()
 
 
 def test_old_spec_json_without_parallel_fields_loads():

@@ -1,0 +1,150 @@
+"""Context parallel: every rank holds a slice of each sequence; attention all-gathers K and V.
+
+The layout of Llama 3 (sec. 3.3.2): the sequence of every row is cut into 2*cp equal chunks and
+cp rank r keeps chunks r and 2*cp-1-r, so under the causal mask every rank has the same attention
+work (an early, cheap chunk paired with a late, expensive one). Everything outside attention is
+per token and runs on the local tokens unchanged. In every attention layer the local K and V
+(after RoPE, which used the global position ids) are all-gathered over the cp ranks (GQA keeps
+them small: Hkv heads, not H), put back in sequence order, and each local query chunk attends to
+the keys up to its own end with a bottom-right-aligned causal mask. The softmax runs over exactly
+the keys one process would use, so the result is exact (not an approximation like ring attention's
+running rescale, which is exact only up to summation order either).
+
+This is our own plan rather than PyTorch's `context_parallel` because that one dispatches only the
+CUDA SDPA kernels; this one runs on CPU (gloo, the tests) and GPU alike.
+
+Shape legend: B batch, S full sequence, S_loc = S / cp local tokens, L = S / (2 * cp) tokens per
+chunk, H query heads, Hkv KV heads, Dh head dim.
+
+Reference: Grattafiori et al. 2024, "The Llama 3 Herd of Models", https://arxiv.org/abs/2407.21783,
+sec. 3.3.2 "Context parallelism" (all-gather K/V, 2*cp chunks, rank r holds r and 2*cp-1-r).
+Differs from reference: no document mask (packed rows are refused with context parallel).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed._functional_collectives import all_gather_single_autograd
+from torch.nn.attention.bias import causal_lower_right
+
+__all__ = [
+    "CP_SEQUENCE_KEYS",
+    "apply_context_parallel",
+    "context_parallel_attention",
+    "context_parallel_chunks",
+    "shard_for_context_parallel",
+]
+
+# Batch entries laid out [B, S] over the sequence: these are sharded, everything else is kept.
+CP_SEQUENCE_KEYS = ("input_ids", "labels", "position_ids", "document_ids")
+
+
+def context_parallel_chunks(cp_rank: int, cp_size: int) -> tuple[int, int]:
+    """The two chunk indices (of 2 * cp_size) that cp rank `cp_rank` holds: r and 2*cp-1-r."""
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank={cp_rank} must be in [0, cp_size={cp_size})")
+    return cp_rank, 2 * cp_size - 1 - cp_rank
+
+
+def shard_for_context_parallel(batch: dict, cp_rank: int, cp_size: int) -> dict:
+    """This cp rank's share of a collated batch: chunks r and 2*cp-1-r of every row.
+
+    Args:
+        batch: input_ids [B, S] int64, labels [B, S] int64 (pre-shifted, so a label stays with its
+            input token), optional position_ids / document_ids [B, S], num_tokens scalar int64 (the
+            non-padding tokens of the rows), and anything else (kept as is).
+        cp_rank: this rank's index in the cp mesh dim.
+        cp_size: cp degree; S must be a multiple of 2 * cp_size.
+
+    Returns:
+        A new dict: the [B, S] entries as [B, S / cp] (the two chunks concatenated, in that order);
+        position_ids added as the global arange(S) when absent (RoPE and the causal mask need the
+        global positions); num_tokens kept on cp rank 0 and 0 on the others, so a sum over
+        dp x cp counts every row once.
+
+    Raises:
+        ValueError: S is not a multiple of 2 * cp_size.
+    """
+    B, S = batch["input_ids"].shape
+    if S % (2 * cp_size):
+        raise ValueError(
+            f"sequence length {S} is not divisible by 2*cp={2 * cp_size}: context parallel cuts "
+            "each row into 2*cp equal chunks; pad rows to a multiple of 2*cp (collate's "
+            "pad_to_multiple_of)"
+        )
+    out = dict(batch)
+    if "position_ids" not in out:
+        positions = torch.arange(S, device=batch["input_ids"].device)
+        out["position_ids"] = positions.expand(B, S)  # [S] -> [B, S]
+    L = S // (2 * cp_size)
+    first, second = context_parallel_chunks(cp_rank, cp_size)
+    for key in CP_SEQUENCE_KEYS:
+        if key in out:
+            t = out[key]
+            out[key] = torch.cat(
+                (t[:, first * L : (first + 1) * L], t[:, second * L : (second + 1) * L]), dim=1
+            )  # [B, S] -> [B, 2 * L] = [B, S_loc]
+    if "num_tokens" in out and cp_rank != 0:
+        out["num_tokens"] = torch.zeros_like(out["num_tokens"])
+    return out
+
+
+def context_parallel_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group: dist.ProcessGroup
+) -> torch.Tensor:
+    """Causal attention of the local queries over the K/V of all cp ranks.
+
+    Args:
+        q: [B, H, S_loc, Dh] the local queries: chunk r then chunk 2*cp-1-r, RoPE applied.
+        k: [B, Hkv, S_loc, Dh] the local keys, same layout, RoPE applied.
+        v: [B, Hkv, S_loc, Dh] the local values.
+        cp_group: the process group of the cp mesh dim.
+
+    Returns:
+        [B, H, S_loc, Dh] attention output of the local queries (same layout as q).
+
+    The all-gather is autograd-aware: its backward reduce-scatters (sums) every rank's gradient
+    of the gathered K/V back to the rank that owns those tokens.
+    """
+    cp = dist.get_world_size(cp_group)
+    rank = dist.get_rank(cp_group)
+    B, Hkv, S_loc, Dh = k.shape
+    L = S_loc // 2
+    kv = torch.stack((k, v))  # 2 x [B, Hkv, S_loc, Dh] -> [2, B, Hkv, S_loc, Dh]: one collective
+    gathered = all_gather_single_autograd(kv.contiguous(), gather_dim=0, group=cp_group)
+    # [cp * 2, B, Hkv, S_loc, Dh] -> [cp, k|v, B, Hkv, 2 chunks, L, Dh]
+    gathered = gathered.view(cp, 2, B, Hkv, 2, L, Dh)
+    # chunk j < cp is rank j's first chunk; chunk 2*cp-1-j is rank j's second: reverse the ranks
+    in_order = torch.cat((gathered[:, :, :, :, 0], gathered[:, :, :, :, 1].flip(0)))
+    # [2 * cp, k|v, B, Hkv, L, Dh] -> [k|v, B, Hkv, 2 * cp, L, Dh] -> [k|v, B, Hkv, S, Dh]
+    in_order = in_order.permute(1, 2, 3, 0, 4, 5).reshape(2, B, Hkv, 2 * cp * L, Dh)
+    k_all, v_all = in_order[0], in_order[1]
+    outs = []
+    for half, chunk in enumerate(context_parallel_chunks(rank, cp)):
+        end = (chunk + 1) * L  # the chunk's queries see keys [0, end): the bottom-right causal mask
+        outs.append(
+            F.scaled_dot_product_attention(
+                q[:, :, half * L : (half + 1) * L],
+                k_all[:, :, :end],
+                v_all[:, :, :end],
+                attn_mask=causal_lower_right(L, end),
+                enable_gqa=q.shape[1] != Hkv,
+            )
+        )  # [B, H, L, Dh]
+    return torch.cat(outs, dim=2)  # 2 x [B, H, L, Dh] -> [B, H, S_loc, Dh]
+
+
+def apply_context_parallel(model: torch.nn.Module, cp_group: dist.ProcessGroup) -> None:
+    """Make every attention layer of `model` attend over the cp ranks' K/V.
+
+    Sets `cp_group` on each `LlamaAttention` (None, the default, is the unchanged single-rank
+    path). Feed the model `shard_for_context_parallel` batches with their global position_ids;
+    an explicit attention mask or a KV cache is refused by the attention layer under cp.
+    """
+    from runtime.models.llama import LlamaAttention
+
+    for module in model.modules():
+        if isinstance(module, LlamaAttention):
+            module.cp_group = cp_group
