@@ -209,6 +209,7 @@ def _plan_summary(spec: Spec, gpu: tuple[str, float] | None) -> None:
 @click.option("--gpus", default=1, show_default=True, type=int, help="Processes (GPUs) per node.")
 @click.option("--nodes", default=1, show_default=True, type=int, help="Number of nodes.")
 @click.option("--tp", default=1, show_default=True, type=int, help="Tensor-parallel degree.")
+@click.option("--cp", default=1, show_default=True, type=int, help="Context-parallel degree.")
 @click.option("--dp-replicate", default=1, show_default=True, type=int, help="HSDP replicas.")
 @click.option("--dtype", default="bf16", show_default=True, help="bf16 or fp32.")
 @click.option(
@@ -240,7 +241,7 @@ def _plan_summary(spec: Spec, gpu: tuple[str, float] | None) -> None:
 )
 @_friendly
 def plan(
-    algo, peft, model, tricks, gpus, nodes, tp, dp_replicate, dtype, micro_batch_size,
+    algo, peft, model, tricks, gpus, nodes, tp, cp, dp_replicate, dtype, micro_batch_size,
     max_seq_len, gpu_memory, suggest,
 ):  # fmt: skip
     """Per-GPU peak memory of the script `scaffold new` would write, simulated.
@@ -270,6 +271,7 @@ def plan(
         gpus=gpus,
         nodes=nodes,
         tp=tp,
+        cp=cp,
         dp_replicate=dp_replicate,
         dtype=dtype,
         dataset=ALGOS[algo].dataset if algo in ALGOS else Spec.dataset,

@@ -153,17 +153,12 @@ def check_simulable(spec: Spec, micro_batch_size: int, max_seq_len: int) -> None
             f"scaffold plan cannot simulate --tricks {','.join(blocked)} ({why}); plan without "
             f"it (--tricks {kept}): its memory is an upper bound for compile"
         )
-    # checked against real gloo runs: FSDP2, TP (+ sequence and loss parallel), TP x FSDP, HSDP
+    # checked against real gloo runs: FSDP2, TP (+ sequence and loss parallel), TP x FSDP, HSDP, CP
     if spec.ep > 1:
         raise PlanError(
             f"scaffold plan does not simulate --ep {spec.ep}: how many tokens each expert gets "
             "is decided by the router at run time (the all-to-all sizes come from the data), "
             "which fake tensors do not have; plan the dense part with --ep 1"
-        )
-    if spec.cp > 1:
-        raise PlanError(
-            f"scaffold plan does not simulate --cp {spec.cp} yet: it is checked against real "
-            "runs for FSDP2, HSDP (--dp-replicate) and TP (--tp) only; plan without it (--cp 1)"
         )
     if micro_batch_size < 1 or max_seq_len < 1:
         raise PlanError(
@@ -267,6 +262,32 @@ def _real_mesh_ops():
         yield
     finally:
         DeviceMesh._concatenate = staticmethod(concatenate)
+
+
+@contextlib.contextmanager
+def _causal_bias_outside_modes():
+    """Create context parallel's `CausalBias` masks outside the dispatch modes.
+
+    `causal_lower_right(L, S)` is a tensor subclass that holds two lengths and no data (SDPA
+    materialises or dispatches it per call); creating one under any TorchDispatchMode fails
+    (MemTracker's, on real tensors too, or the FakeTensorMode: "the raw Tensor object is already
+    associated to a python object"). Its own bytes are nil, so nothing the plan counts moves.
+    """
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    import runtime.context_parallel as cp
+
+    make = cp.causal_lower_right
+
+    def real_causal_lower_right(*sizes):
+        with _disable_current_modes():
+            return make(*sizes)
+
+    cp.causal_lower_right = real_causal_lower_right
+    try:
+        yield
+    finally:
+        cp.causal_lower_right = make
 
 
 @contextlib.contextmanager
@@ -423,7 +444,7 @@ def measure_step(
             answers = _data_dependent_answers() if fake else contextlib.nullcontext()
             propagation = _separate_propagation_fake_mode() if fake else contextlib.nullcontext()
             dp_group = mesh["dp"].get_group()
-            with propagation, tracker, answers:
+            with propagation, tracker, answers, _causal_bias_outside_modes():
                 for _ in range(2):  # step 1 creates the optimizer state; step 2 holds it
                     script.train_step(
                         model, optimizer, scheduler, [batch], cfg, dist_info.device, dp_group
@@ -562,7 +583,7 @@ def _child() -> None:
 
 def describe_spec(spec: Spec) -> str:
     tricks = ",".join(spec.tricks) or "no tricks"
-    degrees = (("tp", spec.tp), ("dp_replicate", spec.dp_replicate))
+    degrees = (("tp", spec.tp), ("cp", spec.cp), ("dp_replicate", spec.dp_replicate))
     mesh = "".join(f", {name} {n}" for name, n in degrees if n > 1)
     ranks = spec.gpus * spec.nodes
     return f"{spec.model} {spec.algo} {spec.dtype}, {tricks}, {ranks} rank(s){mesh}"
@@ -576,7 +597,7 @@ def plan_command(spec: Spec, gpu_memory: str) -> str:
         parts += ["--peft", spec.peft]
     if spec.tricks:
         parts += ["--tricks", ",".join(spec.tricks)]
-    for name in ("gpus", "nodes", "tp", "dp_replicate", "dtype"):
+    for name in ("gpus", "nodes", "tp", "cp", "dp_replicate", "dtype"):
         if getattr(spec, name) != getattr(default, name):
             parts += [f"--{name.replace('_', '-')}", str(getattr(spec, name))]
     return shlex.join([*parts, "--gpu-memory", gpu_memory])
