@@ -329,6 +329,12 @@ def load_train_state(path: str | os.PathLike, model: nn.Module, optimizer, sched
     path = Path(path)
     if not (path / COMPLETE_MARKER).is_file():
         raise ValueError(f"{path}: no {COMPLETE_MARKER} marker; not a finished checkpoint")
+    # this run's hyperparameters (lr, betas, weight_decay, ...) as built from its config
+    # (cloned: torchao keeps lr as a tensor, which loading overwrites in place)
+    fresh_groups = [
+        {k: v.clone() if torch.is_tensor(v) else v for k, v in g.items() if k != "params"}
+        for g in optimizer.param_groups
+    ]
     optimizers = _torch_optimizers(optimizer)
     model_sd, optim_sd = get_state_dict(model, optimizers, options=_OPTIONS)
     state_dict = {"model": model_sd, "optim": optim_sd}
@@ -348,6 +354,7 @@ def load_train_state(path: str | os.PathLike, model: nn.Module, optimizer, sched
         options=_LOAD_OPTIONS,
     )
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
+    _keep_this_runs_schedule(optimizer, scheduler, fresh_groups)
     meta = json.loads((path / "trainer_state.json").read_text())
     saved_world = meta.get("world_size", 1)
     # more ranks than saved: a new rank takes rank (r mod saved)'s state (every rank started from
@@ -372,6 +379,32 @@ def load_train_state(path: str | os.PathLike, model: nn.Module, optimizer, sched
     else:  # written before the position was global: micro-batches of one rank, all ranks data-parallel
         samples = meta["batches_consumed"] * meta["config"]["micro_batch_size"] * saved_world
     return TrainState(meta["step"], meta["epoch"], samples, path)
+
+
+def _keep_this_runs_schedule(optimizer, scheduler, fresh_groups: list[dict]) -> None:
+    """After loading: the checkpoint gives the state (moments, step counts, the schedule's
+    position), this run's config gives the hyperparameters.
+
+    `set_state_dict` and `LRScheduler.load_state_dict` restore the saved param-group values and
+    base lrs, so a resume with a new `--max_steps` (or `--lr`, `--weight_decay`) would silently
+    keep the old ones, and its next lr would be the old schedule's (0 after its last step). This
+    puts back the groups built from this run's config and, for a LambdaLR (the scripts' warmup +
+    cosine), sets each lr to `base_lr * lr_lambda(last_epoch)`: the lr of the next step under this
+    run's schedule (bit-identical to the saved lr when nothing changed). Other schedulers keep the
+    checkpoint's lr until their next step.
+    """
+    for group, fresh in zip(optimizer.param_groups, fresh_groups, strict=True):
+        group.update(fresh)
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+        return
+    scheduler.base_lrs = [float(group["initial_lr"]) for group in optimizer.param_groups]
+    for group, base, fn in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        lr = base * fn(scheduler.last_epoch)
+        if isinstance(group["lr"], torch.Tensor):  # torchao's low-bit AdamW keeps lr as a tensor
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
 def read_checkpoint_config(path: str | os.PathLike) -> dict:

@@ -21,12 +21,12 @@ from runtime.testing import TINY_CONFIG
 from runtime.train_state import COMPLETE_MARKER, checkpoint_dirs
 
 
-def make(seed: int = 0):
+def make(seed: int = 0, max_steps: int = 10, lr: float = 1e-3, optimizer_cls=torch.optim.AdamW):
     torch.manual_seed(seed)
     model = build_model(ModelArgs(**TINY_CONFIG), device="cpu")
     model.init_weights()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    scheduler = cosine_schedule_with_warmup(optimizer, 2, 10, 0.0)
+    optimizer = optimizer_cls(model.parameters(), lr=lr, weight_decay=0.0)
+    scheduler = cosine_schedule_with_warmup(optimizer, 2, max_steps, 0.0)
     return model, optimizer, scheduler
 
 
@@ -54,6 +54,39 @@ def test_round_trip_restores_model_optimizer_scheduler_and_rng(process_group, tm
     train_steps(model2, optimizer2, scheduler2, 2)  # same RNG draws: the rng state came back
     for key, value in model2.state_dict().items():
         assert torch.equal(value, expected[key]), key
+
+
+@pytest.mark.parametrize("optimizer_cls", ["AdamW", "AdamW8bit"])
+def test_resume_with_new_max_steps_and_lr_follows_the_new_schedule(
+    process_group, tmp_path, optimizer_cls
+):
+    """A run to step 4 of 4 (its schedule ends at lr 0) resumed with --max_steps 8 --lr 2e-3:
+    the next step uses the new schedule's lr, not the saved 0; the moments still come back."""
+    if optimizer_cls == "AdamW8bit":
+        from torchao.optim import AdamW8bit as cls
+    else:
+        cls = torch.optim.AdamW
+    model, optimizer, scheduler = make(max_steps=4, optimizer_cls=cls)
+    train_steps(model, optimizer, scheduler, 4)
+    assert float(optimizer.param_groups[0]["lr"]) == 0.0  # the end of the old schedule
+    path = save_train_state(tmp_path, TrainState(4, 0, 8), model, optimizer, scheduler, {})
+    model2, optimizer2, scheduler2 = make(seed=1, max_steps=8, lr=2e-3, optimizer_cls=cls)
+    load_train_state(path, model2, optimizer2, scheduler2)
+    expected = 2e-3 * scheduler2.lr_lambdas[0](4)  # step 4 of the new 8-step schedule
+    assert expected > 0
+    for group in optimizer2.param_groups:
+        assert float(group["lr"]) == pytest.approx(expected, rel=1e-6)
+        assert float(group["initial_lr"]) == pytest.approx(2e-3) and group["weight_decay"] == 0.0
+    assert scheduler2.last_epoch == 4 and scheduler2.base_lrs == [pytest.approx(2e-3)]
+    plain = lambda t: t.dequantize() if hasattr(t, "dequantize") else t  # noqa: E731 (8-bit state)
+    for (_, a), (_, b) in zip(optimizer.state.items(), optimizer2.state.items(), strict=True):
+        for key in a:
+            if torch.is_tensor(a[key]) and a[key].dtype.is_floating_point:
+                torch.testing.assert_close(plain(b[key]), plain(a[key]), msg=key)
+    scheduler2.step()
+    assert float(optimizer2.param_groups[0]["lr"]) == pytest.approx(
+        2e-3 * scheduler2.lr_lambdas[0](5), rel=1e-6
+    )
 
 
 def test_keeps_last_k_and_ignores_incomplete(process_group, tmp_path):
