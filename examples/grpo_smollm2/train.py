@@ -102,9 +102,7 @@ class Config:
     model: str = "smollm2-135m"  # local HF directory, or a name in $SCAFFOLD_HOME/models
     hf_repo_id: str = "HuggingFaceTB/SmolLM2-135M-Instruct"  # Hub fallback
     # data
-    dataset: str = (
-        "chain_sum.jsonl"  # rows with "question" and an integer "answer" (.json/.jsonl/.parquet)
-    )
+    dataset: str = "chain_sum.jsonl"  # rows {"question", integer "answer"}: .json/.jsonl/.parquet
     max_prompt_len: int = 256  # tokens after the chat template; longer prompts are dropped
     # GRPO
     num_generations: int = 8  # G: completions per prompt (one group)
@@ -144,9 +142,7 @@ class Config:
     max_grad_norm: float = 1.0  # clip the global gradient norm to this (0 = off)
     micro_batch_size: int = 4  # sequences per rank per forward
     # precision and devices
-    dtype: str = (
-        "bf16"  # "bf16" (bf16 compute, fp32 master weights) or "fp32"; engines sample in it
-    )
+    dtype: str = "bf16"  # "bf16" (fp32 master weights) or "fp32"; engines sample in it
     device: str = "auto"  # "auto" (CUDA if available), "cuda" or "cpu"
     # logging, checkpoints
     out_dir: str = "out"  # metrics.jsonl, checkpoints and the final model go here

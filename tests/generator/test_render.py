@@ -279,6 +279,23 @@ def test_preference_and_distillation_algorithms_render_their_parts():
     assert render(Spec(out="o")).count("load_teacher") == 0
 
 
+def test_grpo_renders_its_skeleton_and_engine_choice():
+    grpo = render(Spec(algo="grpo", dataset="chain_sum.jsonl", out="o"))
+    assert grpo.startswith('"""GRPO (Group Relative Policy Optimization) of smollm2-135m')
+    assert 'engine: str = "runtime"' in grpo and 'dataset: str = "chain_sum.jsonl"' in grpo
+    assert (
+        "def grpo_loss(" in grpo and "REWARD_FUNCS = [" in grpo and "checkpoint(layer)" not in grpo
+    )
+    big = render(
+        Spec(algo="grpo", model="llama3.3-70b", gpus=8, dataset="chain_sum.jsonl", out="o")
+    )
+    assert 'engine: str = "vllm"' in big and "torchrun --nproc-per-node 8" in big
+    with_ac = render(Spec(algo="grpo", tricks=("ac",), dataset="chain_sum.jsonl", out="o"))
+    assert "checkpoint(layer)" in with_ac
+    with pytest.raises(SpecError, match="--algo grpo does not take --tricks lce"):
+        render(Spec(algo="grpo", tricks=("lce",), out="o"))
+
+
 def test_new_picks_the_algorithms_demo_dataset(tmp_path):
     result = CliRunner().invoke(cli, ["new", "--algo", "dpo", "--out", str(tmp_path / "d")])
     assert result.exit_code == 0, result.output
