@@ -94,7 +94,9 @@ def run_mode(script, mode: str, model_dir: Path, data: Path, out: Path, a) -> di
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--skip", type=int, default=2, help="first steps left out of the numbers")
     p.add_argument("--hidden", type=int, default=256)
