@@ -14,7 +14,14 @@ import pytest
 import torch
 
 from generator.assets import ensure_chain_sum
-from runtime import ModelArgs, Tokenizer, build_model, copy_tokenizer_files, save_hf_checkpoint
+from runtime import (
+    ModelArgs,
+    Tokenizer,
+    build_model,
+    copy_tokenizer_files,
+    save_hf_checkpoint,
+)
+from runtime.grpo import collate_rollouts, completion_logprobs
 from runtime.rollout import make_reward_workers
 from runtime.testing import TINY_CONFIG
 from tests.conftest import import_script
@@ -178,7 +185,7 @@ def test_sync_is_on_policy_and_reproducible(
 @pytest.mark.parametrize(
     "rollout, extra, bound",
     [
-        ("async", (), 1),
+        ("async", ("--kl_coef", "0.05"), 1),  # also loads and uses the reference model
         # weights pushed every 3rd step only: batches older than 2 versions appear and are dropped
         ("off-policy", ("--max_staleness", "2", "--weight_sync_every_steps", "3"), 2),
     ],
@@ -205,6 +212,32 @@ def test_staleness_bound(
     if rollout == "off-policy":  # the 3-step-old batches at step 4 were dropped, not trained on
         assert sum(m["dropped_stale"] for m in history) > 0
     assert all(m["staleness_max"] <= bound for m in history)
+    if rollout == "async":  # KL to the reference: 0 at the first step, > 0 once the policy moved
+        assert history[0]["kl"] == pytest.approx(0, abs=1e-6) and history[-1]["kl"] > 0
+
+
+def test_weight_sync_from_fsdp_policy(grpo_script, ray_session, even_model_dir):
+    """The script's FSDP2 policy, gathered and pushed as the script does, makes the engine score
+    a fixed sequence exactly as the trainer's completion_logprobs do."""
+    ray, cfg = ray_session, grpo_script.Config(dtype="fp32", device="cpu")
+    _, mesh = grpo_script.setup_distributed(cfg)  # a 1-process group, removed after the test
+    model = grpo_script.build_policy(cfg, even_model_dir, mesh, torch.device("cpu"))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    pipeline = grpo_script.start_rollout(
+        cfg, even_model_dir, Tokenizer.from_dir(even_model_dir), [even_token_reward]
+    )
+    grpo_script.sync_weights(pipeline, model, cfg, version=5)
+    pipeline.wait_weight_sync(cfg.weight_sync_timeout_s)
+    prompt, completion = [1, 2, 3, 4, 5], [10, 11, 12, 13]
+    batch = collate_rollouts([prompt], [completion], pad_token_id=0)
+    with torch.no_grad():
+        want = completion_logprobs(model, batch["input_ids"], batch["labels"])[0, 4:8]
+    got = ray.get(pipeline.engines[0].score.remote([prompt + completion], [len(prompt)]))[0]
+    torch.testing.assert_close(torch.tensor(got), want, atol=1e-5, rtol=0)
+    assert ray.get(pipeline.engines[0].policy_version.remote()) == 5
+    pipeline.shutdown()
 
 
 def test_short_run_raises_mean_reward(
