@@ -168,65 +168,34 @@ def staleness_bound(cfg: Config) -> int:
 
 def validate(cfg: Config, reward_funcs: list | None = None) -> None:
     """Check every field and combination at once, before any model, data or Ray work."""
-    reward_funcs = reward_funcs or REWARD_FUNCS
-    errors = []
-    if cfg.dtype not in DTYPES:
-        errors.append(f"dtype={cfg.dtype!r}: choose one of {sorted(DTYPES)}")
-    if cfg.device not in ("auto", "cuda", "cpu"):
-        errors.append(f"device={cfg.device!r}: choose auto, cuda or cpu")
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        errors.append("device='cuda' but torch sees no CUDA device: use --device cpu (or auto)")
-    for name in ("num_generations", "prompts_per_step", "max_new_tokens", "micro_batch_size", "max_steps",
-                 "num_engines", "num_reward_workers", "max_prompt_len", "logprob_num_chunks", "weight_sync_every_steps"):  # fmt: skip
-        if getattr(cfg, name) < 1:
-            errors.append(f"{name}={getattr(cfg, name)}: must be >= 1")
-    if not 0 <= cfg.warmup_steps <= cfg.max_steps:
-        errors.append(f"warmup_steps={cfg.warmup_steps}: must be in [0, max_steps={cfg.max_steps}]")
-    if (
-        cfg.lr <= 0
-        or cfg.max_grad_norm < 0
-        or len(cfg.betas) != 2
-        or not 0 <= cfg.min_lr_ratio <= 1
-    ):
-        errors.append(
-            f"lr={cfg.lr} must be > 0, max_grad_norm={cfg.max_grad_norm} >= 0, betas two floats, min_lr_ratio in [0, 1]"
-        )
-    if cfg.temperature <= 0 or not 0 < cfg.top_p <= 1:
-        errors.append(
-            f"temperature={cfg.temperature} must be > 0 (GRPO samples), top_p={cfg.top_p} in (0, 1]"
-        )
-    if cfg.clip_eps_low < 0 or cfg.clip_eps_low >= 1 or cfg.clip_eps_high < 0:
-        errors.append(
-            f"clip_eps_low={cfg.clip_eps_low} must be in [0, 1), clip_eps_high={cfg.clip_eps_high} >= 0"
-        )
-    if cfg.kl_coef < 0 or cfg.is_cap < 0:
-        errors.append(f"kl_coef={cfg.kl_coef} and is_cap={cfg.is_cap} must be >= 0")
-    if len(cfg.reward_weights) != len(reward_funcs):
-        errors.append(
-            f"reward_weights has {len(cfg.reward_weights)} entries for {len(reward_funcs)} reward functions"
-        )
-    if cfg.rollout not in ROLLOUTS:
-        errors.append(f"rollout={cfg.rollout!r}: choose one of {ROLLOUTS}")
-    if cfg.engine not in ENGINES:
-        errors.append(f"engine={cfg.engine!r}: choose one of {ENGINES}")
-    if cfg.rollout == "off-policy" and cfg.max_staleness < 1:
-        errors.append(
-            f"max_staleness={cfg.max_staleness} with rollout='off-policy': must be >= 1 (0 is --rollout sync)"
-        )
-    if cfg.weight_sync_every_steps > 1 and (
-        cfg.rollout != "off-policy" or cfg.weight_sync_every_steps > cfg.max_staleness + 1
-    ):
-        errors.append(
-            f"weight_sync_every_steps={cfg.weight_sync_every_steps}: only with rollout='off-policy' and at most "
-            f"max_staleness + 1 = {cfg.max_staleness + 1} (older samples could never be trained)"
-        )
-    if cfg.weight_sync_timeout_s <= 0 or cfg.rollout_timeout_s <= 0:
-        errors.append("weight_sync_timeout_s and rollout_timeout_s must be > 0 (seconds)")
-    for name in ("log_every_steps", "save_every_steps"):
-        if getattr(cfg, name) < 0:
-            errors.append(f"{name}={getattr(cfg, name)}: must be >= 0")
-    if cfg.keep_last_checkpoints < 1:
-        errors.append(f"keep_last_checkpoints={cfg.keep_last_checkpoints}: must be >= 1")
+    positive = ("num_generations", "prompts_per_step", "max_new_tokens", "micro_batch_size", "max_steps",
+                "num_engines", "num_reward_workers", "max_prompt_len", "logprob_num_chunks", "weight_sync_every_steps")  # fmt: skip
+    num_funcs = len(reward_funcs or REWARD_FUNCS)
+    checks = [  # (holds, message when it does not)
+        (cfg.dtype in DTYPES, f"dtype={cfg.dtype!r}: choose one of {sorted(DTYPES)}"),
+        (cfg.device in ("auto", "cuda", "cpu"), f"device={cfg.device!r}: choose auto, cuda or cpu"),
+        (cfg.device != "cuda" or torch.cuda.is_available(), "device='cuda' but torch sees no CUDA device: use --device cpu"),
+        *((getattr(cfg, n) >= 1, f"{n}={getattr(cfg, n)}: must be >= 1") for n in positive),
+        (0 <= cfg.warmup_steps <= cfg.max_steps, f"warmup_steps={cfg.warmup_steps}: must be in [0, max_steps={cfg.max_steps}]"),
+        (cfg.lr > 0 and cfg.max_grad_norm >= 0 and len(cfg.betas) == 2 and 0 <= cfg.min_lr_ratio <= 1,
+         f"lr={cfg.lr} must be > 0, max_grad_norm={cfg.max_grad_norm} >= 0, betas two floats, min_lr_ratio in [0, 1]"),
+        (cfg.temperature > 0 and 0 < cfg.top_p <= 1, f"temperature={cfg.temperature} must be > 0, top_p={cfg.top_p} in (0, 1]"),
+        (0 <= cfg.clip_eps_low < 1 and cfg.clip_eps_high >= 0,
+         f"clip_eps_low={cfg.clip_eps_low} must be in [0, 1), clip_eps_high={cfg.clip_eps_high} >= 0"),
+        (cfg.kl_coef >= 0 and cfg.is_cap >= 0, f"kl_coef={cfg.kl_coef} and is_cap={cfg.is_cap} must be >= 0"),
+        (len(cfg.reward_weights) == num_funcs, f"reward_weights has {len(cfg.reward_weights)} entries for {num_funcs} reward functions"),
+        (cfg.rollout in ROLLOUTS, f"rollout={cfg.rollout!r}: choose one of {ROLLOUTS}"),
+        (cfg.engine in ENGINES, f"engine={cfg.engine!r}: choose one of {ENGINES}"),
+        (cfg.rollout != "off-policy" or cfg.max_staleness >= 1,
+         f"max_staleness={cfg.max_staleness} with rollout='off-policy': must be >= 1 (0 is --rollout sync)"),
+        (cfg.weight_sync_every_steps == 1 or (cfg.rollout == "off-policy" and cfg.weight_sync_every_steps <= cfg.max_staleness + 1),
+         f"weight_sync_every_steps={cfg.weight_sync_every_steps}: > 1 only with rollout='off-policy' and at most "
+         f"max_staleness + 1 = {cfg.max_staleness + 1} (older samples could never be trained)"),
+        (cfg.weight_sync_timeout_s > 0 and cfg.rollout_timeout_s > 0, "weight_sync_timeout_s and rollout_timeout_s must be > 0"),
+        (min(cfg.log_every_steps, cfg.save_every_steps) >= 0 and cfg.keep_last_checkpoints >= 1,
+         "log_every_steps and save_every_steps must be >= 0, keep_last_checkpoints >= 1"),
+    ]  # fmt: skip
+    errors = [message for holds, message in checks if not holds]
     if errors:
         raise ValueError("invalid config: " + "; ".join(errors))
 
@@ -507,6 +476,34 @@ def share_rollouts(groups: list | None, position, dp_size: int) -> tuple[list, t
 
 
 # === 9. train_step ===
+def microbatch_loss(
+    model, reference, mb: list, advantages: torch.Tensor, cfg: Config, device
+) -> tuple[torch.Tensor, dict]:
+    """`grpo_loss` of a micro-batch of `Rollout`s (advantages: [len(mb)] fp32): summed loss, sums."""
+    batch = collate_rollouts(
+        [r.prompt_ids for r in mb], [r.completion_ids for r in mb], pad_token_id=0
+    )
+    input_ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)  # [B, S]
+    prompt_lens = [len(r.prompt_ids) for r in mb]
+    sampler_logprobs = scatter_completion_values(
+        [r.sampler_logprobs for r in mb], prompt_lens, input_ids.shape[1]
+    )
+    logprobs = completion_logprobs(
+        model, input_ids, labels, cfg.temperature, cfg.logprob_num_chunks
+    )  # [B, S]
+    ref_logprobs = None
+    if reference is not None:
+        with torch.no_grad():
+            ref_logprobs = completion_logprobs(
+                reference, input_ids, labels, cfg.temperature, cfg.logprob_num_chunks
+            )
+    # one optimizer step per batch: the proximal policy is the current one (ratio 1 in value)
+    return grpo_loss(
+        logprobs, logprobs.detach(), sampler_logprobs.to(device), advantages.to(device), labels != IGNORE_INDEX,
+        cfg.clip_eps_low, cfg.clip_eps_high, cfg.is_cap, ref_logprobs, cfg.kl_coef,
+    )  # fmt: skip
+
+
 def train_step(
     model,
     reference,
@@ -515,48 +512,32 @@ def train_step(
     rollouts: list,
     advantages: torch.Tensor,
     num_tokens: int,
+    num_micro_batches: int,
     cfg: Config,
     device,
 ) -> dict:
-    """One optimizer step over this rank's rollouts, in micro-batches.
+    """One optimizer step over this rank's rollouts, in `num_micro_batches` micro-batches.
 
     Args:
         rollouts: this rank's `Rollout`s; advantages: [len(rollouts)] fp32, theirs.
         num_tokens: completion tokens of the whole step (all ranks): the loss divisor.
+        num_micro_batches: the same on every rank (FSDP's collectives must pair up); a rank
+            whose share is shorter runs zero-gradient micro-batches.
 
     Returns:
         loss (per completion token), clip_frac, kl, is_weight (token means), grad_norm, lr.
     """
     totals = torch.zeros(4, device=device)  # loss, clip_frac, kl, is_weight (sums)
-    for start in range(0, len(rollouts), cfg.micro_batch_size):
-        mb = rollouts[start : start + cfg.micro_batch_size]
-        batch = collate_rollouts(
-            [r.prompt_ids for r in mb], [r.completion_ids for r in mb], pad_token_id=0
+    for i in range(num_micro_batches):
+        lo, hi = i * cfg.micro_batch_size, (i + 1) * cfg.micro_batch_size
+        if not rollouts[lo:hi]:  # this rank ran out: join the collectives with a zero gradient
+            model(torch.zeros(1, 1, dtype=torch.long, device=device)).sum().mul(0).backward()
+            continue
+        loss_sum, sums = microbatch_loss(
+            model, reference, rollouts[lo:hi], advantages[lo:hi], cfg, device
         )
-        input_ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
-        prompt_lens = [len(r.prompt_ids) for r in mb]
-        sampler_logprobs = scatter_completion_values(
-            [r.sampler_logprobs for r in mb], prompt_lens, input_ids.shape[1]
-        ).to(device)
-        logprobs = completion_logprobs(
-            model, input_ids, labels, cfg.temperature, cfg.logprob_num_chunks
-        )  # [B, S]
-        ref_logprobs = None
-        if reference is not None:
-            with torch.no_grad():
-                ref_logprobs = completion_logprobs(
-                    reference, input_ids, labels, cfg.temperature, cfg.logprob_num_chunks
-                )
-        loss_sum, sums = grpo_loss(
-            logprobs, logprobs.detach(), sampler_logprobs, advantages[start : start + len(mb)].to(device),
-            labels != IGNORE_INDEX, cfg.clip_eps_low, cfg.clip_eps_high, cfg.is_cap, ref_logprobs, cfg.kl_coef,
-        )  # fmt: skip
         (loss_sum / num_tokens).backward()
         totals += torch.stack([loss_sum.detach(), sums["clip_frac"], sums["kl"], sums["is_weight"]])
-    if not rollouts:  # more ranks than rollouts: take part in FSDP's collectives with no gradient
-        model.forward_hidden(torch.zeros(1, 1, dtype=torch.long, device=device)).sum().mul(
-            0
-        ).backward()
     max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP: the norm over all shards
@@ -676,6 +657,9 @@ def main(argv: list[str] | None = None, reward_funcs: list | None = None) -> lis
         num_tokens = sum(
             len(r.completion_ids) for g in groups for r in g
         )  # the loss divisor, all ranks
+        num_micro = math.ceil(
+            math.ceil(len(groups) * cfg.num_generations / dp_size) / cfg.micro_batch_size
+        )
         train_start = time.perf_counter()
         metrics.update(
             train_step(
@@ -686,6 +670,7 @@ def main(argv: list[str] | None = None, reward_funcs: list | None = None) -> lis
                 rollouts,
                 advantages[dp_rank::dp_size],
                 max(num_tokens, 1),
+                num_micro,
                 cfg,
                 device,
             )
