@@ -374,6 +374,11 @@ class Rollout:
 class ReplayBuffer:
     """FIFO of whole groups (G rollouts of one prompt), each tagged with its policy version.
 
+    It lives in the driver (trainer rank 0), its only consumer: the rollouts reach it once, as
+    the reward workers' results, and a buffer actor would add an object-store round trip per
+    step without adding concurrency (the engines and reward workers already run on their own).
+    `ray.remote(ReplayBuffer)` works too, for a consumer on another machine.
+
     `take` hands out groups no older than `current_version - max_staleness` and drops (and
     counts) older ones: whole groups, so the group-normalised advantages stay defined.
     """
@@ -423,16 +428,19 @@ class RolloutPipeline:
         sampling: keyword arguments of `generate` except prompts and seed (n, max_new_tokens,
             temperature, top_p, stop_token_ids).
         rollout_timeout_s: how long to wait for one batch (generation + rewards).
+        weight_sync_timeout_s: how long a weight push may stay unconfirmed (from the push,
+            including generations queued on the engine before it).
     """
 
     engines: list
     reward_workers: list
     sampling: dict
     rollout_timeout_s: float = 600.0
+    weight_sync_timeout_s: float = 300.0
     version: int = 0  # the policy version the engines will sample from next
     pending: deque = field(default_factory=deque)
     buffer: ReplayBuffer = field(default_factory=ReplayBuffer)
-    sync_refs: list = field(default_factory=list)
+    sync_refs: list = field(default_factory=list)  # (refs, version, push time) not yet confirmed
     batches_submitted: int = 0
     position: tuple = (0, 0)  # the caller's data position after the last submitted batch
     owns_ray: bool = False  # shutdown() also stops Ray
@@ -498,15 +506,40 @@ class RolloutPipeline:
         return job.version
 
     def push_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
-        """Queue `state` as policy `version` on every engine; later submissions sample from it."""
-        self.sync_refs = push_weights(self.engines, state, version)
+        """Queue `state` as policy `version` on every engine; later submissions sample from it.
+
+        Earlier pushes that are still queued (behind generations) are not waited for; the ones
+        that finished are checked (an engine error surfaces here), and one still unconfirmed
+        `weight_sync_timeout_s` after it was pushed is a TimeoutError naming the engine.
+        """
+        import time
+
+        self._check_pushes()
+        refs = push_weights(self.engines, state, version)
+        self.sync_refs.append((refs, version, time.perf_counter()))
         self.version = version
 
-    def wait_weight_sync(self, timeout_s: float) -> None:
-        """Block until the last push is loaded everywhere (TimeoutError naming the engine)."""
-        if self.sync_refs:
-            wait_weight_sync(self.sync_refs, self.version, timeout_s)
-            self.sync_refs = []
+    def _check_pushes(self) -> None:
+        import time
+
+        import ray
+
+        still = []
+        for refs, version, pushed in self.sync_refs:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            if len(ready) == len(refs):
+                wait_weight_sync(refs, version, self.weight_sync_timeout_s)  # raises engine errors
+            elif time.perf_counter() - pushed > self.weight_sync_timeout_s:
+                wait_weight_sync(refs, version, 0.001)  # raises the TimeoutError naming the engine
+            else:
+                still.append((refs, version, pushed))
+        self.sync_refs = still
+
+    def wait_weight_sync(self) -> None:
+        """Block until every push is loaded everywhere (TimeoutError naming the engine)."""
+        for refs, version, _ in self.sync_refs:
+            wait_weight_sync(refs, version, self.weight_sync_timeout_s)
+        self.sync_refs = []
 
     def shutdown(self) -> None:
         """Kill the engine and reward actors (and Ray itself when `owns_ray`)."""

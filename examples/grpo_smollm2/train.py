@@ -411,7 +411,12 @@ def start_rollout(
         top_p=cfg.top_p, stop_token_ids=tokenizer.stop_token_ids,
     )  # fmt: skip
     return RolloutPipeline(
-        engines, workers, sampling, rollout_timeout_s=cfg.rollout_timeout_s, owns_ray=owns_ray
+        engines,
+        workers,
+        sampling,
+        cfg.rollout_timeout_s,
+        cfg.weight_sync_timeout_s,
+        owns_ray=owns_ray,
     )
 
 
@@ -462,7 +467,7 @@ def sync_weights(pipeline: RolloutPipeline | None, model, cfg: Config, version: 
     if pipeline is not None:
         pipeline.push_weights(state, version)
         if cfg.rollout == "sync":
-            pipeline.wait_weight_sync(cfg.weight_sync_timeout_s)
+            pipeline.wait_weight_sync()
     return time.perf_counter() - start
 
 
@@ -622,7 +627,7 @@ def main(argv: list[str] | None = None, reward_funcs: list | None = None) -> lis
     if resume_from:
         sync_weights(pipeline, model, cfg, state.step)
         if pipeline:
-            pipeline.wait_weight_sync(cfg.weight_sync_timeout_s)
+            pipeline.wait_weight_sync()
     batches = prompt_batches(
         examples, cfg.prompts_per_step, cfg.seed, state.epoch, state.samples_consumed
     )

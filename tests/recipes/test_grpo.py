@@ -229,7 +229,7 @@ def test_weight_sync_from_fsdp_policy(grpo_script, ray_session, even_model_dir):
         cfg, even_model_dir, Tokenizer.from_dir(even_model_dir), [even_token_reward]
     )
     grpo_script.sync_weights(pipeline, model, cfg, version=5)
-    pipeline.wait_weight_sync(cfg.weight_sync_timeout_s)
+    pipeline.wait_weight_sync()
     prompt, completion = [1, 2, 3, 4, 5], [10, 11, 12, 13]
     batch = collate_rollouts([prompt], [completion], pad_token_id=0)
     with torch.no_grad():
