@@ -316,7 +316,7 @@ def build_optimizer(cfg: Config, model: torch.nn.Module):
     return optimizer, scheduler
 
 
-# === 7. Data + rewards ===
+# === 7. Data ===
 INSTRUCTION = " Answer with the final integer only."  # appended to every question
 
 
