@@ -665,27 +665,15 @@ def main(argv: list[str] | None = None, reward_funcs: list | None = None) -> lis
         state.epoch, state.samples_consumed = position  # after the prompts submitted so far
         advantages, metrics = rollout_metrics(groups, cfg, version)  # [N*G], same on every rank
         rollouts = [r for g in groups for r in g][dp_rank::dp_size]  # this rank's share
-        num_tokens = sum(
-            len(r.completion_ids) for g in groups for r in g
-        )  # the loss divisor, all ranks
+        # the loss divisor: completion tokens of all ranks; micro-batches: as many on every rank
+        num_tokens = max(1, sum(len(r.completion_ids) for g in groups for r in g))
         num_micro = math.ceil(
             math.ceil(len(groups) * cfg.num_generations / dp_size) / cfg.micro_batch_size
         )
         train_start = time.perf_counter()
-        metrics.update(
-            train_step(
-                model,
-                reference,
-                optimizer,
-                scheduler,
-                rollouts,
-                advantages[dp_rank::dp_size],
-                max(num_tokens, 1),
-                num_micro,
-                cfg,
-                device,
-            )
-        )
+        metrics.update(train_step(
+            model, reference, optimizer, scheduler, rollouts, advantages[dp_rank::dp_size], num_tokens, num_micro, cfg, device
+        ))  # fmt: skip
         train_time = time.perf_counter() - train_start
         if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
             raise FloatingPointError(
