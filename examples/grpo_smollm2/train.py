@@ -57,19 +57,27 @@ from runtime import (
     IGNORE_INDEX,
     MetricsLogger,
     ModelArgs,
+    RolloutPipeline,
     Tokenizer,
     TrainState,
     build_mesh,
     build_model,
+    check_ray_resources,
     check_vocab_fits,
+    collate_rollouts,
+    completion_logprobs,
     copy_tokenizer_files,
     cosine_schedule_with_warmup,
     destroy_distributed,
     disable_fsdp_gradient_division,
+    gather_hf_state_dict,
+    group_advantages,
     init_distributed,
     load_hf_checkpoint,
     load_rows,
     load_train_state,
+    make_engine_actor,
+    make_reward_workers,
     parse_config,
     peak_memory_mib,
     prepare_out_dir,
@@ -80,19 +88,7 @@ from runtime import (
     resolve_resume,
     save_hf_checkpoint,
     save_train_state,
-)
-from runtime.grpo import (
-    collate_rollouts,
-    completion_logprobs,
-    group_advantages,
     scatter_completion_values,
-)
-from runtime.rollout import (
-    RolloutPipeline,
-    check_ray_resources,
-    gather_hf_state_dict,
-    make_engine_actor,
-    make_reward_workers,
 )
 
 
