@@ -5,7 +5,8 @@ The emitted example (examples/grpo_smollm2/train.py) runs unmodified through its
 small random Llama (SmolLM2's tokenizer, --hidden/--layers), prompts from chain_sum.jsonl, in one
 local Ray session with 2 CPUs: the runtime engine actor holds one core (OMP_NUM_THREADS=1), the
 trainer (the Ray driver, this process) uses one torch thread. Each mode trains --steps steps; the
-first --skip steps (engine start, first weight sync) are left out of the numbers.
+first --skip steps (engine start, first weight sync) are left out of the numbers; the modes run
+--repeats times each, alternating, and their measured steps are pooled.
 - samples/s = rollouts trained / wall time of the measured steps;
 - trainer idle fraction = 1 - (time in train_step) / (wall time): waiting for rollouts, weight
   gather and push.
@@ -70,7 +71,7 @@ def length_reward(completion_ids, **kwargs) -> float:
     return len(completion_ids) / 100
 
 
-def run_mode(script, mode: str, model_dir: Path, data: Path, out: Path, a) -> dict:
+def run_mode(script, mode: str, model_dir: Path, data: Path, out: Path, a) -> list[dict]:
     argv = [
         "--model", str(model_dir), "--dataset", str(data), "--out_dir", str(out), "--dtype", "fp32",
         "--rollout", mode, "--max_steps", str(a.steps), "--num_generations", str(a.num_generations),
@@ -78,7 +79,10 @@ def run_mode(script, mode: str, model_dir: Path, data: Path, out: Path, a) -> di
         "--micro_batch_size", str(a.micro_batch_size), "--lr", "1e-5", "--warmup_steps", "0",
         "--reward_weights", "1.0", "--save_final_model", "false", "--resume", "none", "--seed", "0",
     ]  # fmt: skip
-    history = script.main(argv, reward_funcs=[length_reward])[a.skip :]
+    return script.main(argv, reward_funcs=[length_reward])[a.skip :]
+
+
+def summarize(mode: str, history: list[dict], a) -> dict:
     wall = sum(m["step_time_s"] for m in history)
     train = sum(m["train_s"] for m in history)
     samples = len(history) * a.prompts_per_step * a.num_generations
@@ -100,6 +104,7 @@ def main() -> None:
     )
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--skip", type=int, default=2, help="first steps left out of the numbers")
+    p.add_argument("--repeats", type=int, default=2, help="runs per mode, alternating")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--num_generations", type=int, default=4)
@@ -124,7 +129,12 @@ def main() -> None:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
         load_before = os.getloadavg()[0]
         start = time.perf_counter()
-        results = [run_mode(script, m, model_dir, data, tmp / m, a) for m in ("sync", "async")]
+        # alternate the modes (sync, async, sync, ...) so a change in the machine's load hits both
+        histories = {"sync": [], "async": []}
+        for r in range(a.repeats):
+            for mode in histories:
+                histories[mode] += run_mode(script, mode, model_dir, data, tmp / f"{mode}{r}", a)
+        results = [summarize(mode, h, a) for mode, h in histories.items()]
         total = time.perf_counter() - start
         load_after = os.getloadavg()[0]
         ray.shutdown()
@@ -142,8 +152,8 @@ def main() -> None:
 {load_before:.1f} before, {load_after:.1f} after, with other jobs running). The emitted
 examples/grpo_smollm2 script, unmodified, on a random Llama (hidden {a.hidden}, {a.layers} layers, SmolLM2
 tokenizer), {a.prompts_per_step} prompts x {a.num_generations} completions x <= {a.max_new_tokens} new tokens per
-step, fp32; one runtime engine actor on 1 core, the trainer on 1 torch thread, local Ray with 2 CPUs; steps
-{a.skip + 1}..{a.steps} of each mode measured.
+step, fp32; one runtime engine actor on 1 core, the trainer on 1 torch thread, local Ray with 2 CPUs; {a.repeats}
+runs per mode, alternating sync and async; steps {a.skip + 1}..{a.steps} of each run measured.
 
 | rollout | samples/s | trainer idle | s/step | train s/step | rollout wait s/step | max staleness |
 |---|---|---|---|---|---|---|
