@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,14 @@ def _run(script, model_dir, data, out_dir, *overrides) -> list[dict]:
         *overrides,
     ]  # fmt: skip
     return script.main(args, reward_funcs=[even_token_reward])
+
+
+def test_import_starts_nothing(grpo_script):
+    """Importing the script touches no Ray (and no process group): tests call its functions."""
+    import torch.distributed as dist
+
+    ray = sys.modules.get("ray")
+    assert (ray is None or not ray.is_initialized()) and not dist.is_initialized()
 
 
 def test_grpo_loss_equals_closed_form(grpo_script):
