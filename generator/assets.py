@@ -121,6 +121,46 @@ def _write_generation_config(path: Path, eos_token_id: int) -> None:
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
+CHAIN_SUM = "chain_sum.jsonl"  # GRPO prompts: one-digit a + b / a - b (reasoning-gym)
+CHAIN_SUM_ROWS = 2000
+CHAIN_SUM_SEED = 42
+
+
+def ensure_chain_sum(
+    home: Path | None = None, log=print, size: int = CHAIN_SUM_ROWS, seed: int = CHAIN_SUM_SEED
+) -> Path:
+    """Return `$SCAFFOLD_HOME/data/chain_sum.jsonl`, generating it on first use.
+
+    `size` rows {"question", "answer"} from reasoning-gym's seeded `chain_sum` task at its easiest
+    (two one-digit terms), where SmolLM2-135M is right about half the time: most GRPO groups
+    then have reward variance (shared/ASSETS.md). Only this command needs reasoning-gym.
+
+    Raises:
+        AssetError: reasoning-gym is not installed.
+    """
+    home = home or scaffold_home()
+    out = home / "data" / CHAIN_SUM
+    if out.is_file():
+        return out
+    try:
+        import reasoning_gym
+    except ImportError as e:
+        raise AssetError(
+            f"generating {CHAIN_SUM} needs reasoning-gym ({e}); run `pip install -e '.[assets]'`"
+        ) from e
+    log(f"generating {CHAIN_SUM} ({size} rows, seed {seed}) with reasoning-gym ...")
+    dataset = reasoning_gym.create_dataset(
+        "chain_sum", min_terms=2, max_terms=2, min_digits=1, max_digits=1, size=size, seed=seed
+    )
+    lines = [json.dumps({"question": x["question"], "answer": str(x["answer"])}) for x in dataset]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_suffix(".partial")
+    partial.write_text("\n".join(lines) + "\n")
+    partial.replace(out)
+    log(f"data ready: {out}")
+    return out
+
+
 def ensure_dataset(name: str = "alpaca_en_demo.json", home: Path | None = None, log=print) -> Path:
     """Return `$SCAFFOLD_HOME/data/<name>`, extracting it from the llamafactory sdist on first use.
 

@@ -504,10 +504,11 @@ def diff_(directory, settings, specs):
 @_friendly
 def assets():
     """Build the embedded real model and data in $SCAFFOLD_HOME (default ~/.cache/scaffold)."""
-    from generator.assets import ensure_dataset, ensure_smollm2
+    from generator.assets import ensure_chain_sum, ensure_dataset, ensure_smollm2
 
     ensure_dataset("alpaca_en_demo.json")
     ensure_dataset("dpo_en_demo.json")
+    ensure_chain_sum()
     ensure_smollm2()
 
 

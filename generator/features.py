@@ -54,6 +54,17 @@ ALGOS: dict[str, Algo] = {
             tricks=("ac", "adamw8bit"),
             dataset="dpo_en_demo.json",
         ),
+        # GRPO: its own skeleton (rollouts on Ray, reward functions, the GRPO loss); TRL's
+        # GRPOConfig default lr (1e-6) for full parameters. Only ac is wired into its model section.
+        Algo(
+            "grpo",
+            None,
+            "GRPO: online RL with verifiable rewards, rollouts on Ray (sync / async / off-policy)",
+            lr=1e-6,
+            skeleton="grpo",
+            tricks=("ac",),
+            dataset="chain_sum.jsonl",
+        ),
         # KD: a feature of the SFT skeleton; its loss is already chunked, so no lce
         Algo(
             "kd",

@@ -27,7 +27,7 @@ What is simulated, and what is not:
 - Not simulated (the plan says so instead of printing a number): --tricks compile (inductor
   fuses temporaries, which fake tensors cannot model), offload (pinned host copies on a side
   stream), --algo qlora (NF4 quantization happens inside the checkpoint load), kd (the teacher is
-  loaded from disk), dpo and dpo-lora (their own skeleton, not yet driven by the planner).
+  loaded from disk), dpo, dpo-lora and grpo (their own skeletons, not yet driven by the planner).
 
 Reference: torchtitan `scripts/estimate/estimation.py` (FakeTensorMode + fake process group +
 FSDPMemTracker around one training step); PyTorch `torch.distributed._tools.mem_tracker`.
@@ -79,6 +79,7 @@ UNSIMULATED_ALGOS = {
     "kd": "the teacher is loaded from disk while the model is built",
     "dpo": "the DPO skeleton is not driven by the planner yet",
     "dpo-lora": "the DPO skeleton is not driven by the planner yet",
+    "grpo": "the GRPO skeleton (rollouts on Ray) is not driven by the planner yet",
 }
 # MemTracker category -> row of the report
 ROWS = {

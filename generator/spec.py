@@ -445,6 +445,9 @@ def build_answers(spec: Spec) -> dict:
         "ref_modes_literal": repr(tuple(ref_modes)),
         "ref_mode": ref_modes[0] if ref_modes else "",
         "ref_mode_help": {m: REF_MODE_HELP[m] for m in ref_modes},
+        # GRPO's default generator engine: the runtime's KV-cache sampler for one process (CPU
+        # or a single GPU), vLLM (one GPU per engine actor) for multi-GPU specs
+        "engine": "vllm" if spec.gpus * spec.nodes > 1 else "runtime",
         "features": features,
         "slots": slots,
         "forward_args": forward_args,

@@ -20,6 +20,12 @@ from runtime.context_parallel import (
 )
 from runtime.data import load_rows, split_train_val, to_messages, to_preference
 from runtime.generate import generate
+from runtime.grpo import (
+    collate_rollouts,
+    completion_logprobs,
+    group_advantages,
+    scatter_completion_values,
+)
 from runtime.hub import resolve_data_path, resolve_model_dir, scaffold_home
 from runtime.lora import (
     LORA_TARGET_MODULES,
@@ -66,6 +72,16 @@ from runtime.parallel import (
     llama_block_tp_plan,
     llama_tp_plan,
 )
+from runtime.rollout import (
+    ReplayBuffer,
+    Rollout,
+    RolloutPipeline,
+    RuntimeEngine,
+    check_ray_resources,
+    gather_hf_state_dict,
+    make_engine_actor,
+    make_reward_workers,
+)
 from runtime.tokenizer import Tokenizer, check_same_tokenizer, check_vocab_fits
 from runtime.train_state import (
     ResumableDistributedSampler,
@@ -77,6 +93,18 @@ from runtime.train_state import (
 )
 
 __all__ = [
+    "ReplayBuffer",
+    "Rollout",
+    "RolloutPipeline",
+    "RuntimeEngine",
+    "check_ray_resources",
+    "collate_rollouts",
+    "completion_logprobs",
+    "gather_hf_state_dict",
+    "group_advantages",
+    "make_engine_actor",
+    "make_reward_workers",
+    "scatter_completion_values",
     "clip_grad_norm",
     "apply_expert_parallel",
     "IGNORE_INDEX",

@@ -21,6 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# GRPO's fields differ (no max_seq_len / eval): its cases fail before Ray starts
+GRPO_ARGS = (
+    "--model", "{model}", "--out_dir", "{tmp}/out", "--device", "cpu", "--dtype", "fp32",
+    "--max_steps", "1", "--warmup_steps", "0", "--max_new_tokens", "4", "--num_generations", "2",
+)  # fmt: skip
 SCRIPT_ARGS = (
     "--model", "{model}", "--dataset", "{data}", "--out_dir", "{tmp}/out", "--device", "cpu",
     "--dtype", "fp32", "--max_steps", "1", "--warmup_steps", "0", "--max_seq_len", "64",
@@ -143,6 +148,7 @@ class Case:
     absent: globs (relative to {tmp}) that must not exist afterwards.
     read_only: directories (relative to {tmp}) created with mode 0o555.
     recipe: script cases: the example directory whose train.py runs (examples/<recipe>).
+    script_args: script cases: replaces SCRIPT_ARGS (recipes with other config fields: GRPO).
     when: "no_cuda" (skip on a CUDA machine); "not_root" / "root": a chmod-555 directory stops
         only non-root users, so as root the read-only case writes under /sys instead.
     """
@@ -159,6 +165,7 @@ class Case:
     read_only: tuple[str, ...] = ()
     when: str | None = None
     recipe: str = "sft_smollm2"  # script cases: the example whose train.py runs
+    script_args: tuple[str, ...] | None = None  # None = SCRIPT_ARGS
 
 
 def scaffold(id, argv, *expect, **kw) -> Case:
@@ -418,6 +425,28 @@ CASES = [
            r"--ref_mode separate or precomputed", recipe="dpo_smollm2"),
     script("dpo-unknown-loss-type", ["--loss_type", "kto"], r"loss_type='kto'",
            r"\('sigmoid', 'ipo'\)", recipe="dpo_smollm2"),
+    # --- GRPO ------------------------------------------------------------------------------------
+    scaffold("new-grpo-with-lce", ["new", "--algo", "grpo", "--tricks", "lce", "--out", "{tmp}/o"],
+             r"--algo grpo does not take --tricks lce", r"valid for grpo: ac"),
+    script("grpo-answer-not-integer", ["--dataset", "{tmp}/sums.jsonl"],
+           r"{tmp}/sums\.jsonl row 1: key 'answer' must be an integer", r"'seven'",
+           files={"sums.jsonl": jsonl([{"question": "3 + 4 =", "answer": "7"},
+                                       {"question": "3 + 4 =", "answer": "seven"}])},
+           recipe="grpo_smollm2", script_args=GRPO_ARGS),
+    script("grpo-missing-question", ["--dataset", "{tmp}/sums.jsonl"],
+           r"{tmp}/sums\.jsonl row 0: key 'question' must be a non-empty string",
+           files={"sums.jsonl": jsonl([{"prompt": "3 + 4 =", "answer": "7"}])},
+           recipe="grpo_smollm2", script_args=GRPO_ARGS),
+    script("grpo-unknown-rollout-mode", ["--dataset", "{tmp}/sums.jsonl", "--rollout", "overlap"],
+           r"rollout='overlap': choose one of \('sync', 'async', 'off-policy'\)",
+           files={"sums.jsonl": jsonl([{"question": "3 + 4 =", "answer": "7"}])},
+           recipe="grpo_smollm2", script_args=GRPO_ARGS),
+    script("grpo-more-engines-than-cpus", ["--dataset", "{tmp}/sums.jsonl", "--num_engines", "3",
+                                           "--ray_num_cpus", "2"],
+           r"the rollout actors need 3\.5 CPUs and 0 GPUs but the Ray cluster has 2 CPUs",
+           r"lower --num_engines", when="no_cuda",
+           files={"sums.jsonl": jsonl([{"question": "3 + 4 =", "answer": "7"}])},
+           recipe="grpo_smollm2", script_args=GRPO_ARGS),
     script("kd-tokenizer-mismatch", ["--teacher", "{model}-teacher"],
            r"tokenizer mismatch: teacher {model}-teacher/tokenizer\.json \(49153 tokens\)",
            r"student {model}/tokenizer\.json \(49152 tokens\)", r"<\|teacher_only\|>",

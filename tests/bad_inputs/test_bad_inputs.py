@@ -79,7 +79,8 @@ def _prepare(case: Case, root: Path, tiny_model_dir: Path, data: Path) -> dict:
             path.write_bytes(content)
     for name in case.read_only:
         (tmp / name).mkdir(mode=0o555)
-    argv = list(case.argv) if case.tool == "scaffold" else [*case.pre, *SCRIPT_ARGS, *case.argv]
+    script_args = SCRIPT_ARGS if case.script_args is None else case.script_args
+    argv = list(case.argv) if case.tool == "scaffold" else [*case.pre, *script_args, *case.argv]
     entry = {
         "id": case.id,
         "tool": case.tool,

@@ -68,6 +68,10 @@ MATRIX += [
     Spec(algo="dpo-lora", model="qwen3-30b-a3b", gpus=8, out="runs/x"),
     Spec(algo="kd", model="llama3.3-70b", dtype="fp32", gpus=8, out="runs/x"),
 ]
+# GRPO: no trick, the one it takes, and the 70B multi-GPU render (vLLM engines)
+MATRIX += [
+    Spec(algo="grpo", tricks=t, dataset="chain_sum.jsonl", out="runs/x") for t in [(), ("ac",)]
+] + [Spec(algo="grpo", model="llama3.3-70b", gpus=8, dataset="chain_sum.jsonl", out="runs/x")]
 
 
 @pytest.mark.parametrize(
@@ -129,6 +133,7 @@ def test_matrix_renders_clean(spec, tmp_path):
         "# === 5. Loss ===",
         "# === 6. Optimizer + LR schedule ===",
         "# === 7. Data ===",
+        *(["# === 8. Rollout ==="] if spec.algo == "grpo" else []),  # RL only (STYLE.md §2)
         "# === 9. train_step ===",
         "# === 10. main ===",
     ]
@@ -277,6 +282,23 @@ def test_preference_and_distillation_algorithms_render_their_parts():
     assert kd.startswith('"""Knowledge distillation into smollm2-135m')
     assert "def load_teacher(" in kd and "chunked_kd_loss(" in kd and "check_same_tokenizer(" in kd
     assert render(Spec(out="o")).count("load_teacher") == 0
+
+
+def test_grpo_renders_its_skeleton_and_engine_choice():
+    grpo = render(Spec(algo="grpo", dataset="chain_sum.jsonl", out="o"))
+    assert grpo.startswith('"""GRPO (Group Relative Policy Optimization) of smollm2-135m')
+    assert 'engine: str = "runtime"' in grpo and 'dataset: str = "chain_sum.jsonl"' in grpo
+    assert (
+        "def grpo_loss(" in grpo and "REWARD_FUNCS = [" in grpo and "checkpoint(layer)" not in grpo
+    )
+    big = render(
+        Spec(algo="grpo", model="llama3.3-70b", gpus=8, dataset="chain_sum.jsonl", out="o")
+    )
+    assert 'engine: str = "vllm"' in big and "torchrun --nproc-per-node 8" in big
+    with_ac = render(Spec(algo="grpo", tricks=("ac",), dataset="chain_sum.jsonl", out="o"))
+    assert "checkpoint(layer)" in with_ac
+    with pytest.raises(SpecError, match="--algo grpo does not take --tricks lce"):
+        render(Spec(algo="grpo", tricks=("lce",), out="o"))
 
 
 def test_new_picks_the_algorithms_demo_dataset(tmp_path):

@@ -1,0 +1,130 @@
+"""GRPO building blocks shared by the emitted script and the rollout engines: group-normalised
+advantages, the rollout batch layout (prompt + completion rows, pre-shifted labels) and per-token
+completion log-probs under softmax(logits / temperature).
+
+The GRPO loss itself (clipped surrogate, KL, importance weights, normalisation) lives in the
+emitted script, where a researcher edits it (ARCHITECTURE.md); this module holds the parts that
+must be exactly the same in the trainer and in the engines' `score`.
+
+Shape legend: N prompts, G completions per prompt (num_generations), M = N * G rollouts,
+B rows of a micro-batch, S padded sequence length, D hidden, V vocab.
+
+Reference: Shao et al. 2024, "DeepSeekMath" (GRPO), arXiv:2402.03300, sec. 4.1.2 (outcome
+supervision: advantages = rewards normalised within their group).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from runtime.loss import IGNORE_INDEX, token_logprobs
+
+
+def group_advantages(
+    rewards: torch.Tensor, num_generations: int, eps: float = 1e-4
+) -> tuple[torch.Tensor, float]:
+    """Group-normalised advantages: (r - mean of its group) / (std of its group + eps).
+
+    Args:
+        rewards: [M] fp32 total reward per rollout, M = N * G, the G completions of one prompt
+            contiguous.
+        num_generations: G, the group size.
+        eps: added to the std so that small spreads do not blow up.
+
+    Returns:
+        (advantages [M] fp32, frac_zero_std_groups: the share of groups whose rewards are all
+        equal). Such a group (and any group of size 1) gets advantage exactly 0, never NaN: it
+        carries no learning signal.
+
+    Raises:
+        ValueError: M is not a multiple of G.
+
+    Reference:
+        arXiv:2402.03300 sec. 4.1.2, A_i = (r_i - mean(r)) / std(r). The std is the unbiased
+        sample std (torch.std, as TRL's GRPOTrainer).
+    """
+    if num_generations < 1 or rewards.numel() % num_generations:
+        raise ValueError(
+            f"{rewards.numel()} rewards do not split into groups of num_generations="
+            f"{num_generations}; give N * G rewards, each prompt's G completions contiguous"
+        )
+    groups = rewards.float().view(-1, num_generations)  # [N, G]
+    all_equal = groups.max(dim=1).values == groups.min(dim=1).values  # [N] bool
+    if num_generations == 1:
+        return torch.zeros_like(groups).view(-1), 1.0
+    mean = groups.mean(dim=1, keepdim=True)  # [N, 1]
+    std = groups.std(dim=1, keepdim=True)  # [N, 1], unbiased
+    advantages = (groups - mean) / (std + eps)
+    advantages = advantages.masked_fill(all_equal[:, None], 0.0)  # exact 0, whatever rounding says
+    return advantages.view(-1), all_equal.float().mean().item()
+
+
+def collate_rollouts(
+    prompts: list[list[int]], completions: list[list[int]], pad_token_id: int
+) -> dict[str, torch.Tensor]:
+    """Right-padded rows of prompt + completion with labels on the completion tokens only.
+
+    Args:
+        prompts: B prompt token ids.
+        completions: B completion token ids (the stop token, if sampled, included).
+        pad_token_id: id written into padding (never attended to by a causal model).
+
+    Returns:
+        input_ids [B, S] int64; labels [B, S] int64, pre-shifted (labels[t] = input_ids[t + 1]
+        where that is a completion token, else IGNORE_INDEX). Position t = len(prompt) - 1 + j
+        predicts completion token j: use `scatter_completion_values` for per-token values.
+    """
+    S = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
+    input_ids = torch.full((len(prompts), S), pad_token_id, dtype=torch.long)
+    labels = torch.full((len(prompts), S), IGNORE_INDEX, dtype=torch.long)
+    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+        input_ids[i, : len(p) + len(c)] = torch.tensor(p + c, dtype=torch.long)
+        if c:
+            labels[i, len(p) - 1 : len(p) - 1 + len(c)] = torch.tensor(c, dtype=torch.long)
+    return {"input_ids": input_ids, "labels": labels}
+
+
+def scatter_completion_values(
+    values: list[list[float]], prompt_lens: list[int], S: int
+) -> torch.Tensor:
+    """Per-completion-token values (e.g. the sampler's log-probs) laid out like `collate_rollouts`.
+
+    Returns:
+        [B, S] fp32, values[i][j] at [i, prompt_lens[i] - 1 + j], 0 elsewhere.
+    """
+    out = torch.zeros(len(values), S, dtype=torch.float32)
+    for i, (v, p) in enumerate(zip(values, prompt_lens, strict=True)):
+        if v:
+            out[i, p - 1 : p - 1 + len(v)] = torch.tensor(v, dtype=torch.float32)
+    return out
+
+
+def completion_logprobs(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    num_chunks: int = 4,
+) -> torch.Tensor:
+    """Per-token log-probs of the completion tokens under softmax(logits / temperature).
+
+    The hidden states go through lm_head in chunks of completion tokens only
+    (`runtime.loss.token_logprobs`), so no [B, S, V] logits exist; dividing the hidden states by
+    the temperature equals dividing the logits (lm_head is linear, no bias).
+
+    Args:
+        model: a runtime causal LM (plain or FSDP2 with `forward_hidden` registered).
+        input_ids: [B, S] int64 from `collate_rollouts`.
+        labels: [B, S] int64, pre-shifted, IGNORE_INDEX off the completions.
+        temperature: the sampling temperature (> 0); the engines report log-probs under the
+            same distribution, so ratios against them compare like with like.
+        num_chunks: completion tokens pass through lm_head in this many chunks.
+
+    Returns:
+        [B, S] fp32 log-probs, 0.0 where labels == IGNORE_INDEX; differentiable.
+    """
+    hidden = model.forward_hidden(input_ids)  # [B, S, D]
+    if temperature != 1.0:
+        hidden = hidden / temperature
+    return token_logprobs(hidden, model.lm_head.weight, labels, num_chunks=num_chunks)

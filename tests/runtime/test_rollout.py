@@ -1,0 +1,135 @@
+"""runtime.grpo and runtime.rollout: group advantages on hand-made groups, the engine's sampled
+log-probs equal the trainer's completion log-probs, the replay buffer's staleness rule, and, on a
+local Ray (2 CPUs), weight sync through the object store (the engine then scores a fixed sequence
+exactly as the trainer does) and its timeout error."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from runtime import ModelArgs, build_model, load_hf_checkpoint, read_hf_config
+from runtime.grpo import (
+    collate_rollouts,
+    completion_logprobs,
+    group_advantages,
+    scatter_completion_values,
+)
+from runtime.rollout import (
+    ReplayBuffer,
+    Rollout,
+    gather_hf_state_dict,
+    generate_with_logprobs,
+    make_engine_actor,
+    push_weights,
+    wait_weight_sync,
+)
+
+
+def test_group_advantages_mixed_equal_and_single():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5, 3.0, 1.0, 2.0, 2.0])
+    adv, frac_zero = group_advantages(rewards, num_generations=4)
+    std = torch.tensor([1.0, 0.0, 0.0, 1.0]).std().item()  # unbiased: sqrt(1/3)
+    want_first = [(r - 0.5) / (std + 1e-4) for r in (1.0, 0.0, 0.0, 1.0)]
+    torch.testing.assert_close(adv[:4], torch.tensor(want_first))
+    assert adv[4:8].tolist() == [0.0] * 4  # all equal: exactly 0, never NaN
+    g3 = torch.tensor([3.0, 1.0, 2.0, 2.0])
+    torch.testing.assert_close(adv[8:], (g3 - 2.0) / (g3.std() + 1e-4))
+    assert frac_zero == pytest.approx(1 / 3)
+    # groups that are all equal up to float rounding still get exactly 0
+    adv, frac_zero = group_advantages(torch.full((6,), 0.1) * 3, 3)
+    assert adv.tolist() == [0.0] * 6 and frac_zero == 1.0
+    # group size 1: no spread to normalise by, advantage 0
+    adv, frac_zero = group_advantages(torch.tensor([1.0, 5.0]), 1)
+    assert adv.tolist() == [0.0, 0.0] and frac_zero == 1.0
+    with pytest.raises(ValueError, match="num_generations=4"):
+        group_advantages(torch.zeros(6), 4)
+
+
+def _tiny_model(model_dir):
+    args = ModelArgs.from_hf_config(read_hf_config(model_dir))
+    model = build_model(args, device="cpu")
+    load_hf_checkpoint(model, model_dir)
+    return model.eval()
+
+
+def test_sampled_logprobs_equal_trainer_logprobs(tiny_model_dir):
+    """generate_with_logprobs (KV cache, left padding) reports the log-probs that
+    completion_logprobs (one right-padded forward) computes at the same temperature."""
+    model = _tiny_model(tiny_model_dir)
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    out = generate_with_logprobs(
+        model, prompts, 6, temperature=0.7, top_p=0.9, stop_token_ids=[2], pad_token_id=0,
+        generator=torch.Generator().manual_seed(0),
+    )  # fmt: skip
+    completions, logps = [c for c, _ in out], [lp for _, lp in out]
+    assert all(len(c) == len(lp) > 0 for c, lp in out)
+    batch = collate_rollouts(prompts, completions, pad_token_id=0)
+    with torch.no_grad():
+        trainer = completion_logprobs(model, batch["input_ids"], batch["labels"], temperature=0.7)
+    sampler = scatter_completion_values(logps, [4, 2], batch["input_ids"].shape[1])
+    torch.testing.assert_close(trainer, sampler, atol=1e-5, rtol=0)
+    assert (batch["labels"] != -100).sum() == sum(len(c) for c in completions)
+
+
+def _group(version: int, n: int = 2) -> list[Rollout]:
+    return [Rollout([1], [2], [-0.1], 0.0, {}, version, 0) for _ in range(n)]
+
+
+def test_replay_buffer_drops_stale_groups_whole():
+    buf = ReplayBuffer()
+    buf.put([_group(0), _group(1), _group(3), _group(4)])
+    groups, dropped = buf.take(2, current_version=4, max_staleness=1)
+    assert [g[0].policy_version for g in groups] == [3, 4]
+    assert dropped == 4 and buf.dropped == 4 and len(buf) == 0
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def test_weight_sync_engine_scores_like_trainer(ray_session, tiny_model_dir):
+    ray = ray_session
+    engine = make_engine_actor("runtime", str(tiny_model_dir), "float32", seed=0, num_cpus=1)
+    model = _tiny_model(tiny_model_dir)
+    with torch.no_grad():  # a "trained" policy: every weight moved
+        gen = torch.Generator().manual_seed(1)
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    sequence, prompt_len = [5, 6, 7, 8, 11, 12, 13], 4
+    batch = collate_rollouts([sequence[:prompt_len]], [sequence[prompt_len:]], pad_token_id=0)
+    with torch.no_grad():
+        want = completion_logprobs(model, batch["input_ids"], batch["labels"])[0, 3:6]
+    before = ray.get(engine.score.remote([sequence], [prompt_len]))[0]
+    assert (torch.tensor(before) - want).abs().max() > 1e-3  # still the checkpoint's weights
+    refs = push_weights([engine], gather_hf_state_dict(model), version=7)
+    wait_weight_sync(refs, version=7, timeout_s=60)
+    after = ray.get(engine.score.remote([sequence], [prompt_len]))[0]
+    torch.testing.assert_close(torch.tensor(after), want, atol=1e-5, rtol=0)
+    assert ray.get(engine.policy_version.remote()) == 7
+    ray.kill(engine)
+
+
+class SlowEngine:
+    """Stands in for an engine stuck in a long generation."""
+
+    def update_weights(self, named_tensors, version):
+        time.sleep(5)
+        return version
+
+
+def test_weight_sync_timeout_names_engine(ray_session):
+    ray = ray_session
+    engine = ray.remote(num_cpus=0.1)(SlowEngine).remote()
+    refs = push_weights([engine], {"w": torch.zeros(2)}, version=3)
+    with pytest.raises(
+        TimeoutError, match=r"engine 0 did not finish within weight_sync_timeout_s=0.5"
+    ):
+        wait_weight_sync(refs, version=3, timeout_s=0.5)
+    ray.kill(engine)
