@@ -169,9 +169,15 @@ def new(
     text = render(spec)
     launch = render_launch(spec)
     write_render(out_dir, spec, text, launch)
+    launch_dir = out_dir / "launch"
+    if spec.nodes > 1:
+        run = f"sbatch {launch_dir / 'slurm.sbatch'}   (or: {launch_dir / 'torchrun_multinode.sh'})"
+    elif spec.gpus > 1:  # the mesh needs gpus processes: `python train.py` would refuse it
+        run = f"bash {launch_dir / 'torchrun.sh'}   (torchrun --nproc-per-node {spec.gpus})"
+    else:
+        run = f"python {script}   (or: bash {launch_dir / 'torchrun.sh'})"
     click.echo(
-        f"wrote {script} ({len(text.splitlines())} lines) and {', '.join(launch)}\n"
-        f"run: python {script}   (or: bash {out_dir / 'launch' / 'torchrun.sh'})"
+        f"wrote {script} ({len(text.splitlines())} lines) and {', '.join(launch)}\nrun: {run}"
     )
     _plan_summary(spec, gpu)
 

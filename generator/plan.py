@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from generator.features import ALGOS, TRICKS
-from generator.spec import ScaffoldError, Spec, validate_spec
+from generator.spec import ScaffoldError, Spec, model_config, validate_spec
 
 GIB = 2**30
 # GPU name -> total memory in GiB as nvidia-smi reports it (MiB / 1024). --gpu-memory also takes
@@ -149,18 +149,20 @@ def check_simulable(spec: Spec, micro_batch_size: int, max_seq_len: int) -> None
     blocked = [t for t in spec.tricks if t in UNSIMULATED_TRICKS]
     if blocked:
         why = "; ".join(f"{t}: {UNSIMULATED_TRICKS[t]}" for t in blocked)
-        kept = ",".join(t for t in spec.tricks if t not in UNSIMULATED_TRICKS) or "(none)"
+        kept = ",".join(t for t in spec.tricks if t not in UNSIMULATED_TRICKS)
+        them = "it" if len(blocked) == 1 else "them"
         raise PlanError(
             f"scaffold plan cannot simulate --tricks {','.join(blocked)} ({why}); plan without "
-            f"it (--tricks {kept}): its memory is an upper bound for compile"
+            f"{them} ({f'--tricks {kept}' if kept else 'no --tricks'}): the memory without {them} "
+            "is an upper bound"
+        )
+    if model_config(spec).get("num_experts", 0):
+        raise PlanError(
+            f"scaffold plan does not simulate mixture-of-experts models (--model {spec.model}): "
+            "the router decides at run time how many tokens each expert gets (the expert "
+            "batches and all-to-all sizes are data that fake tensors do not have)"
         )
     # checked against real gloo runs: FSDP2, TP (+ sequence and loss parallel), TP x FSDP, HSDP, CP
-    if spec.ep > 1:
-        raise PlanError(
-            f"scaffold plan does not simulate --ep {spec.ep}: how many tokens each expert gets "
-            "is decided by the router at run time (the all-to-all sizes come from the data), "
-            "which fake tensors do not have; plan the dense part with --ep 1"
-        )
     if micro_batch_size < 1 or max_seq_len < 1:
         raise PlanError(
             f"--micro-batch-size {micro_batch_size} and --max-seq-len {max_seq_len} must be >= 1"
@@ -331,6 +333,16 @@ def _fake_to_empty():
         torch.nn.Module.to_empty = original
 
 
+class _NoHook:
+    """Stands in for a hook handle MemTracker would remove on exit."""
+
+    def remove(self) -> None:
+        pass
+
+
+_NO_HOOK = _NoHook()
+
+
 def _peak_tracker():
     """PyTorch's MemTracker reduced to the global peak by category.
 
@@ -355,6 +367,9 @@ def _peak_tracker():
 
         def _pre_fw_hook(self, module, inputs):
             if module not in self._seen:
+                for param in module.parameters():  # frozen (LoRA's base): no gradient to hook
+                    if not param.requires_grad:
+                        self._param_to_grad_hook_handles.setdefault(param, (_NO_HOOK, _NO_HOOK))
                 self._track_module_params_and_buffers(module, install_grad_hooks=True)
                 self._seen[module] = True
             elif self._mod_tracker.is_bw and self._ac_mod is None:  # AC recompute starts
@@ -434,7 +449,9 @@ def measure_step(
             with _fake_to_empty() if fake else contextlib.nullcontext(), _real_mesh_ops():
                 model = script.build_sft_model(cfg, model_dir, mesh, dist_info.device)
             optimizer, scheduler = script.build_optimizer(cfg, model)
-            batch = synthetic_batch(micro_batch_size, max_seq_len, packing)
+            # rows padded as the script's collate pads them: to a multiple of tp (sequence parallel)
+            padded_len = -(-max_seq_len // spec.tp) * spec.tp
+            batch = synthetic_batch(micro_batch_size, padded_len, packing)
             logits = [0]
             hook = model.lm_head.register_forward_hook(
                 lambda mod, args, out: logits.__setitem__(0, max(logits[0], out.nbytes))
@@ -682,7 +699,9 @@ def format_result(result: PlanResult, gpu_label: str, gpu_gib: float) -> str:
     lines = [
         f"memory per rank: {describe_spec(r.spec)}; micro-batch {r.micro_batch_size} x "
         f"{r.max_seq_len} tokens (every position supervised), 2 simulated steps "
-        f"({r.seconds:.1f} s, fake tensors on CPU)",
+        f"({r.seconds:.1f} s, fake tensors on CPU); what is live at the peak moment "
+        "(parameters include gathered bf16 copies in flight; gradients and activations are "
+        "those alive then, not their maxima)",
     ]
     for row, nbytes in r.categories.items():
         lines.append(f"  {row:16} {nbytes / GIB:9.2f} GiB")

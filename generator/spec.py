@@ -148,7 +148,7 @@ _TP_REFUSED_TRICKS = {
 }
 
 
-def _model_config(spec: Spec) -> dict:
+def model_config(spec: Spec) -> dict:
     """The HF config.json fields of --model (catalog entry or local directory)."""
     entry = MODELS.get(spec.model)
     if entry:
@@ -159,6 +159,12 @@ def _model_config(spec: Spec) -> dict:
         return read_hf_config(Path(spec.model).expanduser())
     except (ValueError, OSError) as e:
         raise SpecError(f"--model {spec.model}: {e}") from e
+
+
+def _tricks_flag(tricks) -> str:
+    """`--tricks a,b`, or `no --tricks` when none are left."""
+    kept = ",".join(tricks)
+    return f"--tricks {kept}" if kept else "no --tricks"
 
 
 def _validate_parallel(spec: Spec) -> None:
@@ -172,7 +178,7 @@ def _validate_parallel(spec: Spec) -> None:
     if world % others:
         valid = [d for d in range(1, world + 1) if world % d == 0]
         raise SpecError(
-            f"--gpus {spec.gpus} x --nodes {spec.nodes} = {world} processes is not divisible by "
+            f"--gpus {spec.gpus} x --nodes {spec.nodes} = {world} process(es) is not divisible by "
             f"dp_replicate*cp*tp = {spec.dp_replicate}*{spec.cp}*{spec.tp} = {others} "
             f"(dp_shard = world / that must be a whole number >= 1); choose degrees whose product "
             f"divides {world}: one of {valid}"
@@ -198,12 +204,12 @@ def _validate_parallel(spec: Spec) -> None:
         if refused:
             raise SpecError(
                 f"--tricks {refused[0]} with --tp {spec.tp}: {_TP_REFUSED_TRICKS[refused[0]]}; "
-                f"drop it (--tricks {','.join(t for t in spec.tricks if t not in refused)}) "
+                f"drop it ({_tricks_flag(t for t in spec.tricks if t not in refused)}) "
                 "or use --tp 1"
             )
         from runtime.parallel import check_tp_degree  # imports torch: only when TP is asked for
 
-        config = _model_config(spec)
+        config = model_config(spec)
         try:
             check_tp_degree(
                 spec.tp,
@@ -232,9 +238,9 @@ def _validate_cp(spec: Spec, world: int) -> None:
     if refused:
         raise SpecError(
             f"--tricks {refused[0]} with --cp {spec.cp}: {_CP_REFUSED_TRICKS[refused[0]]}; drop "
-            f"it (--tricks {','.join(t for t in spec.tricks if t not in refused)}) or use --cp 1"
+            f"it ({_tricks_flag(t for t in spec.tricks if t not in refused)}) or use --cp 1"
         )
-    config = _model_config(spec)
+    config = model_config(spec)
     if config.get("model_type", "llama") in MOE_FAMILIES:
         raise SpecError(
             f"--cp {spec.cp} with --model {spec.model} ({config['model_type']}): context parallel "

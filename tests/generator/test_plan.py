@@ -71,6 +71,7 @@ def test_one_rank_simulation_matches_real_step(
         (Spec(model=str(tiny_model_dir), dtype="fp32"), tiny_model_dir),  # left unwrapped
         (Spec(model=str(tiny_model_dir), tricks=("ac", "lce")), tiny_model_dir),
         (Spec(model=str(tiny_model_dir), tricks=("ac", "lce", "optim-in-bwd")), tiny_model_dir),
+        (Spec(algo="lora", model=str(tiny_model_dir)), tiny_model_dir),  # frozen base
         (Spec(model=str(smollm2_dir)), smollm2_dir),
     ]
     simulated = simulate([spec for spec, _ in cases], mbs, seq)  # one child process for all
@@ -111,11 +112,19 @@ def test_tp_cp_and_hsdp_simulations_match_four_gloo_ranks(tiny_model_dir, tmp_pa
 
 def test_plan_refuses_what_it_has_not_been_checked_on(tiny_model_dir):
     for spec, flag in [
-        (Spec(model="qwen3-30b-a3b", gpus=2, ep=2), "--ep 2"),
+        (Spec(model="qwen3-30b-a3b", gpus=8), "mixture-of-experts"),
+        (Spec(model="qwen3-30b-a3b", gpus=2, ep=2), "mixture-of-experts"),
         (Spec(model=str(tiny_model_dir), tricks=("compile",)), "--tricks compile"),
     ]:
         with pytest.raises(PlanError, match=f"not simulate {flag}"):
             check_simulable(spec, 1, 128)
+
+
+def test_tp_rows_are_padded_like_the_script_pads_them():
+    """TP 3 (SmolLM2: 9 heads, 3 KV heads) at 128 tokens: the script's collate pads rows to a
+    multiple of tp (129) for sequence parallel, and so does the plan's synthetic batch."""
+    (result,) = simulate([Spec(model="smollm2-135m", gpus=3, tp=3, tricks=("lce",))], 1, 128)
+    assert result.world_size == 3 and result.peak > 0
 
 
 def test_verdict_and_cheapest_fitting_tricks(tiny_model_dir):
