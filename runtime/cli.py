@@ -1,14 +1,18 @@
 """Command-line overrides for a recipe's `Config` dataclass.
 
 `python train.py --lr 2e-5 --max_steps 50 --lora_target_modules q_proj,v_proj --compile=false`
-or `python train.py overrides.yaml --lr 1e-4` (a JSON/YAML file of field: value, then flags).
+or `python train.py overrides.yaml --lr 1e-4` (a JSON/YAML file of field: value, then flags);
+`python train.py --help` lists every key with its type, default and comment.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import json
+import os
+import re
 import sys
 import types
 import typing
@@ -39,6 +43,10 @@ def parse(config_cls: type, argv: list[str] | None = None):
     argv = list(sys.argv[1:] if argv is None else argv)
     fields = {f.name: f for f in dataclasses.fields(config_cls)}
     hints = typing.get_type_hints(config_cls)
+    if "--help" in argv or "-h" in argv:
+        if int(os.environ.get("RANK", "0")) == 0:  # under torchrun: once, not once per rank
+            print(help_text(config_cls))
+        raise SystemExit(0)
     values: dict[str, object] = {}
     if argv and not argv[0].startswith("--"):
         path = argv.pop(0)
@@ -68,6 +76,44 @@ def parse(config_cls: type, argv: list[str] | None = None):
         values[key] = _coerce(key, raw, hints[key])
         i += 1
     return config_cls(**values)
+
+
+def help_text(config_cls: type) -> str:
+    """`--help`: usage, then one line per field: `--name TYPE (default: X)  comment`.
+
+    The comments are those written after each field in the script's `Config` (read from its
+    source, so an edited comment shows up); the section comments between fields are kept.
+    """
+    hints = typing.get_type_hints(config_cls)
+    try:
+        source = inspect.getsource(config_cls)
+    except (OSError, TypeError):
+        source = ""
+    comments, lines = {}, []
+    for line in source.splitlines():
+        field_line = re.match(r"\s+(\w+)\s*:[^#]*?(?:#\s*(.*))?$", line)
+        if field_line and field_line.group(1) in hints:
+            comments[field_line.group(1)] = field_line.group(2) or ""
+            lines.append(field_line.group(1))
+        elif re.match(r"\s+#", line):
+            lines.append(line.strip())  # a section comment ("# data")
+    out = [
+        "usage: python train.py [OVERRIDES.json|yaml] [--key value ...]   (or torchrun ... "
+        "train.py ...)",
+        "Every key of the script's Config; a bare --flag sets a bool to true.",
+    ]
+    default = lambda f: (  # noqa: E731
+        f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    )
+    fields = {f.name: f for f in dataclasses.fields(config_cls)}
+    for item in [x for x in lines if x in fields or x.startswith("#")] or list(fields):
+        if item.startswith("#"):
+            out.append(f"\n{item}")
+            continue
+        f = fields[item]
+        text = f"  --{f.name} {_type_name(hints[f.name])} (default: {default(f)!r})"
+        out.append(f"{text}  {comments.get(f.name, '')}".rstrip())
+    return "\n".join(out)
 
 
 # Names other trainers (HF Trainer/TRL, torchtune, nanoGPT) use for our fields; suggested when the
@@ -132,6 +178,8 @@ def _read_overrides_file(path: str) -> dict:
 
 
 def _type_name(tp) -> str:
+    if typing.get_origin(tp) is not None:  # list[float], int | None
+        return str(tp).replace("typing.", "")
     return getattr(tp, "__name__", str(tp))
 
 

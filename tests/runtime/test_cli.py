@@ -78,3 +78,35 @@ def test_overrides_file_then_flags(tmp_path):
         parse(Cfg, [str(path)])
     with pytest.raises(ConfigError, match="not found"):
         parse(Cfg, [str(tmp_path / "missing.json")])
+
+
+def test_help_lists_every_key_with_type_default_and_comment(tmp_path, capsys, monkeypatch):
+    """`python train.py --help` prints the script's own Config: section comments, each key with
+    its type and default and the comment written after it; it exits 0 and trains nothing."""
+    import importlib.util
+    import sys
+
+    script = tmp_path / "script_with_config.py"
+    script.write_text(
+        "from dataclasses import dataclass, field\n\n\n@dataclass\nclass Config:\n"
+        "    # optimization\n"
+        "    lr: float = 2e-5  # peak learning rate\n"
+        "    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])\n"
+        "    limit: int | None = None  # stop after this many rows\n"
+    )
+    spec = importlib.util.spec_from_file_location("script_with_config", script)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "script_with_config", module)
+    spec.loader.exec_module(module)
+    with pytest.raises(SystemExit) as exit_info:
+        parse(module.Config, ["--lr", "1", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage: python train.py" in out and "# optimization" in out
+    assert "--lr float (default: 2e-05)  peak learning rate" in out
+    assert "--betas list[float] (default: [0.9, 0.95])" in out
+    assert "--limit int | None (default: None)  stop after this many rows" in out
+    monkeypatch.setenv("RANK", "1")  # under torchrun only rank 0 prints
+    with pytest.raises(SystemExit):
+        parse(module.Config, ["-h"])
+    assert capsys.readouterr().out == ""
