@@ -178,8 +178,8 @@ def _validate_parallel(spec: Spec) -> None:
     if world % others:
         valid = [d for d in range(1, world + 1) if world % d == 0]
         raise SpecError(
-            f"--gpus {spec.gpus} x --nodes {spec.nodes} = {world} process(es) is not divisible by "
-            f"dp_replicate*cp*tp = {spec.dp_replicate}*{spec.cp}*{spec.tp} = {others} "
+            f"--gpus {spec.gpus} x --nodes {spec.nodes} = {world} process{'es' * (world != 1)} "
+            f"is not divisible by dp_replicate*cp*tp = {spec.dp_replicate}*{spec.cp}*{spec.tp} = {others} "
             f"(dp_shard = world / that must be a whole number >= 1); choose degrees whose product "
             f"divides {world}: one of {valid}"
         )
