@@ -144,20 +144,8 @@ def new(
 
     gpu = parse_gpu_memory(gpu_memory) if gpu_memory is not None else None
 
-    spec = Spec(
-        algo=algo,
-        peft=peft,
-        model=model,
-        tricks=tuple(t.strip() for t in tricks.split(",") if t.strip()),
-        gpus=gpus,
-        nodes=nodes,
-        tp=tp,
-        cp=cp,
-        dp_replicate=dp_replicate,
-        ep=ep,
-        dtype=dtype,
-        dataset=dataset or (ALGOS[algo].dataset if algo in ALGOS else Spec.dataset),
-        out=out,
+    spec = spec_from_options(
+        algo, peft, model, tricks, gpus, nodes, tp, cp, dp_replicate, ep, dtype, dataset, out
     )
     out_dir = Path(out)
     script = out_dir / "train.py"
@@ -269,19 +257,7 @@ def plan(
     from generator.spec import build_answers
 
     gpu_label, gpu_gib = parse_gpu_memory(gpu_memory)
-    spec = Spec(
-        algo=algo,
-        peft=peft,
-        model=model,
-        tricks=tuple(t.strip() for t in tricks.split(",") if t.strip()),
-        gpus=gpus,
-        nodes=nodes,
-        tp=tp,
-        cp=cp,
-        dp_replicate=dp_replicate,
-        dtype=dtype,
-        dataset=ALGOS[algo].dataset if algo in ALGOS else Spec.dataset,
-    )
+    spec = spec_from_options(algo, peft, model, tricks, gpus, nodes, tp, cp, dp_replicate, 1, dtype)
     answers = build_answers(spec)  # validates the spec
     mbs = answers["micro_batch_size"] if micro_batch_size is None else micro_batch_size
     seq = answers["max_seq_len"] if max_seq_len is None else max_seq_len
@@ -292,6 +268,28 @@ def plan(
     if suggest and not plan_fits(result, gpu_gib):
         s = plan_suggest(result, gpu_gib, mbs, seq, progress)
         click.echo(format_suggestion(s, spec))
+
+
+def spec_from_options(
+    algo, peft, model, tricks, gpus, nodes, tp, cp, dp_replicate, ep, dtype, dataset=None, out=None
+) -> Spec:  # fmt: skip
+    """The Spec of `scaffold new` / `scaffold plan` options: --tricks split on commas, --dataset
+    defaulting to the algorithm's demo set."""
+    return Spec(
+        algo=algo,
+        peft=peft,
+        model=model,
+        tricks=tuple(t.strip() for t in tricks.split(",") if t.strip()),
+        gpus=gpus,
+        nodes=nodes,
+        tp=tp,
+        cp=cp,
+        dp_replicate=dp_replicate,
+        ep=ep,
+        dtype=dtype,
+        dataset=dataset or (ALGOS[algo].dataset if algo in ALGOS else Spec.dataset),
+        out=out,
+    )
 
 
 def write_render(out_dir: Path, spec: Spec, text: str, launch: dict[str, str]) -> None:

@@ -94,3 +94,12 @@ def _no_leftover_process_group():
     yield
     if not existed and dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """A local Ray with 2 CPUs per test module (GRPO rollout tests), shut down after it."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()

@@ -36,14 +36,6 @@ def grpo_script():
 
 
 @pytest.fixture(scope="module")
-def ray_session():
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def even_model_dir(tmp_path_factory, smollm2_dir) -> Path:
     """A tiny random Llama (SmolLM2 tokenizer) whose embedding's first coordinate is +0.1 for even
     and -0.1 for odd token ids: "emit even ids" is then one direction of the hidden state, which

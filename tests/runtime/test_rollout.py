@@ -86,14 +86,6 @@ def test_replay_buffer_drops_stale_groups_whole():
     assert dropped == 4 and buf.dropped == 4 and len(buf) == 0
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 def test_weight_sync_engine_scores_like_trainer(ray_session, tiny_model_dir):
     ray = ray_session
     engine = make_engine_actor("runtime", str(tiny_model_dir), "float32", seed=0, num_cpus=1)
