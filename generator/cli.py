@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -16,7 +17,7 @@ from generator import __version__
 from generator.catalog import MODELS
 from generator.features import ALGOS, PEFT_ALGOS, PEFT_METHODS, TRICKS
 from generator.plan import GPU_MEMORY_GIB, parse_gpu_memory
-from generator.spec import ScaffoldError, Spec
+from generator.spec import ScaffoldError, Spec, resolve_engine_layout, trainer_gpus
 
 SPEC_FILE = Path(".scaffold") / "spec.json"
 BASE_FILE = Path(".scaffold") / "train.py.base"
@@ -101,6 +102,20 @@ def cli():
     "experts; must equal --gpus x --nodes.",
 )
 @click.option(
+    "--engine-gpus",
+    default=None,
+    type=int,
+    help="--algo grpo: GPUs per node for the rollout engines; the trainer runs on the other "
+    "--gpus minus these [default: half of --gpus; 0 at --gpus 1: the engines share its GPU].",
+)
+@click.option(
+    "--engine-tp",
+    default=None,
+    type=int,
+    help="--algo grpo: GPUs per vLLM engine (tensor_parallel_size) [default: the fewest that "
+    "hold at most 40 GiB of bf16 weights each].",
+)
+@click.option(
     "--dtype",
     default="bf16",
     show_default=True,
@@ -128,8 +143,8 @@ def cli():
 )
 @_friendly
 def new(
-    algo, peft, model, tricks, gpus, nodes, tp, cp, dp_replicate, ep, dtype, dataset, out, force,
-    gpu_memory,
+    algo, peft, model, tricks, gpus, nodes, tp, cp, dp_replicate, ep, engine_gpus, engine_tp, dtype,
+    dataset, out, force, gpu_memory,
 ):  # fmt: skip
     """Write OUT/train.py for the chosen model, algorithm, tricks and GPUs.
 
@@ -145,8 +160,9 @@ def new(
     gpu = parse_gpu_memory(gpu_memory) if gpu_memory is not None else None
 
     spec = spec_from_options(
-        algo, peft, model, tricks, gpus, nodes, tp, cp, dp_replicate, ep, dtype, dataset, out
-    )
+        algo, peft, model, tricks, gpus, nodes, tp, cp, dp_replicate, ep, dtype, dataset, out,
+        engine_gpus, engine_tp,
+    )  # fmt: skip
     out_dir = Path(out)
     script = out_dir / "train.py"
     if script.exists() and not force:
@@ -160,8 +176,10 @@ def new(
     launch_dir = out_dir / "launch"
     if spec.nodes > 1:
         run = f"sbatch {launch_dir / 'slurm.sbatch'}   (or: {launch_dir / 'torchrun_multinode.sh'})"
-    elif spec.gpus > 1:  # the mesh needs gpus processes: `python train.py` would refuse it
-        run = f"bash {launch_dir / 'torchrun.sh'}   (torchrun --nproc-per-node {spec.gpus})"
+    elif trainer_gpus(spec) > 1:  # the mesh needs that many processes: `python train.py` refuses
+        run = (
+            f"bash {launch_dir / 'torchrun.sh'}   (torchrun --nproc-per-node {trainer_gpus(spec)})"
+        )
     else:
         run = f"python {script}   (or: bash {launch_dir / 'torchrun.sh'})"
     click.echo(
@@ -271,11 +289,12 @@ def plan(
 
 
 def spec_from_options(
-    algo, peft, model, tricks, gpus, nodes, tp, cp, dp_replicate, ep, dtype, dataset=None, out=None
+    algo, peft, model, tricks, gpus, nodes, tp, cp, dp_replicate, ep, dtype, dataset=None, out=None,
+    engine_gpus=None, engine_tp=None,
 ) -> Spec:  # fmt: skip
     """The Spec of `scaffold new` / `scaffold plan` options: --tricks split on commas, --dataset
-    defaulting to the algorithm's demo set."""
-    return Spec(
+    defaulting to the algorithm's demo set, GRPO's engine GPUs chosen when not given."""
+    spec = Spec(
         algo=algo,
         peft=peft,
         model=model,
@@ -290,6 +309,10 @@ def spec_from_options(
         dataset=dataset or (ALGOS[algo].dataset if algo in ALGOS else Spec.dataset),
         out=out,
     )
+    if algo not in ALGOS or gpus < 1:  # validate_spec names the bad option
+        return spec
+    engine_gpus, engine_tp = resolve_engine_layout(spec, engine_gpus, engine_tp)
+    return replace(spec, engine_gpus=engine_gpus, engine_tp=engine_tp)
 
 
 def write_render(out_dir: Path, spec: Spec, text: str, launch: dict[str, str]) -> None:
@@ -348,7 +371,8 @@ def list_(what):
 
 _SET_HELP = (
     "Change one option of the recorded spec (repeatable): algo, dataset, dtype, gpus, model, nodes, "
-    "tp, cp, dp_replicate, ep, peft, tricks (comma list; `tricks=` for none). Validated like `scaffold new`."
+    "tp, cp, dp_replicate, ep, engine_gpus, engine_tp, peft, tricks (comma list; `tricks=` for none). "
+    "Validated like `scaffold new`."
 )
 
 

@@ -46,6 +46,8 @@ SETTABLE = (
     "cp",
     "dp_replicate",
     "ep",
+    "engine_gpus",
+    "engine_tp",
     "peft",
     "tricks",
 )  # Spec fields for --set
@@ -170,7 +172,7 @@ def parse_settings(settings: tuple[str, ...] | list[str], spec: Spec) -> Spec:
             raise SpecError(f"--set {key} given twice")
         if key == "tricks":
             changes[key] = tuple(t.strip() for t in value.split(",") if t.strip())
-        elif key in ("gpus", "nodes", "tp", "cp", "dp_replicate", "ep"):
+        elif key in ("gpus", "nodes", "tp", "cp", "dp_replicate", "ep", "engine_gpus", "engine_tp"):
             try:
                 changes[key] = int(value)
             except ValueError:

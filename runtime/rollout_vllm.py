@@ -33,6 +33,7 @@ Shape legend: N prompts, G completions per prompt (`n`), T_i tokens of completio
 from __future__ import annotations
 
 import difflib
+import os
 from pathlib import Path
 
 import torch
@@ -120,8 +121,12 @@ class VLLMEngine:
         update_timeout_s: seconds `update_weights` waits for the workers before failing.
         **llm_kwargs: passed to `vllm.LLM` (e.g. `enforce_eager=True`, `max_model_len=256`,
             `kv_cache_memory_bytes=2**26`, `skip_tokenizer_init=True`,
-            `gpu_memory_utilization=0.3`). `logprobs_mode` and `worker_extension_cls` are set
-            here and may not be overridden.
+            `gpu_memory_utilization=0.3`, `tensor_parallel_size=4` with
+            `distributed_executor_backend="mp"`). `logprobs_mode` and `worker_extension_cls` are
+            set here and may not be overridden. Under tensor parallelism every worker receives
+            the full tensors of a weight update and its weight loaders keep its own shard. On
+            CPU, tensor_parallel_size > 1 sets VLLM_CPU_OMP_THREADS_BIND=nobind unless it is set:
+            vLLM's automatic thread binding needs one NUMA node per worker.
 
     Raises:
         ImportError: vllm is not installed (the message says how to install it).
@@ -156,6 +161,8 @@ class VLLMEngine:
         )
         if self._tied:  # a tied checkpoint has no lm_head.weight; update_weights fills it in
             self._shapes["lm_head.weight"] = self._shapes["model.embed_tokens.weight"]
+        if llm_kwargs.get("tensor_parallel_size", 1) > 1 and _on_cpu():
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the workers inherit it
         self.llm = vllm.LLM(
             model=str(self.model_dir),
             dtype=dtype,
@@ -357,12 +364,16 @@ class VLLMEngine:
             )
 
 
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
 def _check_cpu_head_dim(config: dict, model_dir: Path) -> None:
     """vLLM's CPU attention only has kernels for some head sizes; it fails late and obscurely
     (EngineDeadError at the first request, "Unsupported CPU attention configuration") otherwise."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
+    if not _on_cpu():
         return
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 

@@ -9,8 +9,10 @@ reward scoring and training run as an assembly line of Ray actors (--rollout):
 - off-policy: up to max_staleness batches generated ahead; older samples are dropped and counted,
   and the importance weight against the sampler's log-probs corrects the rest.
 Parallelism: FSDP2 `fully_shard` over all trainer processes; engines are separate Ray actors
-(runtime engine by default: --engine runtime is the runtime's KV-cache sampler on CPU/GPU,
---engine vllm is vLLM on one GPU per engine).
+(runtime engine by default: --engine runtime is the runtime's KV-cache sampler on CPU or one
+GPU, --engine vllm is vLLM on engine_tensor_parallel_size GPUs per engine, its tensor parallelism).
+GPU layout: the trainer and the engines share the GPU(s) (a local Ray gets all of them when none
+is left after the trainer's); on larger nodes give the engines their own (`scaffold new --engine-gpus`).
 
 Launch (rank 0 is the Ray driver: it starts a local Ray, or joins --ray_address; with several
 trainer processes it broadcasts every step's rollouts to the other ranks):
@@ -18,6 +20,8 @@ trainer processes it broadcasts every step's rollouts to the other ranks):
     python train.py --rollout sync --max_steps 20     # strictly on-policy
     torchrun --nproc-per-node 1 train.py --lr 1e-06 --max_steps 100
     ray start --head && python train.py --ray_address auto --num_engines 4   # a Ray cluster
+A Ray cluster's nodes must expose only the engines' GPUs to Ray
+(`CUDA_VISIBLE_DEVICES=... ray start ...`); the trainer uses cuda:0..LOCAL_WORLD_SIZE-1 of its nodes.
 
 Differs from Shao et al. 2024 (DeepSeekMath, arXiv:2402.03300) / Hugging Face TRL's GRPOTrainer:
 - One optimizer step per rollout batch (TRL's num_iterations=1), so the clipping ratio is taken
@@ -70,9 +74,11 @@ from runtime import (
     cosine_schedule_with_warmup,
     destroy_distributed,
     disable_fsdp_gradient_division,
+    engine_gpu_ids,
     gather_hf_state_dict,
     group_advantages,
     init_distributed,
+    init_ray,
     load_hf_checkpoint,
     load_rows,
     load_train_state,
@@ -119,8 +125,10 @@ class Config:
     rollout: str = "async"  # "sync" | "async" | "off-policy" (see the docstring)
     max_staleness: int = 2  # off-policy: policy versions a trained sample may lag (sync 0, async 1)
     weight_sync_every_steps: int = 1  # off-policy: push weights to the engines every k steps
-    engine: str = "runtime"  # "runtime" (KV-cache sampler, CPU/GPU) or "vllm" (one GPU each)
+    engine: str = "runtime"  # "runtime" (KV-cache sampler, CPU or 1 GPU) or "vllm"
     num_engines: int = 1  # generator actors; each batch's prompts are split over them
+    engine_tensor_parallel_size: int = 1  # vllm: GPUs per engine (vLLM tensor_parallel_size)
+    engine_gpu_memory_utilization: float = 0.3  # vllm on CUDA: share of each engine GPU it takes
     engine_num_cpus: float = 1  # CPU cores Ray reserves per engine (its torch threads)
     num_reward_workers: int = 1  # reward actors (0.5 CPU each)
     weight_sync_timeout_s: float = (
@@ -166,7 +174,8 @@ def staleness_bound(cfg: Config) -> int:
 def validate(cfg: Config, reward_funcs: list | None = None) -> None:
     """Check every field and combination at once, before any model, data or Ray work."""
     positive = ("num_generations", "prompts_per_step", "max_new_tokens", "micro_batch_size", "max_steps",
-                "num_engines", "num_reward_workers", "max_prompt_len", "logprob_num_chunks", "weight_sync_every_steps")  # fmt: skip
+                "num_engines", "num_reward_workers", "max_prompt_len", "logprob_num_chunks", "weight_sync_every_steps",
+                "engine_tensor_parallel_size")  # fmt: skip
     num_funcs = len(reward_funcs or REWARD_FUNCS)
     checks = [  # (holds, message when it does not)
         (cfg.dtype in DTYPES, f"dtype={cfg.dtype!r}: choose one of {sorted(DTYPES)}"),
@@ -183,6 +192,9 @@ def validate(cfg: Config, reward_funcs: list | None = None) -> None:
         (len(cfg.reward_weights) == num_funcs, f"reward_weights has {len(cfg.reward_weights)} entries for {num_funcs} reward functions"),
         (cfg.rollout in ROLLOUTS, f"rollout={cfg.rollout!r}: choose one of {ROLLOUTS}"),
         (cfg.engine in ENGINES, f"engine={cfg.engine!r}: choose one of {ENGINES}"),
+        (cfg.engine_tensor_parallel_size == 1 or cfg.engine == "vllm",
+         f"engine_tensor_parallel_size={cfg.engine_tensor_parallel_size}: > 1 needs engine='vllm' (the runtime engine runs on one device)"),
+        (0 < cfg.engine_gpu_memory_utilization <= 1, f"engine_gpu_memory_utilization={cfg.engine_gpu_memory_utilization}: must be in (0, 1]"),
         (cfg.rollout != "off-policy" or cfg.max_staleness >= 1,
          f"max_staleness={cfg.max_staleness} with rollout='off-policy': must be >= 1 (0 is --rollout sync)"),
         (cfg.weight_sync_every_steps == 1 or (cfg.rollout == "off-policy" and cfg.weight_sync_every_steps <= cfg.max_staleness + 1),
@@ -390,18 +402,39 @@ def start_rollout(
 
     owns_ray = not ray.is_initialized()  # tests and notebooks may have started it already
     if owns_ray:
-        ray.init(
-            address=cfg.ray_address or None,
-            num_cpus=None if cfg.ray_address else cfg.ray_num_cpus or None,
+        # a local Ray gets this node's GPUs after the trainer's (local ranks use cuda:0..); with
+        # none left the engines share the trainer's
+        gpu_ids, shared = engine_gpu_ids(
+            int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.cuda.device_count()
         )
-    gpus_per_engine = 1 if torch.cuda.is_available() else 0  # as make_engine_actor reserves
+        init_ray(cfg.ray_address, cfg.ray_num_cpus, gpu_ids)
+        if shared and not cfg.ray_address:
+            print(
+                f"rollout engines share the trainer's GPU(s) {gpu_ids}: no GPU is left after the trainer's"
+            )
+    tp = cfg.engine_tensor_parallel_size if cfg.engine == "vllm" else 1  # GPUs per engine on CUDA
+    gpus_per_engine = tp if torch.cuda.is_available() else 0  # what make_engine_actor reserves
     check_ray_resources(
         cfg.num_engines * cfg.engine_num_cpus + 0.5 * cfg.num_reward_workers,
         cfg.num_engines * gpus_per_engine,
     )
+    engine_kwargs = None
+    # vLLM: a KV cache sized for these sequences, not for the model's full context
+    if cfg.engine == "vllm":
+        engine_kwargs = dict(
+            max_model_len=cfg.max_prompt_len + cfg.max_new_tokens, skip_tokenizer_init=True
+        )
+        if torch.cuda.is_available():
+            engine_kwargs["gpu_memory_utilization"] = cfg.engine_gpu_memory_utilization
     engines = [
         make_engine_actor(
-            cfg.engine, str(model_dir), ENGINE_DTYPES[cfg.dtype], cfg.seed + i, cfg.engine_num_cpus
+            cfg.engine,
+            str(model_dir),
+            ENGINE_DTYPES[cfg.dtype],
+            cfg.seed + i,
+            cfg.engine_num_cpus,
+            tp,
+            engine_kwargs,
         )
         for i in range(cfg.num_engines)
     ]
