@@ -18,7 +18,13 @@ from runtime.context_parallel import (
     context_parallel_chunks,
     shard_for_context_parallel,
 )
-from runtime.data import load_rows, split_train_val, to_messages, to_preference
+from runtime.data import (
+    load_rows,
+    pad_with_unsupervised_copies,
+    split_train_val,
+    to_messages,
+    to_preference,
+)
 from runtime.generate import generate
 from runtime.grpo import (
     collate_rollouts,
@@ -175,6 +181,7 @@ __all__ = [
     "scaffold_home",
     "setup_optimizer_in_backward",
     "shard_for_context_parallel",
+    "pad_with_unsupervised_copies",
     "split_train_val",
     "to_messages",
     "to_preference",

@@ -387,3 +387,32 @@ def split_train_val(items: list, val_fraction: float, seed: int) -> tuple[list, 
     val = [item for i, item in enumerate(items) if i in val_ids]
     train = [item for i, item in enumerate(items) if i not in val_ids]
     return train, val
+
+
+def pad_with_unsupervised_copies(examples: list[dict], multiple: int) -> list[dict]:
+    """Append copies of the first examples, with every label IGNORE_INDEX, until the count is a
+    multiple of `multiple` (the data-parallel size).
+
+    For evaluation: every rank then runs as many forwards (FSDP's collectives must pair up), and
+    the copies add no loss and no supervised token, so a mean over supervised tokens is the same
+    on any number of ranks. (`DistributedSampler` pads by repeating examples, which counts them
+    twice.)
+
+    Args:
+        examples: dicts with a "labels" list (other keys are copied unchanged).
+        multiple: >= 1.
+
+    Returns:
+        A new list: the examples, then len(examples) % multiple == 0 after the copies.
+    """
+    from runtime.loss import IGNORE_INDEX
+
+    missing = -len(examples) % multiple if examples else 0
+    copies = [
+        {
+            **examples[i % len(examples)],
+            "labels": [IGNORE_INDEX] * len(examples[i % len(examples)]["labels"]),
+        }
+        for i in range(missing)
+    ]
+    return examples + copies

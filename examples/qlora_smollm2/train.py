@@ -77,6 +77,7 @@ from runtime import (
     load_train_state,
     merged_hf_tensors,
     nf4_params_fsdp_cannot_shard,
+    pad_with_unsupervised_copies,
     parse_config,
     peak_memory_mib,
     prepare_out_dir,
@@ -388,6 +389,8 @@ def build_dataloader(
 
     The epoch's order depends only on (seed, epoch); the sampler can start part-way (resume).
     """
+    if not train:  # as many rows on every rank; the copies that fill up have no supervised token
+        examples = pad_with_unsupervised_copies(examples, dp_size)
     sampler = ResumableDistributedSampler(
         examples, num_replicas=dp_size, rank=dp_rank, shuffle=train, seed=cfg.seed, drop_last=train
     )

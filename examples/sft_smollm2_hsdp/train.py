@@ -61,6 +61,7 @@ from runtime import (
     load_hf_checkpoint,
     load_rows,
     load_train_state,
+    pad_with_unsupervised_copies,
     parse_config,
     peak_memory_mib,
     prepare_out_dir,
@@ -317,6 +318,8 @@ def build_dataloader(
 
     The epoch's order depends only on (seed, epoch); the sampler can start part-way (resume).
     """
+    if not train:  # as many rows on every rank; the copies that fill up have no supervised token
+        examples = pad_with_unsupervised_copies(examples, dp_size)
     sampler = ResumableDistributedSampler(
         examples, num_replicas=dp_size, rank=dp_rank, shuffle=train, seed=cfg.seed, drop_last=train
     )

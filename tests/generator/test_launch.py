@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -141,3 +142,25 @@ def test_regen_check_sees_launch_drift(tmp_path):
     path.write_text(path.read_text() + "# edit\n")
     result = CliRunner().invoke(cli, ["regen", "--check", str(tmp_path)])
     assert result.exit_code != 0 and "launch/torchrun.sh" in result.output
+
+
+def test_grpo_launch_files_split_the_node_between_trainer_and_engines(tmp_path):
+    """GRPO with --engine-gpus: torchrun starts only the trainer's processes; on several nodes the
+    Slurm file starts a Ray cluster over the engine GPUs of every node and rank 0 joins it."""
+    spec = Spec(algo="grpo", model="llama3.3-70b", gpus=8, nodes=2, engine_gpus=4, engine_tp=4)
+    files = render_launch(replace(spec, out="o"))
+    for name, text in files.items():
+        _bash_n(text, tmp_path, name)
+    assert '--nproc-per-node 4 train.py "$@"' in files["launch/torchrun.sh"]
+    assert "--nproc-per-node 4 \\" in files["launch/torchrun_multinode.sh"]
+    slurm = files["launch/slurm.sbatch"]
+    assert "export CUDA_VISIBLE_DEVICES_RAY=4,5,6,7\n" in slurm
+    assert "ray start --head --port 6379 --num-gpus 4 --block" in slurm
+    assert "ray start --address $head_node:6379 --num-gpus 4 --block" in slurm
+    assert "--nnodes 2 \\\n    --nproc-per-node 4 \\" in slurm
+    assert 'train.py --ray_address "$head_node:6379" "$@"' in slurm
+    # the Ray cluster starts before the trainer
+    assert slurm.index("ray start --head") < slurm.index("srun --overlap torchrun")
+    # one node: rank 0 starts a local Ray itself, no cluster lines
+    one = render_launch(replace(spec, nodes=1, out="o"))["launch/slurm.sbatch"]
+    assert "ray start" not in one and '    train.py "$@"' in one

@@ -267,3 +267,18 @@ def test_real_dpo_demo_conversations():
         assert chosen[-1] == {"role": "assistant", "content": row["chosen"]["value"]}
     with pytest.raises(ValueError, match=rf"{source} row 0: no assistant message"):
         to_messages(rows[0], 0, source)
+
+
+def test_pad_with_unsupervised_copies():
+    from runtime.data import pad_with_unsupervised_copies
+
+    examples = [{"id": i, "input_ids": [i] * (i + 1), "labels": [i] * (i + 1)} for i in range(5)]
+    padded = pad_with_unsupervised_copies(examples, 4)
+    assert len(padded) == 8 and padded[:5] == examples
+    for copy, source in zip(padded[5:], examples[:3], strict=True):
+        assert copy["input_ids"] == source["input_ids"] and copy["id"] == source["id"]
+        assert copy["labels"] == [-100] * len(source["labels"])
+    assert examples[0]["labels"] == [0]  # the originals are untouched
+    assert pad_with_unsupervised_copies(examples, 5) == examples
+    assert pad_with_unsupervised_copies(examples, 1) == examples
+    assert pad_with_unsupervised_copies([], 4) == []

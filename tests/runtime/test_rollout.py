@@ -20,6 +20,7 @@ from runtime.grpo import (
 from runtime.rollout import (
     ReplayBuffer,
     Rollout,
+    engine_gpu_ids,
     gather_hf_state_dict,
     generate_with_logprobs,
     make_engine_actor,
@@ -125,3 +126,59 @@ def test_weight_sync_timeout_names_engine(ray_session):
     ):
         wait_weight_sync(refs, version=3, timeout_s=0.5)
     ray.kill(engine)
+
+
+def test_engine_gpu_ids_after_the_trainers():
+    assert engine_gpu_ids(trainer_gpus=4, device_count=8) == ([4, 5, 6, 7], False)
+    assert engine_gpu_ids(trainer_gpus=1, device_count=1) == ([0], True)  # shared
+    assert engine_gpu_ids(trainer_gpus=2, device_count=2) == ([0, 1], True)
+    assert engine_gpu_ids(trainer_gpus=1, device_count=0) == ([], False)  # CPU
+
+
+_RAY_GPUS = r"""
+import json, os, sys
+import ray
+from runtime.rollout import engine_gpu_ids, init_ray
+os.environ["CUDA_VISIBLE_DEVICES"] = sys.argv[1]  # the node's GPUs as this trainer process sees them
+ids, shared = engine_gpu_ids(trainer_gpus=int(sys.argv[2]), device_count=len(sys.argv[1].split(",")))
+init_ray("", 1, ids)
+restored = os.environ["CUDA_VISIBLE_DEVICES"]
+@ray.remote(num_gpus=2, num_cpus=0)
+def gpus():
+    return sorted(ray.get_gpu_ids())
+print(json.dumps({"got": sorted(ray.get([gpus.remote(), gpus.remote()])), "restored": restored,
+                  "gpu": ray.cluster_resources().get("GPU")}))
+ray.shutdown()
+"""
+
+
+@pytest.mark.parametrize(
+    ("visible", "trainer", "expected"),
+    [
+        ("0,1,2,3,4,5,6,7", 4, [["4", "5"], ["6", "7"]]),
+        # a job given a scrambled set: the ids are indices into CUDA_VISIBLE_DEVICES
+        ("3,2,7,6,1,0", 2, [["0", "1"], ["6", "7"]]),
+    ],
+)
+def test_local_ray_gives_engines_only_the_gpus_after_the_trainers(visible, trainer, expected):
+    """A local Ray started by `init_ray` sees only the engine GPUs (Ray's logical GPUs on this
+    CPU machine: it assigns CUDA_VISIBLE_DEVICES ids without touching a device), so two 2-GPU
+    engine actors land on exactly those, and this process's CUDA_VISIBLE_DEVICES is restored."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _RAY_GPUS, visible, str(trainer)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result == {"got": expected, "restored": visible, "gpu": 4.0}
+
+
+def test_runtime_engine_refuses_tensor_parallel():
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 .* need --engine vllm"):
+        make_engine_actor("runtime", "unused", tensor_parallel_size=2)

@@ -213,3 +213,48 @@ def test_weight_sync_with_tied_embeddings(tmp_path):
         torch.testing.assert_close(got, expected, atol=LOGPROB_ATOL, rtol=0)
     finally:
         engine.shutdown()
+
+
+def test_tensor_parallel_engine_samples_and_syncs_like_the_runtime(tmp_path):
+    """tensor_parallel_size=2 (two CPU worker processes, threads unpinned): each worker holds half
+    of every attention head group and MLP, so the sampled-token log-probs and, after an update of
+    full tensors that every worker shards for itself, the scores must still equal the runtime
+    model's. A third engine, so about 25 s more."""
+    model = build_model(ARGS, device="cpu")
+    model.init_weights(std=INIT_STD, generator=torch.Generator().manual_seed(0))
+    save_hf_checkpoint(model, tmp_path, ARGS.to_hf_config())
+    engine = VLLMEngine(
+        str(tmp_path),
+        enforce_eager=True,
+        max_model_len=MAX_MODEL_LEN,
+        kv_cache_memory_bytes=32 * 2**20,
+        skip_tokenizer_init=True,
+        max_num_seqs=8,
+        tensor_parallel_size=2,
+        distributed_executor_backend="mp",  # as make_engine_actor starts it inside a Ray actor
+    )
+    try:
+        model.eval()
+        got = engine.generate(PROMPTS, 2, 8, 1.0, 1.0, [], seed=5)
+        for prompt, rows in zip(PROMPTS, got, strict=True):
+            for tokens, logprobs in rows:
+                expected = _runtime_logprobs(model, prompt + tokens, len(prompt), 1.0)
+                torch.testing.assert_close(
+                    torch.tensor(logprobs), expected, atol=LOGPROB_ATOL, rtol=0
+                )
+        sequence, prompt_len = [3, 14, 15, 92, 65, 35, 89, 79, 32], 4
+        before = torch.tensor(engine.score([sequence], [prompt_len])[0])
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(3)) * 0.05)
+        engine.update_weights({k: v.detach().clone() for k, v in model.named_parameters()}, 1)
+        after = torch.tensor(engine.score([sequence], [prompt_len])[0])
+        expected = _runtime_logprobs(model, sequence, prompt_len, 1.0)
+        diff = (after - expected).abs().max().item()
+        print(f"tp=2 score after sync: max |vLLM - trainer| = {diff:.2e}")
+        torch.testing.assert_close(after, expected, atol=LOGPROB_ATOL, rtol=0)
+        assert (after - before).abs().max() > 100 * LOGPROB_ATOL  # the update landed
+        greedy = engine.generate(PROMPTS, 1, 8, 0.0, 1.0, [], seed=0)
+        assert [rows[0][0] for rows in greedy] == generate(model, PROMPTS, 8, temperature=0.0)
+    finally:
+        engine.shutdown()

@@ -1,0 +1,94 @@
+"""GRPO's GPU layout (--engine-gpus, --engine-tp): each node's GPUs split between the trainer's
+processes and the rollout engines, vLLM tensor parallelism chosen by model size, every bad layout
+refused with the numbers and the valid choices."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from generator.cli import cli, spec_from_options
+from generator.render import render
+from generator.spec import Spec, SpecError, build_answers, trainer_gpus, validate_spec
+
+
+def _spec(model="smollm2-135m", gpus=1, nodes=1, engine_gpus=None, engine_tp=None, algo="grpo"):
+    return spec_from_options(
+        algo, "lora", model, "", gpus, nodes, 1, 1, 1, 1, "bf16", None, "o", engine_gpus, engine_tp
+    )
+
+
+@pytest.mark.parametrize(
+    ("model", "gpus", "expected"),
+    [
+        ("smollm2-135m", 1, (0, 1)),  # one GPU: the engines share it
+        ("smollm2-135m", 2, (1, 1)),
+        ("smollm2-135m", 8, (4, 1)),  # 0.27 GB of bf16 weights: one GPU per engine, 4 engines
+        # Llama 3.3 70B: 141 GB of bf16 weights -> tp 4 puts 33 GiB on each engine GPU (<= 40)
+        ("llama3.3-70b", 8, (4, 4)),
+        ("qwen3-8b", 8, (4, 1)),  # 16 GB: one GPU each
+    ],
+)
+def test_auto_layout(model, gpus, expected):
+    spec = _spec(model, gpus)
+    assert (spec.engine_gpus, spec.engine_tp) == expected
+    validate_spec(spec)
+    answers = build_answers(spec)
+    assert answers["trainer_gpus"] == gpus - expected[0] == trainer_gpus(spec)
+    assert answers["num_engines"] == max(1, expected[0] // expected[1])
+
+
+def test_70b_script_config_and_launch_line(tmp_path):
+    """The case of the issue: 8 GPUs -> 4 trainer processes, one vLLM engine of 4 GPUs."""
+    out = tmp_path / "g70"
+    result = CliRunner().invoke(
+        cli, ["new", "--algo", "grpo", "--model", "llama3.3-70b", "--gpus", "8", "--out", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    assert "torchrun --nproc-per-node 4)" in result.output
+    text = (out / "train.py").read_text()
+    assert 'engine: str = "vllm"' in text
+    assert "num_engines: int = 1 " in text
+    assert "engine_tensor_parallel_size: int = 4 " in text
+    assert "engine_gpu_memory_utilization: float = 0.85 " in text
+    assert "--engine-gpus 4 --engine-tp 4" in text  # the command in the header reproduces it
+    assert (
+        "GPU layout (8 GPUs): the trainer's 4 process(es) on GPUs 0..3,\n1 engine(s) of 4 GPU(s) on GPUs 4..7 ("
+        in text
+    )
+    # the explicit split is kept: 6 trainer GPUs, two engines of one GPU each
+    spec = _spec("smollm2-135m", 8, engine_gpus=2, engine_tp=1)
+    assert build_answers(spec)["num_engines"] == 2
+    assert "engine_gpu_memory_utilization: float = 0.85 " in render(spec)
+    # sharing the trainer's GPU leaves most of it to the trainer
+    assert "engine_gpu_memory_utilization: float = 0.3 " in render(_spec("smollm2-135m", 1))
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        (Spec(algo="grpo", gpus=8, engine_gpus=8), ["--engine-gpus 8 with --gpus 8", "choose 0..7"]),
+        (Spec(algo="grpo", gpus=2, engine_gpus=-1), ["--engine-gpus -1", "choose 0..1"]),
+        (Spec(algo="grpo", gpus=2, engine_tp=2), ["--engine-tp 2 with --engine-gpus 0", "their own"]),
+        # SmolLM2: 9 heads, 3 KV heads; tp must divide the engine GPUs and the heads
+        (Spec(algo="grpo", gpus=8, engine_gpus=4, engine_tp=2), ["--engine-tp 2 with --engine-gpus 4", "9 attention heads", "[1]"]),
+        (Spec(algo="grpo", model="llama3.3-70b", gpus=8, engine_gpus=4, engine_tp=3), ["choose one of [1, 2, 4]"]),
+        (Spec(algo="grpo", gpus=4, engine_gpus=2, engine_tp=0), ["--engine-tp 0: must be >= 1"]),
+        (Spec(algo="sft", gpus=2, engine_gpus=1), ["rollout engines exist only for --algo grpo"]),
+    ],
+)  # fmt: skip
+def test_refused_layouts(spec, expected):
+    with pytest.raises(SpecError) as e:
+        validate_spec(spec)
+    for part in expected:
+        assert part in str(e.value), (part, str(e.value))
+
+
+def test_cli_refuses_a_bad_layout_in_one_line(tmp_path):
+    result = CliRunner().invoke(
+        cli, ["new", "--algo", "grpo", "--gpus", "2", "--engine-gpus", "2", "--out", str(tmp_path)]
+    )
+    assert result.exit_code == 1
+    assert result.output.startswith("Error: --engine-gpus 2 with --gpus 2")
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "train.py").exists()
