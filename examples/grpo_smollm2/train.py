@@ -129,6 +129,7 @@ class Config:
     num_engines: int = 1  # generator actors; each batch's prompts are split over them
     engine_tensor_parallel_size: int = 1  # vllm: GPUs per engine (vLLM tensor_parallel_size)
     engine_gpu_memory_utilization: float = 0.3  # vllm on CUDA: share of each engine GPU it takes
+    engine_cpu_kv_cache_gib: float = 1.0  # vllm on CPU: KV cache per engine (host memory, GiB)
     engine_num_cpus: float = 1  # CPU cores Ray reserves per engine (its torch threads)
     num_reward_workers: int = 1  # reward actors (0.5 CPU each)
     weight_sync_timeout_s: float = (
@@ -194,7 +195,8 @@ def validate(cfg: Config, reward_funcs: list | None = None) -> None:
         (cfg.engine in ENGINES, f"engine={cfg.engine!r}: choose one of {ENGINES}"),
         (cfg.engine_tensor_parallel_size == 1 or cfg.engine == "vllm",
          f"engine_tensor_parallel_size={cfg.engine_tensor_parallel_size}: > 1 needs engine='vllm' (the runtime engine runs on one device)"),
-        (0 < cfg.engine_gpu_memory_utilization <= 1, f"engine_gpu_memory_utilization={cfg.engine_gpu_memory_utilization}: must be in (0, 1]"),
+        (0 < cfg.engine_gpu_memory_utilization <= 1 and cfg.engine_cpu_kv_cache_gib > 0,
+         f"engine_gpu_memory_utilization={cfg.engine_gpu_memory_utilization} must be in (0, 1], engine_cpu_kv_cache_gib={cfg.engine_cpu_kv_cache_gib} > 0"),
         (cfg.rollout != "off-policy" or cfg.max_staleness >= 1,
          f"max_staleness={cfg.max_staleness} with rollout='off-policy': must be >= 1 (0 is --rollout sync)"),
         (cfg.weight_sync_every_steps == 1 or (cfg.rollout == "off-policy" and cfg.weight_sync_every_steps <= cfg.max_staleness + 1),
@@ -426,6 +428,8 @@ def start_rollout(
         )
         if torch.cuda.is_available():
             engine_kwargs["gpu_memory_utilization"] = cfg.engine_gpu_memory_utilization
+        else:  # vLLM CPU would otherwise reserve gpu_memory_utilization (0.92) of the host's memory
+            engine_kwargs["kv_cache_memory_bytes"] = int(cfg.engine_cpu_kv_cache_gib * 2**30)
     engines = [
         make_engine_actor(
             cfg.engine,

@@ -28,6 +28,7 @@ ARGS = ModelArgs(
     **{**TINY_CONFIG, "hidden_size": 128, "head_dim": 32}, max_position_embeddings=MAX_MODEL_LEN
 )
 PROMPTS = [[5, 17, 42, 99, 3], [200, 1, 7, 7, 64, 128, 250, 31, 9], [11, 12, 13]]
+UPDATE_CHUNK_BYTES = 100 * 2**10  # the q/k/v and gate/up weights are 64 KiB each
 
 
 def _load_runtime_model(model_dir) -> torch.nn.Module:
@@ -53,6 +54,9 @@ def setup(tmp_path_factory):
         kv_cache_memory_bytes=32 * 2**20,  # 32 MiB of CPU KV cache is plenty here
         skip_tokenizer_init=True,  # token ids in and out; the directory has no tokenizer
         max_num_seqs=16,
+        # updates in many RPC chunks that cut layers apart (q/k/v of one layer in different
+        # chunks), as a 135M model's 256 MiB chunks do: each layer must still load whole
+        update_chunk_bytes=UPDATE_CHUNK_BYTES,
     )
     yield engine, {"model": _load_runtime_model(model_dir), "dir": model_dir}
     engine.shutdown()
@@ -232,6 +236,7 @@ def test_tensor_parallel_engine_samples_and_syncs_like_the_runtime(tmp_path):
         max_num_seqs=8,
         tensor_parallel_size=2,
         distributed_executor_backend="mp",  # as make_engine_actor starts it inside a Ray actor
+        update_chunk_bytes=UPDATE_CHUNK_BYTES,
     )
     try:
         model.eval()
