@@ -192,17 +192,27 @@ def _plan_summary(spec: Spec, gpu: tuple[str, float] | None) -> None:
     """After `scaffold new`: the simulated per-GPU memory and verdict (with --gpu-memory), or the
     `scaffold plan` command that gives it. A spec the planner cannot simulate says why; it never
     fails `new` (the script is already written)."""
-    from generator.plan import PlanError, check_simulable, format_result, plan_command, simulate
+    from generator.plan import (
+        PlanError,
+        check_simulable,
+        format_result,
+        is_grpo,
+        plan_command,
+        simulate,
+    )
     from generator.spec import build_answers
 
     answers = build_answers(spec)
     mbs, seq = answers["micro_batch_size"], answers["max_seq_len"]
+    batch = f"micro-batch {mbs} x {seq} tokens"
+    if is_grpo(spec):  # the script's Config: its rollout lengths, not the model's max_seq_len
+        mbs, seq, batch = None, None, "the script's rollouts"
     try:
         check_simulable(spec, mbs, seq)
         if gpu is None:
             click.echo(f"memory per GPU: {plan_command(spec, 'h100-80')}")
             return
-        click.echo(f"simulating memory per GPU (micro-batch {mbs} x {seq} tokens) ...", err=True)
+        click.echo(f"simulating memory per GPU ({batch}) ...", err=True)
         (result,) = simulate([spec], mbs, seq)
     except PlanError as e:
         if gpu is not None:
@@ -225,6 +235,19 @@ def _plan_summary(spec: Spec, gpu: tuple[str, float] | None) -> None:
 @click.option("--dp-replicate", default=1, show_default=True, type=int, help="HSDP replicas.")
 @click.option("--dtype", default="bf16", show_default=True, help="bf16 or fp32.")
 @click.option(
+    "--engine-gpus",
+    default=None,
+    type=int,
+    help="--algo grpo: GPUs per node for the rollout engines (not the trainer's) [default: as "
+    "`scaffold new`].",
+)
+@click.option(
+    "--engine-tp",
+    default=None,
+    type=int,
+    help="--algo grpo: GPUs per vLLM engine [default: as `scaffold new`].",
+)
+@click.option(
     "--micro-batch-size",
     type=int,
     default=None,
@@ -234,7 +257,16 @@ def _plan_summary(spec: Spec, gpu: tuple[str, float] | None) -> None:
     "--max-seq-len",
     type=int,
     default=None,
-    help="Tokens per sequence [default: the script's Config default].",
+    help="Tokens per sequence [default: the script's Config default]. --algo grpo: prompt + "
+    "completion tokens per rollout; the prompt keeps max_prompt_len, the completion "
+    "(max_new_tokens) gets the rest.",
+)
+@click.option(
+    "--kl-coef",
+    type=float,
+    default=None,
+    help="--algo grpo: > 0 adds the frozen reference model the script then builds "
+    "[default: the script's Config, 0: none].",
 )
 @click.option(
     "--gpu-memory",
@@ -253,8 +285,8 @@ def _plan_summary(spec: Spec, gpu: tuple[str, float] | None) -> None:
 )
 @_friendly
 def plan(
-    algo, peft, model, tricks, gpus, nodes, tp, cp, dp_replicate, dtype, micro_batch_size,
-    max_seq_len, gpu_memory, suggest,
+    algo, peft, model, tricks, gpus, nodes, tp, cp, dp_replicate, dtype, engine_gpus, engine_tp,
+    micro_batch_size, max_seq_len, kl_coef, gpu_memory, suggest,
 ):  # fmt: skip
     """Per-GPU peak memory of the script `scaffold new` would write, simulated.
 
@@ -263,25 +295,33 @@ def plan(
     (no memory, no GPU) with a fake process group of gpus x nodes ranks, and PyTorch's memory
     tracker; prints parameters, gradients, optimizer state, activations, temporaries and the
     peak of one rank, a fits / does not fit verdict, and what would make it fit.
+    --algo grpo: the trainer's (gpus - engine_gpus) x nodes ranks, stepping on rollouts of the
+    script's lengths; the rollout engines' memory is a computed estimate beside it.
 
     \b
     Examples:
       scaffold plan --model llama3.3-70b --gpus 8 --gpu-memory h200-141
       scaffold plan --model smollm2-135m --tricks ac,lce --micro-batch-size 8 --gpu-memory 24
+      scaffold plan --algo grpo --model llama3.3-70b --gpus 8 --gpu-memory h200-141
     """
-    from generator.plan import check_simulable, format_result, format_suggestion, simulate
+    from generator.plan import check_simulable, format_result, format_suggestion, is_grpo, simulate
     from generator.plan import fits as plan_fits
     from generator.plan import suggest as plan_suggest
     from generator.spec import build_answers
 
     gpu_label, gpu_gib = parse_gpu_memory(gpu_memory)
-    spec = spec_from_options(algo, peft, model, tricks, gpus, nodes, tp, cp, dp_replicate, 1, dtype)
+    spec = spec_from_options(
+        algo, peft, model, tricks, gpus, nodes, tp, cp, dp_replicate, 1, dtype, None, None,
+        engine_gpus, engine_tp,
+    )  # fmt: skip
     answers = build_answers(spec)  # validates the spec
-    mbs = answers["micro_batch_size"] if micro_batch_size is None else micro_batch_size
-    seq = answers["max_seq_len"] if max_seq_len is None else max_seq_len
-    check_simulable(spec, mbs, seq)
+    mbs, seq = micro_batch_size, max_seq_len
+    if not is_grpo(spec):  # GRPO's defaults are its script's Config (rollout lengths)
+        mbs = answers["micro_batch_size"] if mbs is None else mbs
+        seq = answers["max_seq_len"] if seq is None else seq
+    check_simulable(spec, mbs, seq, kl_coef)
     progress = lambda line: click.echo(f"simulating {line} ...", err=True)  # noqa: E731
-    (result,) = simulate([spec], mbs, seq, progress)
+    (result,) = simulate([spec], mbs, seq, progress, kl_coef)
     click.echo(format_result(result, gpu_label, gpu_gib))
     if suggest and not plan_fits(result, gpu_gib):
         s = plan_suggest(result, gpu_gib, mbs, seq, progress)

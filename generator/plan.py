@@ -1,13 +1,15 @@
 """`scaffold plan`: per-rank peak memory of the emitted training step, simulated with fake tensors.
 
 The planner renders the script of a Spec into a temporary directory, imports it, and runs the
-script's own functions (`setup_distributed`, `build_sft_model`, `build_optimizer`, `train_step`)
-for two optimizer steps under `FakeTensorMode` (tensors carry shapes and dtypes, no memory), with a
-fake process group of the target world size (`gpus * nodes`; backend "fake", so collectives are
-no-ops) and PyTorch's `MemTracker` counting every tensor by category. The answer is therefore the
-memory of what the script does (its FSDP2 wrapping, its 1-process fp32 exception, the tricks'
-code), not of a formula. Only rank 0 is simulated: FSDP2 shards evenly, so every rank holds the
-same bytes up to rounding.
+script's own functions (`setup_distributed`, `build_sft_model`, `build_optimizer`, `train_step`;
+for GRPO `build_policy` and its rollout `train_step`) for two optimizer steps under
+`FakeTensorMode` (tensors carry shapes and dtypes, no memory), with a fake process group of the
+trainer's world size (`trainer_gpus(spec) * nodes`: `gpus * nodes`, less GRPO's engine GPUs;
+backend "fake", so collectives are no-ops) and PyTorch's `MemTracker` counting every tensor by
+category. The answer is therefore the memory of what the script does (its FSDP2 wrapping, its
+1-process fp32 exception, the tricks' code), not of a formula. Only rank 0 is simulated: FSDP2
+shards evenly, so every rank holds the same bytes up to rounding (and rank 0 gets the largest
+share of GRPO's rollouts).
 
 What is simulated, and what is not:
 - Device: tensors live on a fake CPU device (FSDP2's CUDA path creates CUDA streams and
@@ -17,9 +19,22 @@ What is simulated, and what is not:
   The verdict therefore keeps `HEADROOM` of the GPU's memory free.
 - The synthetic batch: micro_batch_size rows of max_seq_len tokens, every position supervised
   (the largest logits a batch of that size can produce), gradient_accumulation_steps = 1.
+- GRPO: the trainer's step on synthetic rollouts, built as the script's loop builds them:
+  prompts_per_step * num_generations `Rollout`s of max_prompt_len prompt and max_new_tokens
+  completion tokens (the longest rows the script trains on; the script's Config defaults, or
+  --max-seq-len = prompt + completion with the prompt length kept), rank 0's share of them over
+  the trainer ranks, and the frozen reference when kl_coef > 0 (`--kl-coef`; the Config's
+  default 0 loads none). Micro-batches from the second on repeat the second's memory exactly,
+  so at most SIMULATED_MICRO_BATCHES run per step. The rollout engines (vLLM or the runtime's
+  sampler, on Ray) are not simulated: their memory is a computed estimate (`engine_estimate`),
+  reported beside the trainer's, and added to the trainer's when they share its GPU. Nor is the
+  weight sync after each step (`gather_hf_state_dict`): on the GPU it adds one full parameter
+  at a time after the gradients are freed, below the step's peak; the gathered bf16 weights
+  live in host memory (every trainer rank calls it), which the plan does not count.
 - Data-dependent branches take the path of a healthy step: `torch.isfinite(grad_norm)` is True
-  (the optimizer steps), a boolean mask selects every position, and a number read on the host
-  (the step's `.item()` metrics) is 0, so the script's train_step runs unchanged.
+  (the optimizer steps), a boolean mask selects every position (GRPO's label mask: the
+  completion tokens, as many as its rows have), and a number read on the host (the step's
+  `.item()` / `.tolist()` metrics) is 0, so the script's train_step runs unchanged.
 - DTensor's sharding propagation gets a fake mode of its own (as on real tensors), so its
   global-shape metadata tensors are not counted (`_separate_propagation_fake_mode`).
 - Weights are not loaded (`load_hf_checkpoint` is skipped: it copies into the already sharded
@@ -27,7 +42,7 @@ What is simulated, and what is not:
 - Not simulated (the plan says so instead of printing a number): --tricks compile (inductor
   fuses temporaries, which fake tensors cannot model), offload (pinned host copies on a side
   stream), --algo qlora (NF4 quantization happens inside the checkpoint load), kd (the teacher is
-  loaded from disk), dpo, dpo-lora and grpo (their own skeletons, not yet driven by the planner).
+  loaded from disk), dpo and dpo-lora (their own skeleton, not yet driven by the planner).
 
 Reference: torchtitan `scripts/estimate/estimation.py` (FakeTensorMode + fake process group +
 FSDPMemTracker around one training step); PyTorch `torch.distributed._tools.mem_tracker`.
@@ -48,7 +63,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from generator.features import ALGOS, TRICKS
-from generator.spec import ScaffoldError, Spec, model_config, validate_spec
+from generator.spec import ScaffoldError, Spec, model_config, trainer_gpus, validate_spec
 
 GIB = 2**30
 # GPU name -> total memory in GiB as nvidia-smi reports it (MiB / 1024). --gpu-memory also takes
@@ -70,6 +85,12 @@ HEADROOM = 0.10
 # more compute, optim-in-bwd rules out gradient accumulation, 4-bit AdamW moves the update most.
 FIT_TRICKS = {"lce": 1, "adamw8bit": 2, "ac": 3, "optim-in-bwd": 4, "adamw4bit": 5}
 MAX_SUGGESTED_WORLD = 1024  # "more GPUs" doubles the GPU count up to this many in all
+# GRPO: micro-batches per step the plan runs. The second and every later one hold the same
+# memory (same shapes; the gradients exist and accumulate in place), so running more changes no
+# byte of the peak, only the time (a 70B rank with 16 micro-batches per step: 2 instead of 16).
+SIMULATED_MICRO_BATCHES = 2
+# Algorithms of the GRPO skeleton the planner has been checked on against real gloo runs
+GRPO_SIMULATED = ("grpo",)
 UNSIMULATED_TRICKS = {
     "compile": "inductor fuses temporaries, which fake tensors cannot model",
     "offload": "activations move to pinned host memory on a side stream, outside the simulation",
@@ -79,7 +100,6 @@ UNSIMULATED_ALGOS = {
     "kd": "the teacher is loaded from disk while the model is built",
     "dpo": "the DPO skeleton is not driven by the planner yet",
     "dpo-lora": "the DPO skeleton is not driven by the planner yet",
-    "grpo": "the GRPO skeleton (rollouts on Ray) is not driven by the planner yet",
 }
 # MemTracker category -> row of the report
 ROWS = {
@@ -107,6 +127,8 @@ class PlanResult:
     peak: int  # bytes, all categories, at the peak
     logits: int  # bytes of the largest lm_head output ([B, S, V] or [T, V]); 0 under lce
     seconds: float  # wall time of the simulation
+    # GRPO: the step's rollouts and the engines' numbers (`measure_grpo_step`); None otherwise
+    rollout: dict | None = None
 
     def to_json(self) -> dict:
         return {**asdict(self), "spec": asdict(self.spec)}
@@ -138,14 +160,39 @@ def parse_gpu_memory(value: str) -> tuple[str, float]:
     return f"{gib:g} GiB", gib
 
 
-def check_simulable(spec: Spec, micro_batch_size: int, max_seq_len: int) -> None:
-    """Raise PlanError when the planner cannot give a right number for `spec` (names why)."""
+def is_grpo(spec: Spec) -> bool:
+    """The spec renders the GRPO skeleton (rollouts, engines, `build_policy`)."""
+    return ALGOS[spec.algo].skeleton == "grpo"
+
+
+def check_simulable(
+    spec: Spec, micro_batch_size: int | None, max_seq_len: int | None, kl_coef: float | None = None
+) -> None:
+    """Raise PlanError when the planner cannot give a right number for `spec` (names why).
+
+    micro_batch_size / max_seq_len None: the script's Config defaults (GRPO only).
+    """
     validate_spec(spec)
-    if spec.algo in UNSIMULATED_ALGOS:
+    unsimulated = dict(UNSIMULATED_ALGOS)
+    for name in ALGOS:
+        if ALGOS[name].skeleton == "grpo" and name not in GRPO_SIMULATED:
+            unsimulated[name] = (
+                "the planner's GRPO path is checked against real runs for --algo "
+                f"{', '.join(GRPO_SIMULATED)} only"
+            )
+    if spec.algo in unsimulated:
         raise PlanError(
-            f"scaffold plan cannot simulate --algo {spec.algo}: {UNSIMULATED_ALGOS[spec.algo]}; "
-            f"it simulates --algo {', '.join(a for a in ALGOS if a not in UNSIMULATED_ALGOS)}"
+            f"scaffold plan cannot simulate --algo {spec.algo}: {unsimulated[spec.algo]}; "
+            f"it simulates --algo {', '.join(a for a in ALGOS if a not in unsimulated)}"
         )
+    if kl_coef is not None and (not is_grpo(spec) or not kl_coef >= 0):
+        raise PlanError(
+            f"--kl-coef {kl_coef}: a GRPO option (> 0 adds the frozen reference model, 0 has "
+            "none); give it with --algo grpo, as a number >= 0"
+        )
+    assert is_grpo(spec) or None not in (micro_batch_size, max_seq_len), (
+        "only GRPO reads its micro-batch and lengths from the script's Config"
+    )
     blocked = [t for t in spec.tricks if t in UNSIMULATED_TRICKS]
     if blocked:
         why = "; ".join(f"{t}: {UNSIMULATED_TRICKS[t]}" for t in blocked)
@@ -163,7 +210,9 @@ def check_simulable(spec: Spec, micro_batch_size: int, max_seq_len: int) -> None
             "batches and all-to-all sizes are data that fake tensors do not have)"
         )
     # checked against real gloo runs: FSDP2, TP (+ sequence and loss parallel), TP x FSDP, HSDP, CP
-    if micro_batch_size < 1 or max_seq_len < 1:
+    if (micro_batch_size is not None and micro_batch_size < 1) or (
+        max_seq_len is not None and max_seq_len < 1
+    ):
         raise PlanError(
             f"--micro-batch-size {micro_batch_size} and --max-seq-len {max_seq_len} must be >= 1"
         )
@@ -172,11 +221,16 @@ def check_simulable(spec: Spec, micro_batch_size: int, max_seq_len: int) -> None
 # --- the simulation (runs in a child process: it owns the fake process group) ---------------
 
 
-def _data_dependent_answers():
-    """A dispatch mode that answers the questions fake tensors cannot: every boolean mask is all
-    True (`nonzero`, boolean indexing), every boolean host sync (`if torch.isfinite(x)`) is True,
-    and a number read on the host (`.item()`, `.tolist()`: the step's metrics) is 0. So the
-    script's train_step runs unchanged, host syncs included."""
+def _data_dependent_answers(true_fraction: tuple[int, int] = (1, 1)):
+    """A dispatch mode that answers the questions fake tensors cannot: a boolean mask selects
+    `true_fraction` (numerator, denominator) of its elements (`nonzero`, boolean indexing; all of
+    them by default), every boolean host sync (`if torch.isfinite(x)`) is True, and a number read
+    on the host (`.item()`, `.tolist()`: the step's metrics) is 0. So the script's train_step
+    runs unchanged, host syncs included.
+
+    GRPO passes (max_new_tokens, max_prompt_len + max_new_tokens): its only masks are the label
+    masks of collated rollout rows, whose completion positions are that share of each row.
+    """
     import torch
     from torch.distributed.tensor import DTensor
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -185,8 +239,11 @@ def _data_dependent_answers():
 
     fused_in_place_steps = (aten._fused_adamw_.default, aten._fused_adam_.default)
 
-    def all_true_nonzero(mask):  # [N, mask.dim()] int64 indices of every element
-        return torch.empty((mask.numel(), mask.dim()), dtype=torch.long, device=mask.device)
+    def all_true_nonzero(mask):  # [N, mask.dim()] int64 indices of the selected elements
+        num, den = true_fraction
+        assert mask.numel() % den == 0, f"a mask of {mask.numel()} elements, rows of {den}"
+        n = mask.numel() // den * num
+        return torch.empty((n, mask.dim()), dtype=torch.long, device=mask.device)
 
     class DataDependentAnswers(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -418,6 +475,33 @@ def import_script(path: Path, name: str):
     return module
 
 
+def _peak_rows(tracker) -> tuple[dict, int]:
+    """({row of ROWS: bytes}, total bytes) of a tracker's peak snapshot (one device)."""
+    (per_device,) = tracker.get_tracker_snapshot("peak").values()
+    by_name = {getattr(k, "value", str(k)): v for k, v in per_device.items()}
+    categories = {row: sum(by_name.get(c, 0) for c in cats) for row, cats in ROWS.items()}
+    return categories, by_name["Total"]
+
+
+@contextlib.contextmanager
+def _simulated_build(script, fake: bool):
+    """Around the model build and the steps: FakeTensorMode with the weight load skipped
+    (fake=True: there are no weights to read, the parameters are fake), or nothing but eager
+    mode (fake=False, real CPU tensors)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    loader = script.load_hf_checkpoint
+    if fake:
+        script.load_hf_checkpoint = lambda *args, **kwargs: None
+    try:
+        with FakeTensorMode() if fake else contextlib.nullcontext():
+            with torch.compiler.set_stance("force_eager"):
+                yield
+    finally:
+        script.load_hf_checkpoint = loader
+
+
 def measure_step(
     script, model_dir: Path, micro_batch_size: int, max_seq_len: int, spec: Spec, fake: bool
 ) -> dict:
@@ -430,9 +514,6 @@ def measure_step(
     Returns:
         {"categories": {row: bytes}, "peak": bytes, "logits": bytes} of this rank at the peak.
     """
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     cfg = script.Config(
         model=str(model_dir), micro_batch_size=micro_batch_size, max_seq_len=max_seq_len,
         device="cpu", dtype=spec.dtype,
@@ -440,42 +521,198 @@ def measure_step(
     packing = "packing" in spec.tricks
     script.validate(cfg)
     dist_info, mesh = script.setup_distributed(cfg)
-    fake_mode = FakeTensorMode() if fake else contextlib.nullcontext()
-    loader = script.load_hf_checkpoint
-    if fake:  # no weights to read: the parameters are fake
-        script.load_hf_checkpoint = lambda *args, **kwargs: None
-    try:
-        with fake_mode, torch.compiler.set_stance("force_eager"):
-            with _fake_to_empty() if fake else contextlib.nullcontext(), _real_mesh_ops():
-                model = script.build_sft_model(cfg, model_dir, mesh, dist_info.device)
-            optimizer, scheduler = script.build_optimizer(cfg, model)
-            # rows padded as the script's collate pads them: to a multiple of tp (sequence parallel)
-            padded_len = -(-max_seq_len // spec.tp) * spec.tp
-            batch = synthetic_batch(micro_batch_size, padded_len, packing)
-            logits = [0]
-            hook = model.lm_head.register_forward_hook(
-                lambda mod, args, out: logits.__setitem__(0, max(logits[0], out.nbytes))
-            )
-            tracker = _peak_tracker()
-            optimizers = getattr(optimizer, "optimizers", optimizer)  # optimizer-in-backward
-            tracker.track_external(model, optimizers)
-            answers = _data_dependent_answers() if fake else contextlib.nullcontext()
-            propagation = _separate_propagation_fake_mode() if fake else contextlib.nullcontext()
-            dp_group = mesh["dp"].get_group()
-            with propagation, tracker, answers, _causal_bias_outside_modes():
-                for _ in range(2):  # step 1 creates the optimizer state; step 2 holds it
-                    script.train_step(
-                        model, optimizer, scheduler, [batch], cfg, dist_info.device, dp_group
-                    )
-            hook.remove()
-            snapshot = tracker.get_tracker_snapshot("peak")
-    finally:
-        script.load_hf_checkpoint = loader
-    (per_device,) = snapshot.values()
-    by_name = {getattr(k, "value", str(k)): v for k, v in per_device.items()}
-    categories = {row: sum(by_name.get(c, 0) for c in cats) for row, cats in ROWS.items()}
+    with _simulated_build(script, fake):
+        with _fake_to_empty() if fake else contextlib.nullcontext(), _real_mesh_ops():
+            model = script.build_sft_model(cfg, model_dir, mesh, dist_info.device)
+        optimizer, scheduler = script.build_optimizer(cfg, model)
+        # rows padded as the script's collate pads them: to a multiple of tp (sequence parallel)
+        padded_len = -(-max_seq_len // spec.tp) * spec.tp
+        batch = synthetic_batch(micro_batch_size, padded_len, packing)
+        logits = [0]
+        hook = model.lm_head.register_forward_hook(
+            lambda mod, args, out: logits.__setitem__(0, max(logits[0], out.nbytes))
+        )
+        tracker = _peak_tracker()
+        optimizers = getattr(optimizer, "optimizers", optimizer)  # optimizer-in-backward
+        tracker.track_external(model, optimizers)
+        answers = _data_dependent_answers() if fake else contextlib.nullcontext()
+        propagation = _separate_propagation_fake_mode() if fake else contextlib.nullcontext()
+        dp_group = mesh["dp"].get_group()
+        with propagation, tracker, answers, _causal_bias_outside_modes():
+            for _ in range(2):  # step 1 creates the optimizer state; step 2 holds it
+                script.train_step(
+                    model, optimizer, scheduler, [batch], cfg, dist_info.device, dp_group
+                )
+        hook.remove()
+        categories, peak = _peak_rows(tracker)
     del model, optimizer, scheduler
-    return {"categories": categories, "peak": by_name["Total"], "logits": logits[0]}
+    return {"categories": categories, "peak": peak, "logits": logits[0]}
+
+
+def grpo_config(
+    script, model_dir: Path, spec: Spec, micro_batch_size: int | None, max_seq_len: int | None,
+    kl_coef: float | None,
+):  # fmt: skip
+    """The GRPO script's Config for the plan: its defaults, with the plan's options applied.
+
+    max_seq_len is the row the trainer sees, prompt + completion tokens: the prompt keeps the
+    Config's max_prompt_len and the completion gets the rest (max_new_tokens); None keeps both
+    defaults. micro_batch_size / kl_coef None: the Config's.
+
+    Raises:
+        PlanError: max_seq_len leaves no completion token.
+    """
+    defaults = script.Config()
+    overrides = dict(model=str(model_dir), device="cpu", dtype=spec.dtype)
+    if max_seq_len is not None:
+        if max_seq_len <= defaults.max_prompt_len:
+            raise PlanError(
+                f"--max-seq-len {max_seq_len} with --algo grpo: it is prompt + completion tokens "
+                f"per rollout and the script's prompts take up to max_prompt_len = "
+                f"{defaults.max_prompt_len}; give more than {defaults.max_prompt_len} (the "
+                f"completion gets the rest; the default is {defaults.max_prompt_len} + "
+                f"{defaults.max_new_tokens})"
+            )
+        overrides["max_new_tokens"] = max_seq_len - defaults.max_prompt_len
+    if micro_batch_size is not None:
+        overrides["micro_batch_size"] = micro_batch_size
+    if kl_coef is not None:
+        overrides["kl_coef"] = kl_coef
+    cfg = script.Config(**overrides)
+    script.validate(cfg)
+    return cfg
+
+
+def synthetic_rollouts(cfg, rank: int, world_size: int) -> tuple[list, int, int]:
+    """A step's rollouts as the GRPO script's loop hands them to `train_step`.
+
+    prompts_per_step groups of num_generations `Rollout`s, every one max_prompt_len prompt and
+    max_new_tokens completion tokens long (the longest rows the script trains on); this rank's
+    share is every world_size-th from `rank` (the script's `[dp_rank::dp_size]`).
+
+    Returns:
+        (this rank's rollouts, completion tokens of the whole step (the loss divisor),
+        micro-batches per step on every rank (the script's `num_micro`)).
+    """
+    import math
+
+    from runtime import Rollout
+
+    P, C, G = cfg.max_prompt_len, cfg.max_new_tokens, cfg.num_generations
+    total = cfg.prompts_per_step * G
+    flat = [
+        Rollout(
+            prompt_ids=[0] * P,
+            completion_ids=[0] * C,
+            sampler_logprobs=[0.0] * C,
+            reward=0.0,
+            rewards={},
+            policy_version=0,
+            group=i // G,
+        )
+        for i in range(total)
+    ]
+    num_micro = math.ceil(math.ceil(total / world_size) / cfg.micro_batch_size)
+    return flat[rank::world_size], total * C, num_micro
+
+
+def engine_layout(spec: Spec, cfg, model_dir: Path) -> dict:
+    """The GRPO engines' numbers the report computes from (no simulation): from the script's
+    Config (engine, num_engines, GPUs per engine, vLLM's memory share) and the model's config."""
+    from runtime import ModelArgs, read_hf_config
+
+    args = ModelArgs.from_hf_config(read_hf_config(model_dir))
+    dtype_bytes = {"bf16": 2, "fp32": 4}[cfg.dtype]  # the engines sample in cfg.dtype
+    return {
+        "engine": cfg.engine,
+        "num_engines": cfg.num_engines,
+        "engine_tp": cfg.engine_tensor_parallel_size if cfg.engine == "vllm" else 1,
+        "engine_gpus": spec.engine_gpus,
+        "engine_gpu_memory_utilization": cfg.engine_gpu_memory_utilization,
+        "dtype": cfg.dtype,
+        "weight_bytes": args.num_params() * dtype_bytes,
+        # K and V of every layer, per token, all KV heads (an engine's tp splits them)
+        "kv_heads": args.num_key_value_heads,
+        "kv_bytes_per_token": 2 * args.num_hidden_layers * args.num_key_value_heads
+        * args.head_dim * dtype_bytes,
+    }  # fmt: skip
+
+
+def measure_grpo_step(
+    script, model_dir: Path, micro_batch_size: int | None, max_seq_len: int | None, spec: Spec,
+    fake: bool, kl_coef: float | None = None, max_micro_batches: int = SIMULATED_MICRO_BATCHES,
+) -> dict:  # fmt: skip
+    """The GRPO script's `setup_distributed`, `build_policy` (and the frozen reference when
+    kl_coef > 0, as its main() does), `build_optimizer`, and two `train_step`s on synthetic
+    rollouts (`synthetic_rollouts`) under `MemTracker`: this rank's share of the step, in at
+    most `max_micro_batches` micro-batches per step.
+
+    Needs a default process group of the trainer's world size. fake=True: FakeTensorMode, no
+    weights loaded; fake=False: the same calls on real CPU tensors (tests compare the two).
+
+    Args:
+        micro_batch_size, max_seq_len, kl_coef: see `grpo_config` (None = the Config's).
+
+    Returns:
+        {"categories", "peak", "logits"} as `measure_step`, plus the resolved
+        "micro_batch_size" and "max_seq_len" (prompt + completion) and "rollout": the step's
+        numbers and the engines' (`engine_layout`).
+    """
+    import torch
+
+    cfg = grpo_config(script, model_dir, spec, micro_batch_size, max_seq_len, kl_coef)
+    dist_info, mesh = script.setup_distributed(cfg)
+    rank, world = mesh["dp_shard"].get_local_rank(), mesh["dp_shard"].size()
+    share, num_tokens, num_micro = synthetic_rollouts(cfg, rank, world)
+    micro = min(num_micro, max_micro_batches)
+    rollouts = share[: micro * cfg.micro_batch_size]
+    row = cfg.max_prompt_len + cfg.max_new_tokens
+    with _simulated_build(script, fake):
+        with _fake_to_empty() if fake else contextlib.nullcontext(), _real_mesh_ops():
+            model = script.build_policy(cfg, model_dir, mesh, dist_info.device)
+            reference = None
+            if cfg.kl_coef > 0:  # as main(): the frozen reference is built only then
+                reference = script.build_policy(
+                    cfg, model_dir, mesh, dist_info.device, trainable=False
+                )
+        optimizer, scheduler = script.build_optimizer(cfg, model)
+        advantages = torch.zeros(len(rollouts))  # [M] fp32, this rank's (main's advantages[r::W])
+        logits = [0]
+        hook = model.lm_head.register_forward_hook(
+            lambda mod, args, out: logits.__setitem__(0, max(logits[0], out.nbytes))
+        )
+        tracker = _peak_tracker()
+        tracker.track_external(model, optimizer, *([reference] if reference else []))
+        # the label masks: max_new_tokens completion positions in each collated row
+        answers = (
+            _data_dependent_answers((cfg.max_new_tokens, row)) if fake else contextlib.nullcontext()
+        )
+        propagation = _separate_propagation_fake_mode() if fake else contextlib.nullcontext()
+        with propagation, tracker, answers:
+            for _ in range(2):  # step 1 creates the optimizer state; step 2 holds it
+                script.train_step(
+                    model, reference, optimizer, scheduler, rollouts, advantages, num_tokens,
+                    micro, cfg, dist_info.device,
+                )  # fmt: skip
+        hook.remove()
+        categories, peak = _peak_rows(tracker)
+    del model, reference, optimizer, scheduler
+    rollout = {
+        "prompt_len": cfg.max_prompt_len,
+        "completion_len": cfg.max_new_tokens,
+        "rollouts_per_step": cfg.prompts_per_step * cfg.num_generations,
+        "prompts_per_step": cfg.prompts_per_step,
+        "num_generations": cfg.num_generations,
+        "rollouts_on_rank": len(share),
+        "micro_batches": num_micro,
+        "simulated_micro_batches": micro,
+        "kl_coef": cfg.kl_coef,
+        **engine_layout(spec, cfg, model_dir),
+    }
+    return {
+        "categories": categories, "peak": peak, "logits": logits[0], "rollout": rollout,
+        "micro_batch_size": cfg.micro_batch_size, "max_seq_len": row,
+    }  # fmt: skip
 
 
 def _model_dir_for(spec: Spec, tmp: Path) -> Path:
@@ -491,7 +728,10 @@ def _model_dir_for(spec: Spec, tmp: Path) -> Path:
     return model_dir
 
 
-def _simulate_here(spec: Spec, micro_batch_size: int, max_seq_len: int, index: int) -> PlanResult:
+def _simulate_here(
+    spec: Spec, micro_batch_size: int | None, max_seq_len: int | None, index: int,
+    kl_coef: float | None = None,
+) -> PlanResult:  # fmt: skip
     """One simulation in this process (which must have no process group yet)."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -499,7 +739,7 @@ def _simulate_here(spec: Spec, micro_batch_size: int, max_seq_len: int, index: i
     from generator.render import render
 
     start = time.perf_counter()
-    world = spec.gpus * spec.nodes
+    world = trainer_gpus(spec) * spec.nodes  # GRPO's engine GPUs are not the trainer's
     with tempfile.TemporaryDirectory(prefix="scaffold-plan-") as tmp:
         tmp = Path(tmp)
         (tmp / "train.py").write_text(render(spec))
@@ -508,32 +748,40 @@ def _simulate_here(spec: Spec, micro_batch_size: int, max_seq_len: int, index: i
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world))
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
         try:
-            measured = measure_step(
-                script, model_dir, micro_batch_size, max_seq_len, spec, fake=True
-            )
+            if is_grpo(spec):
+                measured = measure_grpo_step(
+                    script, model_dir, micro_batch_size, max_seq_len, spec, True, kl_coef
+                )
+            else:
+                measured = measure_step(
+                    script, model_dir, micro_batch_size, max_seq_len, spec, fake=True
+                )
         finally:
             dist.destroy_process_group()
-    return PlanResult(
-        spec=spec, micro_batch_size=micro_batch_size, max_seq_len=max_seq_len, world_size=world,
-        seconds=time.perf_counter() - start, **measured,
-    )  # fmt: skip
+    measured = {"micro_batch_size": micro_batch_size, "max_seq_len": max_seq_len, **measured}
+    return PlanResult(spec=spec, world_size=world, seconds=time.perf_counter() - start, **measured)
 
 
 def simulate(
-    specs: list[Spec], micro_batch_size: int, max_seq_len: int, progress=None
-) -> list[PlanResult]:
+    specs: list[Spec], micro_batch_size: int | None, max_seq_len: int | None, progress=None,
+    kl_coef: float | None = None,
+) -> list[PlanResult]:  # fmt: skip
     """Simulate each spec in one child process (the fake process group and the imported scripts
     stay out of the caller). `progress(line)` receives one line per spec as it starts.
+
+    GRPO specs: micro_batch_size / max_seq_len (prompt + completion) / kl_coef None take the
+    script's Config defaults (`grpo_config`).
 
     Raises:
         PlanError: a spec the planner cannot simulate, or the child failed (its last line).
     """
     for spec in specs:
-        check_simulable(spec, micro_batch_size, max_seq_len)
+        check_simulable(spec, micro_batch_size, max_seq_len, kl_coef)
     request = {
         "specs": [asdict(s) for s in specs],
         "micro_batch_size": micro_batch_size,
         "max_seq_len": max_seq_len,
+        "kl_coef": kl_coef,
     }
     env = {
         **os.environ,
@@ -582,8 +830,9 @@ def _child() -> None:
         print(_MESSAGE + json.dumps({"start": describe_spec(spec)}), flush=True)
         try:
             result = _simulate_here(
-                spec, request["micro_batch_size"], request["max_seq_len"], index
-            )
+                spec, request["micro_batch_size"], request["max_seq_len"], index,
+                request["kl_coef"],
+            )  # fmt: skip
         except PlanError as e:
             print(_MESSAGE + json.dumps({"error": str(e)}), flush=True)
             return
@@ -603,6 +852,14 @@ def describe_spec(spec: Spec) -> str:
     tricks = ",".join(spec.tricks) or "no tricks"
     degrees = (("tp", spec.tp), ("cp", spec.cp), ("dp_replicate", spec.dp_replicate))
     mesh = "".join(f", {name} {n}" for name, n in degrees if n > 1)
+    if is_grpo(spec):
+        ranks = trainer_gpus(spec) * spec.nodes
+        engines = (
+            f" + {spec.engine_gpus} engine GPU(s) per node (engine_tp {spec.engine_tp})"
+            if spec.engine_gpus
+            else ", engines on the trainer's GPU(s)"
+        )
+        return f"{spec.model} {spec.algo} {spec.dtype}, {tricks}, {ranks} trainer rank(s){engines}"
     ranks = spec.gpus * spec.nodes
     return f"{spec.model} {spec.algo} {spec.dtype}, {tricks}, {ranks} rank(s){mesh}"
 
@@ -615,15 +872,74 @@ def plan_command(spec: Spec, gpu_memory: str) -> str:
         parts += ["--peft", spec.peft]
     if spec.tricks:
         parts += ["--tricks", ",".join(spec.tricks)]
-    for name in ("gpus", "nodes", "tp", "cp", "dp_replicate", "dtype"):
+    names = ("gpus", "nodes", "tp", "cp", "dp_replicate", "engine_gpus", "engine_tp", "dtype")
+    for name in names:
         if getattr(spec, name) != getattr(default, name):
             parts += [f"--{name.replace('_', '-')}", str(getattr(spec, name))]
     return shlex.join([*parts, "--gpu-memory", gpu_memory])
 
 
+def engine_estimate(result: PlanResult, gpu_gib: float) -> dict | None:
+    """The GRPO rollout engines' memory per GPU: computed from the model's size and the
+    script's Config defaults, not simulated (vLLM's own profiling decides the real split).
+
+    Engines on GPUs of their own (engine_gpus > 0): each engine GPU holds the weights / engine_tp
+    (in the script's dtype, which the engines sample in); vLLM takes
+    engine_gpu_memory_utilization of the GPU for weights + KV cache, so the weights must fit under
+    that share and the KV cache gets the rest, at least one rollout's worth (prompt + completion
+    tokens: vLLM refuses to start with less). The trainer's GPUs carry nothing of theirs.
+    Engines on the trainer's GPUs (engine_gpus 0): the GPU that hosts one carries it on top of
+    the trainer's peak: vLLM its share (utilization x the GPU's memory, whatever the weights), the
+    runtime's sampler (1-process scripts) its weights plus the KV cache of its batch
+    (ceil(prompts_per_step / num_engines) x num_generations rows of prompt + completion tokens);
+    the runtime sampler's logits and its fp32 load before the cast are not counted.
+
+    Returns:
+        None for a result without engines; else (bytes) {"shared": bool, "weights_per_gpu",
+        "share": what vLLM takes of one engine GPU (0 for the runtime sampler), "kv_room": the
+        share left after the weights, "kv_per_token": KV cache bytes per token per engine GPU,
+        "kv_needed": one rollout's KV cache (vLLM) or the batch's (runtime), "fits": the weights
+        and kv_needed fit in the share (vLLM), "on_trainer_gpu": bytes added to the trainer
+        GPU that hosts an engine (0 when the engines have GPUs of their own)}.
+    """
+    r = result.rollout
+    if r is None:
+        return None
+    shared = r["engine_gpus"] == 0
+    row = r["prompt_len"] + r["completion_len"]
+    tp = r["engine_tp"]
+    weights = r["weight_bytes"] / tp
+    kv_per_token = _kv_per_token(r, tp)
+    if r["engine"] == "vllm":
+        share = r["engine_gpu_memory_utilization"] * gpu_gib * GIB
+        kv_needed = row * kv_per_token
+        on_trainer = share if shared else 0
+    else:  # the runtime's KV-cache sampler: its weights and its batch's cache, nothing reserved
+        share = 0
+        rows = -(-r["prompts_per_step"] // r["num_engines"]) * r["num_generations"]
+        kv_needed = rows * row * kv_per_token
+        on_trainer = weights + kv_needed if shared else 0
+    kv_room = share - weights
+    return {
+        "shared": shared, "weights_per_gpu": weights, "share": share, "kv_room": kv_room,
+        "kv_per_token": kv_per_token, "kv_needed": kv_needed,
+        "fits": r["engine"] != "vllm" or kv_room >= kv_needed, "on_trainer_gpu": on_trainer,
+    }  # fmt: skip
+
+
+def _kv_per_token(rollout: dict, engine_tp: int) -> float:
+    """KV cache bytes per token on one engine GPU: vLLM splits the KV heads over its
+    tensor-parallel GPUs (and replicates them when engine_tp exceeds them)."""
+    heads = rollout["kv_heads"]
+    return rollout["kv_bytes_per_token"] * max(heads // engine_tp, 1) / heads
+
+
 def fits(result: PlanResult, gpu_gib: float) -> bool:
-    """Peak within the GPU's memory less HEADROOM."""
-    return result.peak <= (1 - HEADROOM) * gpu_gib * GIB
+    """Peak within the GPU's memory less HEADROOM; for GRPO engines on the trainer's GPUs, the
+    peak plus the engine's memory (`engine_estimate`) on the GPU that hosts it."""
+    engines = engine_estimate(result, gpu_gib)
+    extra = engines["on_trainer_gpu"] if engines else 0
+    return result.peak + extra <= (1 - HEADROOM) * gpu_gib * GIB
 
 
 def _candidate_trick_sets(spec: Spec) -> list[tuple[str, ...]]:
@@ -650,58 +966,104 @@ def _with_tricks(spec: Spec, added: tuple[str, ...]) -> Spec:
     return replace(spec, tricks=tuple(sorted((*spec.tricks, *added), key=order.index)))
 
 
+def _is_valid(spec: Spec) -> bool:
+    try:
+        validate_spec(spec)
+    except ScaffoldError:
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class Suggestion:
-    """What makes a run fit: added tricks, and a GPU count per node if tricks alone do not."""
+    """What makes a run fit: added tricks, and a GPU count per node (GRPO: a node count) if
+    tricks alone do not."""
 
     added_tricks: tuple[str, ...]
     gpus: int
     result: PlanResult
+    nodes: int | None = None  # None: the base's
 
 
 def suggest(
-    base: PlanResult, gpu_gib: float, micro_batch_size: int, max_seq_len: int, progress=None
-) -> Suggestion | None:
+    base: PlanResult, gpu_gib: float, micro_batch_size: int | None, max_seq_len: int | None,
+    progress=None,
+) -> Suggestion | None:  # fmt: skip
     """The cheapest change that fits, found by simulating candidates.
 
     Tricks: first all candidate tricks together (if even they do not fit, no subset does: each
     trick only removes memory), then the candidate sets in `_candidate_trick_sets` order, one
     simulation each, stopping at the first that fits. Then GPUs: with all candidate tricks, the
     GPU count per node doubles until the run fits (up to MAX_SUGGESTED_WORLD ranks in all).
+    GRPO: more GPUs must be more trainer GPUs, so the node count doubles instead (each node
+    keeps its engine GPUs; --gpus per node stays what the machines have). Every candidate is a
+    spec `validate_spec` accepts; others are skipped.
 
     Returns:
         The Suggestion, or None if nothing tried fits.
     """
     spec = base.spec
-    candidates = _candidate_trick_sets(spec)
+    kl_coef = base.rollout["kl_coef"] if base.rollout else None
+    candidates = [c for c in _candidate_trick_sets(spec) if _is_valid(_with_tricks(spec, c))]
     everything = candidates[-1] if candidates else ()
-    sim = lambda specs: simulate(specs, micro_batch_size, max_seq_len, progress)  # noqa: E731
+
+    def sim(candidate: Spec) -> PlanResult:
+        (result,) = simulate([candidate], micro_batch_size, max_seq_len, progress, kl_coef)
+        return result
+
     if candidates:
-        (full,) = sim([_with_tricks(spec, everything)])
+        full = sim(_with_tricks(spec, everything))
         if fits(full, gpu_gib):
             for combo in candidates[:-1]:
-                (result,) = sim([_with_tricks(spec, combo)])
+                result = sim(_with_tricks(spec, combo))
                 if fits(result, gpu_gib):
                     return Suggestion(combo, spec.gpus, result)
             return Suggestion(everything, spec.gpus, full)
-    gpus = spec.gpus * 2
-    while gpus * spec.nodes <= MAX_SUGGESTED_WORLD:
-        (result,) = sim([_with_tricks(replace(spec, gpus=gpus), everything)])
+    if is_grpo(spec):
+        bigger = (replace(spec, nodes=spec.nodes * 2**k) for k in itertools.count(1))
+    else:
+        bigger = (replace(spec, gpus=spec.gpus * 2**k) for k in itertools.count(1))
+    for candidate in bigger:
+        if trainer_gpus(candidate) * candidate.nodes > MAX_SUGGESTED_WORLD:
+            return None
+        candidate = _with_tricks(candidate, everything)
+        if not _is_valid(candidate):
+            continue
+        result = sim(candidate)
         if fits(result, gpu_gib):
-            return Suggestion(everything, gpus, result)
-        gpus *= 2
+            return Suggestion(everything, candidate.gpus, result, candidate.nodes)
     return None
 
 
 def format_result(result: PlanResult, gpu_label: str, gpu_gib: float) -> str:
-    """The per-rank table and the verdict, as `scaffold plan` prints them."""
+    """The per-rank table and the verdict, as `scaffold plan` prints them (GRPO: also the
+    rollout engines' computed estimate)."""
     r = result
+    if r.rollout:
+        ro = r.rollout
+        reference = (
+            f"the frozen reference model (kl_coef {ro['kl_coef']:g})"
+            if ro["kl_coef"] > 0
+            else "no reference model (kl_coef 0, the script's default; --kl-coef > 0 adds it)"
+        )
+        step = (
+            f"{ro['rollouts_per_step']} rollouts per step ({ro['prompts_per_step']} prompts x "
+            f"{ro['num_generations']}), {ro['rollouts_on_rank']} on this rank in "
+            f"{ro['micro_batches']} micro-batch(es) of {r.micro_batch_size} x {r.max_seq_len} "
+            f"tokens ({ro['prompt_len']} prompt + {ro['completion_len']} completion, the loss on "
+            f"the completion tokens; {ro['simulated_micro_batches']} simulated per step, later "
+            f"ones hold the same memory); {reference}"
+        )
+        head = f"memory per trainer rank: {describe_spec(r.spec)}; {step}"
+    else:
+        head = (
+            f"memory per rank: {describe_spec(r.spec)}; micro-batch {r.micro_batch_size} x "
+            f"{r.max_seq_len} tokens (every position supervised)"
+        )
     lines = [
-        f"memory per rank: {describe_spec(r.spec)}; micro-batch {r.micro_batch_size} x "
-        f"{r.max_seq_len} tokens (every position supervised), 2 simulated steps "
-        f"({r.seconds:.1f} s, fake tensors on CPU); what is live at the peak moment "
-        "(parameters include gathered bf16 copies in flight; gradients and activations are "
-        "those alive then, not their maxima)",
+        f"{head}; 2 simulated steps ({r.seconds:.1f} s, fake tensors on CPU); what is live at the "
+        "peak moment (parameters include gathered bf16 copies in flight; gradients and "
+        "activations are those alive then, not their maxima)",
     ]
     for row, nbytes in r.categories.items():
         lines.append(f"  {row:16} {nbytes / GIB:9.2f} GiB")
@@ -710,17 +1072,99 @@ def format_result(result: PlanResult, gpu_label: str, gpu_gib: float) -> str:
         "0 = the [T, V] logits never exist)"
     )
     lines.append(f"  {'peak':16} {r.peak / GIB:9.2f} GiB  (sum of the rows at the peak)")
+    engines = engine_estimate(r, gpu_gib)
+    where = ""
+    if engines and engines["shared"]:
+        total = r.peak + engines["on_trainer_gpu"]
+        lines.append(
+            f"  {'+ rollout engine':16} {engines['on_trainer_gpu'] / GIB:9.2f} GiB  (computed "
+            "estimate, not simulated: the engine on the trainer's GPU, see below)"
+        )
+        lines.append(f"  {'peak + engine':16} {total / GIB:9.2f} GiB  (the GPU that hosts it)")
+        where = " for the trainer GPU that hosts the engine"
     budget = (1 - HEADROOM) * gpu_gib
     verdict = "fits" if fits(r, gpu_gib) else "does NOT fit"
     lines.append(
-        f"verdict: {verdict} on {gpu_label} ({gpu_gib:g} GiB; {budget:.1f} GiB usable after "
-        f"{HEADROOM:.0%} headroom for CUDA context, NCCL buffers and fragmentation)"
+        f"verdict{where}: {verdict} on {gpu_label} ({gpu_gib:g} GiB; {budget:.1f} GiB usable "
+        f"after {HEADROOM:.0%} headroom for CUDA context, NCCL buffers and fragmentation)"
     )
+    if engines:
+        lines.append(_format_engines(r, engines, gpu_label, gpu_gib))
     return "\n".join(lines)
+
+
+def _format_engines(r: PlanResult, e: dict, gpu_label: str, gpu_gib: float) -> str:
+    """The rollout engines' line of `format_result` (a computed estimate, labelled so)."""
+    ro = r.rollout
+    row = ro["prompt_len"] + ro["completion_len"]
+    weights = f"{ro['dtype']} weights {ro['weight_bytes'] / GIB:.2f} GiB"
+    head = "rollout engines (computed estimate, not simulated): "
+    if ro["engine"] != "vllm":
+        return (
+            f"{head}the runtime's KV-cache sampler shares the trainer's GPU (one process: no GPU "
+            f"is left for it): {weights} + the KV cache of its batch ({e['kv_needed'] / GIB:.2f} "
+            f"GiB for {e['kv_needed'] / e['kv_per_token'] / row:.0f} rollouts x {row} tokens) = "
+            f"{e['on_trainer_gpu'] / GIB:.2f} GiB, included in the verdict above"
+        )
+    util = ro["engine_gpu_memory_utilization"]
+    share = (
+        f"vLLM takes engine_gpu_memory_utilization = {util:g} (the script's Config) of "
+        f"each engine GPU, {e['share'] / GIB:.1f} GiB of {gpu_label}, for weights + KV cache"
+    )
+    if e["fits"]:
+        tokens = e["kv_room"] / e["kv_per_token"]
+        kv = (
+            f"fits: {e['kv_room'] / GIB:.1f} GiB left for the KV cache, about {tokens:,.0f} "
+            f"tokens ({tokens / row:,.0f} rollouts of {row} tokens at once; vLLM's activations "
+            "and CUDA graphs come out of it too)"
+        )
+    else:
+        from generator.spec import _engine_tp_choices
+
+        kv = (
+            f"does NOT fit: the weights leave {max(e['kv_room'], 0) / GIB:.1f} GiB, less than "
+            f"the KV cache of one rollout of {row} tokens ({e['kv_needed'] / GIB:.3f} GiB)"
+        )
+        if e["shared"]:
+            kv += "; give the engines GPUs of their own (--engine-gpus)"
+        else:
+            config = model_config(r.spec)
+            good = [
+                t
+                for t in _engine_tp_choices(config, r.spec.engine_gpus)
+                if e["share"] - ro["weight_bytes"] / t >= row * _kv_per_token(ro, t)
+            ]
+            kv += (
+                f"; use --engine-tp {' or '.join(map(str, good))}"
+                if good
+                else "; give the engines more GPUs (--engine-gpus)"
+            )
+        kv += ", or raise engine_gpu_memory_utilization in the script's Config"
+    if e["shared"]:
+        layout = (
+            f"{ro['num_engines']} vLLM engine(s) share the trainer's GPUs (--engine-gpus 0); "
+            f"{share}; the trainer GPU that hosts one carries the {e['share'] / GIB:.1f} GiB "
+            "(in the verdict above)"
+        )
+    else:
+        layout = (
+            f"{ro['num_engines']} vLLM engine(s) of engine_tp {ro['engine_tp']} GPU(s) on "
+            f"{r.spec.engine_gpus} GPU(s) per node: {weights} / {ro['engine_tp']} = "
+            f"{e['weights_per_gpu'] / GIB:.2f} GiB per engine GPU; {share}"
+        )
+    return f"{head}{layout}: {kv}"
 
 
 def format_suggestion(s: Suggestion | None, base: Spec) -> str:
     if s is None:
+        if is_grpo(base):
+            tricks = [t for t in FIT_TRICKS if t in (ALGOS[base.algo].tricks or FIT_TRICKS)]
+            return (
+                f"nothing tried fits: --tricks {','.join(tricks)} and up to "
+                f"{MAX_SUGGESTED_WORLD} trainer GPUs (doubling --nodes); lower "
+                "--micro-batch-size or --max-seq-len, or give the trainer more of each node's "
+                "GPUs (fewer --engine-gpus)"
+            )
         return (
             "nothing tried fits: all of the tricks " + ", ".join(FIT_TRICKS)
             + f" and up to {MAX_SUGGESTED_WORLD} GPUs; lower --micro-batch-size or --max-seq-len"
@@ -731,8 +1175,11 @@ def format_suggestion(s: Suggestion | None, base: Spec) -> str:
         parts.append("--tricks " + ",".join(r.spec.tricks))
     if s.gpus != base.gpus:
         parts.append(f"--gpus {s.gpus}" + (f" --nodes {base.nodes}" if base.nodes > 1 else ""))
+    if s.nodes is not None and s.nodes != base.nodes:
+        parts.append(f"--nodes {s.nodes}")
+    per = "trainer rank" if is_grpo(base) else "rank"
     return (
-        f"fits with {' '.join(parts)}: peak {r.peak / GIB:.2f} GiB per rank "
+        f"fits with {' '.join(parts)}: peak {r.peak / GIB:.2f} GiB per {per} "
         f"(smallest change tried, cheapest first)"
     )
 

@@ -1,6 +1,7 @@
 """`scaffold plan`: the fake-tensor simulation of the emitted step agrees with the same step run on
-real tensors (PyTorch's MemTracker on CPU; 1 process and 2 gloo ranks), and the verdict and the
-suggestions follow from the simulated numbers."""
+real tensors (PyTorch's MemTracker on CPU; 1 process and 2 gloo ranks), for the SFT skeleton and
+GRPO's trainer, and the verdict, the GRPO engines' estimate and the suggestions follow from the
+numbers."""
 
 from __future__ import annotations
 
@@ -17,17 +18,22 @@ from generator.plan import (
     PlanError,
     PlanResult,
     _candidate_trick_sets,
+    _model_dir_for,
     check_simulable,
+    engine_estimate,
+    engine_layout,
     fits,
     format_result,
     import_script,
+    measure_grpo_step,
     measure_step,
     parse_gpu_memory,
     simulate,
     suggest,
 )
 from generator.render import render
-from generator.spec import Spec
+from generator.spec import Spec, validate_spec
+from runtime import ModelArgs, read_hf_config
 from runtime.testing import spawn
 
 TOLERANCE = 0.10  # the issue's bar: simulated peak within 10% of the measured one
@@ -199,3 +205,188 @@ def test_new_prints_the_plan_summary(tiny_model_dir, tmp_path):
     assert (
         "memory per GPU: not simulated: scaffold plan cannot simulate --algo dpo" in result.output
     )
+
+
+# --- GRPO: the trainer simulated on synthetic rollouts, the engines estimated ------------------
+
+# 2 x (256 prompt + 128 completion) tokens per micro-batch (--max-seq-len is prompt + completion;
+# the prompt is the script's max_prompt_len): small enough for fast real CPU steps, large enough
+# that the peak is the step's own (the log-prob chunks), not gloo's reduce-scatter, which
+# allocates a copy of its input (1.5x) that NCCL does not and the fake process group skips
+GRPO_MBS, GRPO_SEQ = 2, 256 + 128
+
+
+def _grpo_spec(model_dir: Path, **kw) -> Spec:
+    return Spec(**{"algo": "grpo", "model": str(model_dir), "dataset": "chain_sum.jsonl", **kw})
+
+
+def _measure_real_grpo(spec: Spec, model_dir: Path, tmp: Path, kl_coef=None, max_micro=2) -> dict:
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "train.py").write_text(render(spec))
+    script = import_script(tmp / "train.py", f"plan_grpo_real_{tmp.parent.name}_{tmp.name}")
+    return measure_grpo_step(
+        script, model_dir, GRPO_MBS, GRPO_SEQ, spec, False, kl_coef, max_micro_batches=max_micro
+    )
+
+
+def _real_grpo_rank(rank, world_size, spec_json, model_dir, tmp):
+    data = json.loads(spec_json)
+    spec = Spec(**dict(data, tricks=tuple(data["tricks"])))
+    return _measure_real_grpo(spec, Path(model_dir), Path(tmp) / f"rank{rank}")
+
+
+def test_grpo_trainer_simulation_matches_real_step(process_group, tiny_model_dir, tmp_path):
+    """--gpus 2 --engine-gpus 1: 1 trainer rank (the engine GPU is not the trainer's). Its
+    simulated step on the script's rollouts (64 = 8 prompts x 8, 32 micro-batches of 2) matches
+    the same calls on real tensors, plain, with ac, and with the frozen reference (kl_coef > 0);
+    a third micro-batch does not move the real peak (why the plan runs two)."""
+    spec = _grpo_spec(tiny_model_dir, gpus=2, engine_gpus=1)
+    plain, ac = simulate([spec, replace(spec, tricks=("ac",))], GRPO_MBS, GRPO_SEQ)
+    (with_ref,) = simulate([spec], GRPO_MBS, GRPO_SEQ, kl_coef=0.05)
+    assert plain.world_size == 1 and plain.max_seq_len == GRPO_SEQ
+    ro = plain.rollout
+    assert (ro["prompt_len"], ro["completion_len"], ro["rollouts_on_rank"]) == (256, 128, 64)
+    assert (ro["micro_batches"], ro["simulated_micro_batches"], ro["kl_coef"]) == (32, 2, 0.0)
+    real = _measure_real_grpo(spec, tiny_model_dir, tmp_path / "plain")
+    _assert_agrees(plain, real)
+    assert _measure_real_grpo(spec, tiny_model_dir, tmp_path / "m3", max_micro=3)["peak"] == (
+        pytest.approx(real["peak"], rel=1e-6)
+    )
+    _assert_agrees(ac, _measure_real_grpo(ac.spec, tiny_model_dir, tmp_path / "ac"))
+    _assert_agrees(with_ref, _measure_real_grpo(spec, tiny_model_dir, tmp_path / "ref", 0.05))
+    # the reference: fp32 parameters sharded like the policy's (one rank: all of them)
+    fp32_params = ModelArgs.from_hf_config(read_hf_config(tiny_model_dir)).num_params() * 4
+    extra = with_ref.categories["parameters"] - plain.categories["parameters"]
+    assert extra >= fp32_params and with_ref.rollout["kl_coef"] == 0.05
+
+
+def test_grpo_world_is_trainer_gpus_times_nodes(tiny_model_dir, tmp_path):
+    """--gpus 3 --engine-gpus 1 and --gpus 2 --engine-gpus 1 --nodes 2 both train on 2 ranks:
+    the same simulated rank, which matches each of 2 real gloo ranks (each with its half of the
+    step's rollouts)."""
+    spec = _grpo_spec(tiny_model_dir, gpus=3, engine_gpus=1)
+    one_node, two_nodes = simulate(
+        [spec, _grpo_spec(tiny_model_dir, gpus=2, engine_gpus=1, nodes=2)], GRPO_MBS, GRPO_SEQ
+    )
+    assert one_node.world_size == two_nodes.world_size == 2
+    assert one_node.peak == two_nodes.peak and one_node.rollout["rollouts_on_rank"] == 32
+    args = (json.dumps(asdict(spec)), str(tiny_model_dir), str(tmp_path))
+    for rank_result in spawn(_real_grpo_rank, world_size=2, args=args):
+        _assert_agrees(one_node, rank_result)
+
+
+def _grpo_result(spec: Spec, tmp: Path, peak_gib: float, **config) -> PlanResult:
+    """A GRPO PlanResult with a given trainer peak and the engines' numbers of `spec`'s model and
+    script Config (no simulation: the engine estimate is arithmetic)."""
+
+    class Cfg:  # the script's Config fields engine_layout reads
+        engine, num_engines, engine_tensor_parallel_size = "vllm", 1, spec.engine_tp
+        engine_gpu_memory_utilization, dtype = 0.85, spec.dtype
+
+    for k, v in config.items():
+        setattr(Cfg, k, v)
+    rollout = {
+        "prompt_len": 256, "completion_len": 64, "rollouts_per_step": 64, "prompts_per_step": 8,
+        "num_generations": 8, "rollouts_on_rank": 16, "micro_batches": 16,
+        "simulated_micro_batches": 2, "kl_coef": 0.0,
+        **engine_layout(spec, Cfg, _model_dir_for(spec, tmp)),
+    }  # fmt: skip
+    peak = int(peak_gib * GIB)
+    cats = dict.fromkeys(("parameters", "gradients", "optimizer state", "activations"), 0)
+    return PlanResult(
+        spec=spec, micro_batch_size=1, max_seq_len=320, world_size=4,
+        categories={**cats, "temporaries": peak}, peak=peak, logits=0, seconds=0.0,
+        rollout=rollout,
+    )  # fmt: skip
+
+
+def test_grpo_engine_estimate_and_verdict(tmp_path):
+    """Llama 3.3 70B, 4 engine GPUs: bf16 weights / engine_tp per engine GPU against vLLM's
+    engine_gpu_memory_utilization share; engines on the trainer's GPUs add their share to the
+    trainer's peak in the verdict."""
+    spec = Spec(algo="grpo", model="llama3.3-70b", gpus=8, engine_gpus=4, engine_tp=4)
+    weights = ModelArgs.from_hf_config(read_hf_config(_model_dir_for(spec, tmp_path))).num_params()
+    weights *= 2  # bf16
+    r = _grpo_result(spec, tmp_path, peak_gib=100.0)
+    e = engine_estimate(r, 140.4)
+    assert e["weights_per_gpu"] == weights / 4 and e["share"] == 0.85 * 140.4 * GIB
+    assert e["kv_room"] == e["share"] - weights / 4 and e["fits"] and not e["shared"]
+    # K and V, 80 layers, 8 KV heads split over 4 GPUs, head_dim 128, bf16
+    assert e["kv_per_token"] == 2 * 80 * 2 * 128 * 2 and e["on_trainer_gpu"] == 0
+    text = format_result(r, "h200-141", 140.4)
+    assert "verdict: fits on h200-141" in text  # the trainer's 100 GiB; engines apart
+    assert (
+        f"bf16 weights {weights / GIB:.2f} GiB / 4 = {weights / 4 / GIB:.2f} GiB per engine GPU"
+        in text
+    )
+    assert f"engine_gpu_memory_utilization = 0.85 (the script's Config) of each engine GPU, " \
+        f"{0.85 * 140.4:.1f} GiB of h200-141" in text  # fmt: skip
+    assert f"fits: {(0.85 * 140.4 * GIB - weights / 4) / GIB:.1f} GiB left for the KV cache" in text
+    # one GPU per engine: 131 GiB of weights do not fit an 80 GB card's share; tp 2 and 4 do
+    r1 = _grpo_result(replace(spec, engine_tp=1), tmp_path, 50.0, engine_tensor_parallel_size=1)
+    assert not engine_estimate(r1, 79.6)["fits"]
+    assert "does NOT fit" in format_result(r1, "h100-80", 79.6)
+    assert "use --engine-tp 2 or 4" in format_result(r1, "h100-80", 79.6)
+    # engines on the trainer's GPUs: vLLM's 0.3 share counts on the GPU that hosts one
+    shared = replace(spec, engine_gpus=0, engine_tp=1)
+    r0 = _grpo_result(shared, tmp_path, 0.75 * 140.4, engine_gpu_memory_utilization=0.3)
+    assert engine_estimate(r0, 140.4)["on_trainer_gpu"] == 0.3 * 140.4 * GIB
+    assert r0.peak <= 0.9 * 140.4 * GIB and not fits(r0, 140.4)  # 0.75 + 0.3 > 0.9
+    assert "verdict for the trainer GPU that hosts the engine: does NOT fit" in format_result(
+        r0, "h200-141", 140.4
+    )
+
+
+def test_grpo_suggests_more_nodes_not_more_gpus_per_node(tiny_model_dir):
+    """GRPO takes only the ac trick; past it, more trainer GPUs means more nodes of the same
+    layout (the engine GPUs of each node stay the engines'), a spec validate_spec accepts."""
+    spec = _grpo_spec(tiny_model_dir, gpus=2, engine_gpus=1)
+    base, ac, ac_two_nodes = simulate(
+        [spec, replace(spec, tricks=("ac",)), replace(spec, tricks=("ac",), nodes=2)],
+        GRPO_MBS,
+        GRPO_SEQ,
+    )
+    assert ac_two_nodes.peak < ac.peak < base.peak
+    gpu_gib = (ac.peak + ac_two_nodes.peak) / 2 / GIB / 0.9  # between the two, after headroom
+    s = suggest(base, gpu_gib, GRPO_MBS, GRPO_SEQ)
+    assert (s.added_tricks, s.nodes, s.gpus) == (("ac",), 2, 2)
+    assert s.result.spec == replace(spec, tricks=("ac",), nodes=2)
+    assert s.result.peak == ac_two_nodes.peak
+    validate_spec(s.result.spec)
+
+
+def test_cli_plan_and_new_print_the_grpo_engines(tiny_model_dir, tmp_path):
+    """`scaffold plan --algo grpo` counts trainer ranks and prints the engine line; `scaffold
+    new --algo grpo --gpu-memory` prints the same plan (1 GPU: the runtime sampler shares it,
+    its weights + KV cache added to the trainer's peak)."""
+    model = ["--algo", "grpo", "--model", str(tiny_model_dir)]
+    lengths = ["--micro-batch-size", str(GRPO_MBS), "--max-seq-len", str(GRPO_SEQ)]
+    result = CliRunner().invoke(
+        cli, ["plan", *model, "--gpus", "2", "--engine-gpus", "1", *lengths, "--gpu-memory", "24"]
+    )
+    assert result.exit_code == 0, result.output
+    weights = ModelArgs.from_hf_config(read_hf_config(tiny_model_dir)).num_params() * 2
+    assert "memory per trainer rank: " in result.output
+    assert "1 trainer rank(s) + 1 engine GPU(s) per node" in result.output
+    assert "64 rollouts per step (8 prompts x 8), 64 on this rank in 32 micro-batch(es) of 2 x " \
+        "384 tokens (256 prompt + 128 completion" in result.output  # fmt: skip
+    assert (
+        "rollout engines (computed estimate, not simulated): 1 vLLM engine(s) of engine_tp 1 "
+        f"GPU(s) on 1 GPU(s) per node: bf16 weights {weights / GIB:.2f} GiB" in result.output
+    )
+    assert f"{0.85 * 24:.1f} GiB of 24 GiB" in result.output
+    result = CliRunner().invoke(
+        cli, ["new", *model, "--out", str(tmp_path / "g"), "--gpu-memory", "24"]
+    )
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "g" / "train.py").exists()
+    assert "1 trainer rank(s), engines on the trainer's GPU(s)" in result.output
+    assert "320 tokens (256 prompt + 64 completion" in result.output  # the script's defaults
+    assert "+ rollout engine" in result.output and "peak + engine" in result.output
+    assert "the runtime's KV-cache sampler shares the trainer's GPU" in result.output
+    assert "verdict for the trainer GPU that hosts the engine: fits on 24 GiB" in result.output
+    # a completion needs a token past the prompt; kl_coef is a GRPO option
+    result = CliRunner().invoke(cli, ["plan", *model, "--max-seq-len", "256"])
+    assert result.exit_code != 0 and "give more than 256" in result.output
+    with pytest.raises(PlanError, match="--kl-coef 0.1: a GRPO option"):
+        check_simulable(Spec(model=str(tiny_model_dir)), 1, 128, kl_coef=0.1)
