@@ -441,7 +441,10 @@ def next_rollouts(
     while len(groups) < cfg.prompts_per_step:
         while len(pipeline.pending) < prefetch + 1:
             pipeline.position, prompts = next(batches)
-            seed = cfg.seed * 1_000_003 + pipeline.batches_submitted  # reproducible sampling
+            # sampling seed = f(seed, the batch's data position): a resumed sync run samples what
+            # the uninterrupted run did (a count of submitted batches restarts at 0 on resume)
+            epoch, consumed = pipeline.position
+            seed = ((cfg.seed * 1_000_003 + epoch) * 1_000_003 + consumed) % 2**31
             pipeline.submit(
                 [p["prompt_ids"] for p in prompts],
                 [p["prompt"] for p in prompts],
