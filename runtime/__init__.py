@@ -79,6 +79,7 @@ from runtime.rollout import (
     RuntimeEngine,
     check_ray_resources,
     gather_hf_state_dict,
+    gather_merged_hf_state_dict,
     make_engine_actor,
     make_reward_workers,
 )
@@ -101,6 +102,7 @@ __all__ = [
     "collate_rollouts",
     "completion_logprobs",
     "gather_hf_state_dict",
+    "gather_merged_hf_state_dict",
     "group_advantages",
     "make_engine_actor",
     "make_reward_workers",
