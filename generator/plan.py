@@ -27,7 +27,8 @@ What is simulated, and what is not:
 - Not simulated (the plan says so instead of printing a number): --tricks compile (inductor
   fuses temporaries, which fake tensors cannot model), offload (pinned host copies on a side
   stream), --algo qlora (NF4 quantization happens inside the checkpoint load), kd (the teacher is
-  loaded from disk), dpo, dpo-lora and grpo (their own skeletons, not yet driven by the planner).
+  loaded from disk), dpo, dpo-lora, grpo and grpo-lora (their own skeletons, not yet driven by
+  the planner).
 
 Reference: torchtitan `scripts/estimate/estimation.py` (FakeTensorMode + fake process group +
 FSDPMemTracker around one training step); PyTorch `torch.distributed._tools.mem_tracker`.
@@ -80,6 +81,7 @@ UNSIMULATED_ALGOS = {
     "dpo": "the DPO skeleton is not driven by the planner yet",
     "dpo-lora": "the DPO skeleton is not driven by the planner yet",
     "grpo": "the GRPO skeleton (rollouts on Ray) is not driven by the planner yet",
+    "grpo-lora": "the GRPO skeleton (rollouts on Ray) is not driven by the planner yet",
 }
 # MemTracker category -> row of the report
 ROWS = {

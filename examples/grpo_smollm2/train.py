@@ -586,7 +586,9 @@ def rollout_metrics(groups: list, cfg: Config, version: int) -> tuple[torch.Tens
     return advantages, metrics
 
 
-def save(model, model_dir: Path, cfg: Config, path: Path, is_main: bool) -> None:
+def save(
+    model, tokenizer: Tokenizer, model_dir: Path, cfg: Config, path: Path, is_main: bool
+) -> None:
     """Hugging Face layout (config.json, model.safetensors, tokenizer files) plus the resolved config."""
     save_hf_checkpoint(model, path, read_hf_config(model_dir))  # gathers shards; rank 0 writes
     if is_main:
@@ -706,7 +708,7 @@ def main(argv: list[str] | None = None, reward_funcs: list | None = None) -> lis
                 cfg.keep_last_checkpoints,
             )
     if cfg.save_final_model:
-        save(model, model_dir, cfg, out_dir / "model", is_main)
+        save(model, tokenizer, model_dir, cfg, out_dir / "model", is_main)
     if pipeline:
         pipeline.shutdown()  # kills the actors; stops Ray if this run started it
     if logger:
