@@ -65,6 +65,20 @@ ALGOS: dict[str, Algo] = {
             tricks=("ac",),
             dataset="chain_sum.jsonl",
         ),
+        # LoRA GRPO: the lora template's slots in the grpo skeleton; the engines get merged weights
+        # and the KL reference is the base with the adapters off. lr: LoRA's best lr is about 10x
+        # full fine-tuning's, in RL as in SFT (Schulman et al. 2025, "LoRA Without Regret",
+        # Thinking Machines; the same ratio as lora's 2e-4 to sft's 2e-5), so 10x grpo's 1e-6.
+        Algo(
+            "grpo-lora",
+            "lora",
+            "GRPO of LoRA adapters (engines get merged weights; KL reference: the base with "
+            "adapters off)",
+            lr=1e-5,
+            skeleton="grpo",
+            tricks=("ac",),
+            dataset="chain_sum.jsonl",
+        ),
         # KD: a feature of the SFT skeleton; its loss is already chunked, so no lce
         Algo(
             "kd",
@@ -79,7 +93,7 @@ PEFT_METHODS = {
     "lora": "LoRA: W + (lora_alpha / lora_rank) * B A",
     "dora": "DoRA: LoRA plus a learned magnitude per output row (Liu et al. 2024)",
 }
-PEFT_ALGOS = ("lora", "qlora", "dpo-lora")
+PEFT_ALGOS = ("lora", "qlora", "dpo-lora", "grpo-lora")
 # DPO reference modes (config ref_mode) per algorithm; the first is the default.
 REF_MODES = {
     "dpo": ("separate", "precomputed"),

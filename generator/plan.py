@@ -29,8 +29,8 @@ What is simulated, and what is not:
   sampler, on Ray) are not simulated: their memory is a computed estimate (`engine_estimate`),
   reported beside the trainer's, and added to the trainer's when they share its GPU. Nor is the
   weight sync after each step (`gather_hf_state_dict`): on the GPU it adds one full parameter
-  at a time after the gradients are freed, below the step's peak; the gathered bf16 weights
-  live in host memory (every trainer rank calls it), which the plan does not count.
+  at a time after the gradients are freed, below the step's peak; rank 0 keeps the gathered
+  bf16 weights in host memory for the push, which the plan does not count.
 - Data-dependent branches take the path of a healthy step: `torch.isfinite(grad_norm)` is True
   (the optimizer steps), a boolean mask selects every position (GRPO's label mask: the
   completion tokens, as many as its rows have), and a number read on the host (the step's

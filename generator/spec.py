@@ -229,7 +229,8 @@ def _validate_parallel(spec: Spec) -> None:
             raise SpecError(f"--model {spec.model} --tp {spec.tp}: {e}") from e
 
 
-ROLLOUT_ALGOS = ("grpo",)  # algorithms with rollout engines (--engine-gpus, --engine-tp)
+# algorithms with rollout engines (--engine-gpus, --engine-tp): the GRPO skeleton's
+ROLLOUT_ALGOS = tuple(name for name, algo in ALGOS.items() if algo.skeleton == "grpo")
 # bf16 weights per engine GPU at most when --engine-tp is chosen automatically: room for vLLM's KV
 # cache on an 80 GB card (and most of a 141 GB one)
 ENGINE_WEIGHT_GIB_PER_GPU = 40.0

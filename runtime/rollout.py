@@ -392,19 +392,53 @@ def make_reward_workers(
 
 # --- weight sync --------------------------------------------------------------------------------
 def gather_hf_state_dict(
-    model: nn.Module, dtype: torch.dtype | None = None
+    model: nn.Module, dtype: torch.dtype | None = None, keep: bool = True
 ) -> dict[str, torch.Tensor]:
     """Full CPU tensors of every parameter, by HF name (a tied lm_head appears once, as the
     embedding). A collective under FSDP2 / TP: every trainer rank must call it.
 
     Args:
         dtype: cast floating tensors to this (e.g. the engines' bf16); None = keep.
+        keep: False on ranks that only take part in the gathers: they return {} and never hold
+            the full model in host memory (the push needs it on rank 0 only; a 70B model is
+            131 GiB of bf16 per rank otherwise).
     """
     out = {}
     for name, p in model.named_parameters():
-        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p  # all-gather: every rank
+        if not keep:
+            continue
         full = full.detach().to("cpu", copy=True)
         out[name] = full.to(dtype) if dtype is not None and full.is_floating_point() else full
+    return out
+
+
+def gather_merged_hf_state_dict(
+    model: nn.Module, dtype: torch.dtype | None = None, keep: bool = True
+) -> dict[str, torch.Tensor]:
+    """Full CPU tensors of the merged model of a LoRA/DoRA policy, by the base checkpoint's HF
+    names: what `save_hf_checkpoint(..., tensors=merged_hf_tensors(...))` writes (every adapted
+    linear's weight is W + lora_scale * B A, DoRA rescaled per row; no adapter tensors; a tied
+    lm_head left out), so an engine holding the plain model loads it as it loads
+    `gather_hf_state_dict`. A collective under FSDP2: every rank must call it; merged weights
+    are computed one at a time.
+
+    Args:
+        dtype: cast floating tensors to this (e.g. the engines' bf16) after merging in the
+            adapters' dtype; None = keep.
+        keep: False on ranks that only take part in the gathers: they return {} and never hold
+            the full model in host memory (the push needs it on rank 0 only).
+    """
+    from runtime.checkpoint import _gather, _reshard_fsdp
+    from runtime.lora import merged_hf_tensors
+
+    _reshard_fsdp(model)  # a forward may leave the root's parameters gathered (see there)
+    tensors = merged_hf_tensors(model, model.args.to_hf_config())
+    out = {}
+    for name, t in tensors.items():
+        full = _gather(t, dtype, is_writer=keep)  # collective for DTensors and merged weights
+        if keep:
+            out[name] = full
     return out
 
 

@@ -1,5 +1,7 @@
 """Fixtures for running emitted scripts: a tiny random Llama with the real SmolLM2 tokenizer, a slice
-of the real alpaca data, and a helper that imports an example script as a module."""
+of the real alpaca data, and a helper that imports an example script as a module; for the GRPO
+scripts a tiny model that can learn a simple reward, that reward, a slice of chain_sum and a local
+Ray."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from generator.assets import ensure_dataset, ensure_smollm2
+from generator.assets import ensure_chain_sum, ensure_dataset, ensure_smollm2
 from runtime import ModelArgs, build_model, copy_tokenizer_files, save_hf_checkpoint
 from runtime.testing import TINY_CONFIG
 
@@ -103,3 +105,52 @@ def ray_session():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def even_model_dir(tmp_path_factory, smollm2_dir) -> Path:
+    """A tiny random Llama (SmolLM2 tokenizer) whose embedding's first coordinate is +0.1 for even
+    and -0.1 for odd token ids: "emit even ids" is then one direction of the hidden state, which
+    a few GRPO steps can learn (starting near 50%)."""
+    out = tmp_path_factory.mktemp("even_llama")
+    args = ModelArgs(
+        **{**TINY_CONFIG, "vocab_size": 49152},
+        rope_theta=100000.0,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    )
+    model = build_model(args, device="cpu")
+    model.init_weights(generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        even = torch.arange(args.vocab_size) % 2 == 0
+        model.model.embed_tokens.weight[:, 0] = torch.where(even, 0.1, -0.1)
+    save_hf_checkpoint(model, out, args.to_hf_config())
+    copy_tokenizer_files(smollm2_dir, out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def chain_sum_64(tmp_path_factory) -> Path:
+    """The first 64 rows of the real chain_sum.jsonl (GRPO prompts)."""
+    rows = ensure_chain_sum().read_text().splitlines()[:64]
+    path = tmp_path_factory.mktemp("data") / "chain_sum64.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def even_token_reward(completion_ids, **kwargs) -> float:
+    """Share of even token ids in the completion (learnable by the even_model_dir model)."""
+    return sum(t % 2 == 0 for t in completion_ids) / max(len(completion_ids), 1)
+
+
+def run_grpo(script, model_dir, data, out_dir, *overrides) -> list[dict]:
+    """A GRPO script's main() on the tiny reward: 2 prompts x 4 completions of <= 6 tokens per
+    step, fp32, lr 1e-2, no final save, fresh start; `overrides` (flags) come last and win."""
+    args = [
+        "--model", str(model_dir), "--dataset", str(data), "--out_dir", str(out_dir),
+        "--dtype", "fp32", "--num_generations", "4", "--prompts_per_step", "2",
+        "--max_new_tokens", "6", "--micro_batch_size", "8", "--lr", "1e-2", "--warmup_steps", "0",
+        "--reward_weights", "1.0", "--save_final_model", "false", "--resume", "none",
+        *overrides,
+    ]  # fmt: skip
+    return script.main(args, reward_funcs=[even_token_reward])

@@ -478,7 +478,10 @@ def next_rollouts(
     while len(groups) < cfg.prompts_per_step:
         while len(pipeline.pending) < prefetch + 1:
             pipeline.position, prompts = next(batches)
-            seed = cfg.seed * 1_000_003 + pipeline.batches_submitted  # reproducible sampling
+            # sampling seed = f(seed, the batch's data position): a resumed sync run samples what
+            # the uninterrupted run did (a count of submitted batches restarts at 0 on resume)
+            epoch, consumed = pipeline.position
+            seed = ((cfg.seed * 1_000_003 + epoch) * 1_000_003 + consumed) % 2**31
             pipeline.submit(
                 [p["prompt_ids"] for p in prompts],
                 [p["prompt"] for p in prompts],
@@ -502,7 +505,8 @@ def sync_weights(pipeline: RolloutPipeline | None, model, cfg: Config, version: 
     through the Ray object store; sync mode waits (its next batch needs them), the other modes let
     the push queue behind the batches already generating. Returns seconds spent."""
     start = time.perf_counter()
-    state = gather_hf_state_dict(model, DTYPES[cfg.dtype])
+    # every rank takes part in the gathers; rank 0 (the one with the pipeline) keeps the tensors
+    state = gather_hf_state_dict(model, DTYPES[cfg.dtype], keep=pipeline is not None)
     if pipeline is not None:
         pipeline.push_weights(state, version)
         if cfg.rollout == "sync":
@@ -620,7 +624,9 @@ def rollout_metrics(groups: list, cfg: Config, version: int) -> tuple[torch.Tens
     return advantages, metrics
 
 
-def save(model, model_dir: Path, cfg: Config, path: Path, is_main: bool) -> None:
+def save(
+    model, tokenizer: Tokenizer, model_dir: Path, cfg: Config, path: Path, is_main: bool
+) -> None:
     """Hugging Face layout (config.json, model.safetensors, tokenizer files) plus the resolved config."""
     save_hf_checkpoint(model, path, read_hf_config(model_dir))  # gathers shards; rank 0 writes
     if is_main:
@@ -740,7 +746,7 @@ def main(argv: list[str] | None = None, reward_funcs: list | None = None) -> lis
                 cfg.keep_last_checkpoints,
             )
     if cfg.save_final_model:
-        save(model, model_dir, cfg, out_dir / "model", is_main)
+        save(model, tokenizer, model_dir, cfg, out_dir / "model", is_main)
     if pipeline:
         pipeline.shutdown()  # kills the actors; stops Ray if this run started it
     if logger:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.recipes.test_grpo import REPO, chain_sum_64, even_model_dir  # noqa: F401 (fixtures)
+from tests.recipes.test_grpo import REPO
 from tests.recipes.test_sft import run_script
 
 DRIVER = """
@@ -27,7 +27,7 @@ if __name__ == "__main__":
 """
 
 
-def test_two_trainer_processes_equal_one(even_model_dir, chain_sum_64, tmp_path):  # noqa: F811
+def test_two_trainer_processes_equal_one(even_model_dir, chain_sum_64, tmp_path):
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER.format(repo=str(REPO)))
     args = [

@@ -92,3 +92,9 @@ def test_cli_refuses_a_bad_layout_in_one_line(tmp_path):
     assert result.output.startswith("Error: --engine-gpus 2 with --gpus 2")
     assert "Traceback" not in result.output
     assert not (tmp_path / "train.py").exists()
+
+
+def test_grpo_lora_gets_the_same_layout():
+    spec = _spec("llama3.3-70b", 8, algo="grpo-lora")
+    assert (spec.engine_gpus, spec.engine_tp) == (4, 4)
+    assert "engine_tensor_parallel_size: int = 4 " in render(spec)

@@ -342,7 +342,10 @@ def test_regen_to_lora_then_dora_keeps_edits(tmp_path):
         ("model=gpt5", "unknown model 'gpt5'"),
         ("algo=ppo", "unknown algorithm 'ppo'"),
         ("dataset= ", "--dataset is empty"),
-        ("peft=dora", "--peft dora needs an adapter algorithm (--algo lora or qlora or dpo-lora)"),
+        (
+            "peft=dora",
+            "--peft dora needs an adapter algorithm (--algo lora or qlora or dpo-lora or grpo-lora)",
+        ),
         ("peft=ia3", "--peft 'ia3'; valid: lora, dora"),
     ],
 )

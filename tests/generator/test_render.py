@@ -19,6 +19,7 @@ from generator.render import FIRST_PARTY, render
 from generator.spec import Spec, SpecError
 
 REPO = Path(__file__).resolve().parents[2]
+RL_ALGOS = ("grpo", "grpo-lora")
 
 
 def _allowed(combo) -> bool:
@@ -68,10 +69,20 @@ MATRIX += [
     Spec(algo="dpo-lora", model="qwen3-30b-a3b", gpus=8, out="runs/x"),
     Spec(algo="kd", model="llama3.3-70b", dtype="fp32", gpus=8, out="runs/x"),
 ]
-# GRPO: no trick, the one it takes, and the 70B multi-GPU render (vLLM engines)
+# GRPO (all parameters, LoRA, DoRA): no trick, the one it takes, and the 70B multi-GPU render
+# (vLLM engines)
 MATRIX += [
-    Spec(algo="grpo", tricks=t, dataset="chain_sum.jsonl", out="runs/x") for t in [(), ("ac",)]
-] + [Spec(algo="grpo", model="llama3.3-70b", gpus=8, dataset="chain_sum.jsonl", out="runs/x")]
+    Spec(algo=algo, peft=peft, tricks=t, dataset="chain_sum.jsonl", out="runs/x")
+    for algo, peft, t in [
+        ("grpo", "lora", ()),
+        ("grpo", "lora", ("ac",)),
+        ("grpo-lora", "lora", ()),
+        ("grpo-lora", "dora", ("ac",)),
+    ]
+] + [
+    Spec(algo=algo, model="llama3.3-70b", gpus=8, dataset="chain_sum.jsonl", out="runs/x")
+    for algo in RL_ALGOS
+]
 
 
 @pytest.mark.parametrize(
@@ -133,7 +144,7 @@ def test_matrix_renders_clean(spec, tmp_path):
         "# === 5. Loss ===",
         "# === 6. Optimizer + LR schedule ===",
         "# === 7. Data ===",
-        *(["# === 8. Rollout ==="] if spec.algo == "grpo" else []),  # RL only (STYLE.md §2)
+        *(["# === 8. Rollout ==="] if spec.algo in RL_ALGOS else []),  # RL only (STYLE.md §2)
         "# === 9. train_step ===",
         "# === 10. main ===",
     ]

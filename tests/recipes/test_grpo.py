@@ -14,18 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from generator.assets import ensure_chain_sum
-from runtime import (
-    ModelArgs,
-    Tokenizer,
-    build_model,
-    copy_tokenizer_files,
-    save_hf_checkpoint,
-)
+from runtime import Tokenizer
 from runtime.grpo import collate_rollouts, completion_logprobs
 from runtime.rollout import make_reward_workers
-from runtime.testing import TINY_CONFIG
-from tests.conftest import import_script
+from tests.conftest import even_token_reward, import_script, run_grpo
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -33,52 +25,6 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def grpo_script():
     return import_script(REPO / "examples" / "grpo_smollm2" / "train.py", "grpo_smollm2_train")
-
-
-@pytest.fixture(scope="module")
-def even_model_dir(tmp_path_factory, smollm2_dir) -> Path:
-    """A tiny random Llama (SmolLM2 tokenizer) whose embedding's first coordinate is +0.1 for even
-    and -0.1 for odd token ids: "emit even ids" is then one direction of the hidden state, which
-    a few GRPO steps can learn (starting near 50%)."""
-    out = tmp_path_factory.mktemp("even_llama")
-    args = ModelArgs(
-        **{**TINY_CONFIG, "vocab_size": 49152},
-        rope_theta=100000.0,
-        max_position_embeddings=8192,
-        tie_word_embeddings=True,
-    )
-    model = build_model(args, device="cpu")
-    model.init_weights(generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        even = torch.arange(args.vocab_size) % 2 == 0
-        model.model.embed_tokens.weight[:, 0] = torch.where(even, 0.1, -0.1)
-    save_hf_checkpoint(model, out, args.to_hf_config())
-    copy_tokenizer_files(smollm2_dir, out)
-    return out
-
-
-@pytest.fixture(scope="module")
-def chain_sum_64(tmp_path_factory) -> Path:
-    rows = ensure_chain_sum().read_text().splitlines()[:64]
-    path = tmp_path_factory.mktemp("data") / "chain_sum64.jsonl"
-    path.write_text("\n".join(rows) + "\n")
-    return path
-
-
-def even_token_reward(completion_ids, **kwargs) -> float:
-    """Share of even token ids in the completion (learnable by the even_model_dir model)."""
-    return sum(t % 2 == 0 for t in completion_ids) / max(len(completion_ids), 1)
-
-
-def _run(script, model_dir, data, out_dir, *overrides) -> list[dict]:
-    args = [
-        "--model", str(model_dir), "--dataset", str(data), "--out_dir", str(out_dir),
-        "--dtype", "fp32", "--num_generations", "4", "--prompts_per_step", "2",
-        "--max_new_tokens", "6", "--micro_batch_size", "8", "--lr", "1e-2", "--warmup_steps", "0",
-        "--reward_weights", "1.0", "--save_final_model", "false", "--resume", "none",
-        *overrides,
-    ]  # fmt: skip
-    return script.main(args, reward_funcs=[even_token_reward])
 
 
 def test_import_starts_nothing(grpo_script):
@@ -174,7 +120,7 @@ def test_sync_is_on_policy_and_reproducible(
     grpo_script, ray_session, even_model_dir, chain_sum_64, tmp_path
 ):
     runs = [
-        _run(grpo_script, even_model_dir, chain_sum_64, tmp_path / f"run{i}", "--rollout", "sync", "--max_steps", "3")
+        run_grpo(grpo_script, even_model_dir, chain_sum_64, tmp_path / f"run{i}", "--rollout", "sync", "--max_steps", "3")
         for i in range(2)
     ]  # fmt: skip
     for step, metrics in enumerate(runs[0], start=1):
@@ -194,7 +140,7 @@ def test_sync_is_on_policy_and_reproducible(
 def test_staleness_bound(
     grpo_script, ray_session, even_model_dir, chain_sum_64, tmp_path, rollout, extra, bound
 ):
-    history = _run(
+    history = run_grpo(
         grpo_script,
         even_model_dir,
         chain_sum_64,
@@ -244,7 +190,7 @@ def test_weight_sync_from_fsdp_policy(grpo_script, ray_session, even_model_dir):
 def test_short_run_raises_mean_reward(
     grpo_script, ray_session, even_model_dir, chain_sum_64, tmp_path
 ):
-    history = _run(
+    history = run_grpo(
         grpo_script,
         even_model_dir,
         chain_sum_64,
