@@ -35,6 +35,8 @@ def _friendly(fn):
             return fn(*args, **kwargs)
         except (ScaffoldError, OSError, ValueError) as e:
             raise click.ClickException(str(e)) from e
+        except click.ClickException:  # already a one-line user error
+            raise
         except Exception as e:  # a bug of ours: still one line, the traceback on request
             if os.environ.get("SCAFFOLD_DEBUG"):
                 raise

@@ -55,14 +55,16 @@ ALGOS: dict[str, Algo] = {
             dataset="dpo_en_demo.json",
         ),
         # GRPO: its own skeleton (rollouts on Ray, reward functions, the GRPO loss); TRL's
-        # GRPOConfig default lr (1e-6) for full parameters. Only ac is wired into its model section.
+        # GRPOConfig default lr (1e-6) for full parameters. ac wraps its blocks, adamw8bit is its
+        # optimizer class; lce and optim-in-bwd replace SFT sections it does not have (its
+        # log-probs are already chunked; a step accumulates many micro-batches).
         Algo(
             "grpo",
             None,
             "GRPO: online RL with verifiable rewards, rollouts on Ray (sync / async / off-policy)",
             lr=1e-6,
             skeleton="grpo",
-            tricks=("ac",),
+            tricks=("ac", "adamw8bit"),
             dataset="chain_sum.jsonl",
         ),
         # LoRA GRPO: the lora template's slots in the grpo skeleton; the engines get merged weights
@@ -76,7 +78,7 @@ ALGOS: dict[str, Algo] = {
             "adapters off)",
             lr=1e-5,
             skeleton="grpo",
-            tricks=("ac",),
+            tricks=("ac", "adamw8bit"),
             dataset="chain_sum.jsonl",
         ),
         # KD: a feature of the SFT skeleton; its loss is already chunked, so no lce

@@ -51,6 +51,7 @@ Edit freely; `scaffold regen` merges template or option changes into your edits.
 
 # === 1. Imports ===
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -387,7 +388,8 @@ def build_optimizer(cfg: Config, model: torch.nn.Module):
         # DoRA's magnitudes [D_out]: decay would pull them toward 0, not toward the base's norms
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
-    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), fused=True)
+    optimizer_cls = functools.partial(torch.optim.AdamW, fused=True)  # one kernel over all tensors
+    optimizer = optimizer_cls(groups, lr=cfg.lr, betas=tuple(cfg.betas))
     scheduler = cosine_schedule_with_warmup(
         optimizer, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio
     )

@@ -43,6 +43,7 @@ Edit freely; `scaffold regen` merges template or option changes into your edits.
 
 # === 1. Imports ===
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -320,7 +321,8 @@ def build_optimizer(cfg: Config, model: torch.nn.Module):
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},  # norms and biases
     ]
-    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), fused=True)
+    optimizer_cls = functools.partial(torch.optim.AdamW, fused=True)  # one kernel over all tensors
+    optimizer = optimizer_cls(groups, lr=cfg.lr, betas=tuple(cfg.betas))
     scheduler = cosine_schedule_with_warmup(
         optimizer, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio
     )

@@ -204,3 +204,44 @@ def test_short_run_raises_mean_reward(
     assert all(math.isfinite(m["loss"]) for m in history)
     assert sum(rewards[-4:]) / 4 > sum(rewards[:3]) / 3 + 0.15, rewards
     assert (tmp_path / "metrics.jsonl").is_file()
+
+
+def test_adamw8bit_step_matches_adamw(grpo_script, even_model_dir, tmp_path):
+    """`--tricks adamw8bit`: torchao's AdamW8bit is the optimizer class, its moments are 8-bit,
+    and one GRPO step on fixed rollouts moves the weights as fp32 AdamW does (Adam's first update
+    is lr * m / sqrt(v) = lr * sign(g) up to the moments' quantization)."""
+    from torchao.optim import AdamW8bit
+
+    from generator.render import render
+    from generator.spec import Spec
+    from runtime.grpo import group_advantages
+    from runtime.rollout import Rollout
+
+    (tmp_path / "train.py").write_text(render(Spec(algo="grpo", tricks=("adamw8bit",), out="o")))
+    script8 = import_script(tmp_path / "train.py", "grpo_adamw8bit_train")
+    cfg = grpo_script.Config(
+        dtype="fp32", device="cpu", lr=1e-3, warmup_steps=0, micro_batch_size=4
+    )
+    _, mesh = grpo_script.setup_distributed(cfg)  # a 1-process group, removed after the test
+    rewards = [1.0, 0.0, 0.5, 0.0, 1.0, 1.0, 0.0, 0.25]
+    rollouts = [
+        Rollout([1, 2, 3 + i], [10 + i, 20, 30 + 2 * i], [-1.0] * 3, r, {}, 0, i // 4)
+        for i, r in enumerate(rewards)
+    ]
+    advantages, _ = group_advantages(torch.tensor(rewards), 4)
+    moved = {}
+    for name, script in (("adamw", grpo_script), ("adamw8bit", script8)):
+        model = script.build_policy(cfg, even_model_dir, mesh, torch.device("cpu"))
+        before = {k: v.detach().clone() for k, v in model.named_parameters()}
+        optimizer, scheduler = script.build_optimizer(cfg, model)
+        metrics = script.train_step(model, None, optimizer, scheduler, rollouts, advantages, 24, 2, cfg, torch.device("cpu"))  # fmt: skip
+        assert metrics["grad_norm"] > 0
+        moved[name] = {k: (v.detach() - before[k]) for k, v in model.named_parameters()}
+        if name == "adamw8bit":
+            assert isinstance(optimizer, AdamW8bit)
+            exp_avg = optimizer.state[model.model.layers[0].mlp.down_proj.weight]["exp_avg"]
+            assert type(exp_avg.to_local()).__name__ == "OptimState8bit"  # FSDP2: a DTensor
+    for k, ref in moved["adamw"].items():
+        got = moved["adamw8bit"][k]
+        assert ref.abs().max() > 0.5e-3, k  # lr 1e-3: most weights moved by about lr
+        torch.testing.assert_close(got, ref, atol=1e-6, rtol=0, msg=k)  # measured 1.2e-7
