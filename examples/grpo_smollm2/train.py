@@ -476,8 +476,16 @@ def next_rollouts(
         prompts that were in flight).
     """
     prefetch = {"sync": 0, "async": 1}.get(cfg.rollout, cfg.max_staleness)
+    # at most the batches already in flight can be too old; more means the engines' weights
+    # stopped advancing, and waiting would loop forever
+    max_dropped = (prefetch + 1) * cfg.prompts_per_step * cfg.num_generations
     groups, dropped, waited = [], 0, 0.0
     while len(groups) < cfg.prompts_per_step:
+        if dropped > max_dropped:
+            raise TimeoutError(
+                f"training policy version {version}: {dropped} rollouts in a row were more than {staleness_bound(cfg)} "
+                f"version(s) old (the engines sample version {pipeline.version}); weights are not reaching the engines"
+            )
         while len(pipeline.pending) < prefetch + 1:
             pipeline.position, prompts = next(batches)
             # sampling seed = f(seed, the batch's data position): a resumed sync run samples what

@@ -245,3 +245,24 @@ def test_adamw8bit_step_matches_adamw(grpo_script, even_model_dir, tmp_path):
         got = moved["adamw8bit"][k]
         assert ref.abs().max() > 0.5e-3, k  # lr 1e-3: most weights moved by about lr
         torch.testing.assert_close(got, ref, atol=1e-6, rtol=0, msg=k)  # measured 1.2e-7
+
+
+def test_engines_without_new_weights_fail_instead_of_looping(
+    grpo_script, ray_session, even_model_dir, chain_sum_64
+):
+    """Sync mode trains only samples of the current version; if pushes stop, every batch is too
+    old and dropped: a clear error after the batches that could legitimately be stale, not an
+    endless loop."""
+    cfg = grpo_script.Config(
+        model=str(even_model_dir), dataset=str(chain_sum_64), dtype="fp32", device="cpu",
+        rollout="sync", num_generations=2, prompts_per_step=2, max_new_tokens=2, reward_weights=[1.0],
+    )  # fmt: skip
+    tokenizer = Tokenizer.from_dir(even_model_dir)
+    pipeline = grpo_script.start_rollout(cfg, even_model_dir, tokenizer, [even_token_reward])
+    batches = grpo_script.prompt_batches(grpo_script.load_prompts(cfg, tokenizer), 2, seed=0)
+    try:
+        with pytest.raises(TimeoutError, match=r"training policy version 3: 8 rollouts in a row"):
+            grpo_script.next_rollouts(pipeline, batches, cfg, version=3)  # engines still at 0
+        assert pipeline.buffer.dropped == 8
+    finally:
+        pipeline.shutdown()
