@@ -47,6 +47,7 @@ from tqdm import tqdm
 
 from runtime import (
     IGNORE_INDEX,
+    ConfigError,
     MetricsLogger,
     ModelArgs,
     ResumableDistributedSampler,
@@ -194,7 +195,7 @@ def validate(cfg: Config) -> None:
     if cfg.logprob_num_chunks < 1:
         errors.append(f"logprob_num_chunks={cfg.logprob_num_chunks}: must be >= 1")
     if errors:
-        raise ValueError("invalid config: " + "; ".join(errors))
+        raise ConfigError("invalid config: " + "; ".join(errors))
 
 
 # === 3. Distributed + mesh ===
@@ -787,4 +788,6 @@ if __name__ == "__main__":
     except (ValueError, OSError, FloatingPointError) as e:
         if os.environ.get("SCAFFOLD_DEBUG"):
             raise  # SCAFFOLD_DEBUG=1 python train.py ...: the full traceback
+        if isinstance(e, ConfigError) and int(os.environ.get("RANK", "0")) > 0:
+            raise SystemExit(1) from None  # the same on every torchrun rank: rank 0 prints it
         raise SystemExit(f"error: {' '.join(str(e).split())}") from None

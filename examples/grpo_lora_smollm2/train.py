@@ -69,6 +69,7 @@ from tqdm import tqdm
 from runtime import (
     IGNORE_INDEX,
     LORA_TARGET_MODULES,
+    ConfigError,
     MetricsLogger,
     ModelArgs,
     RolloutPipeline,
@@ -259,7 +260,7 @@ def validate(cfg: Config, reward_funcs: list | None = None) -> None:
         if cfg.resume_adapter and not (Path(cfg.resume_adapter) / name).is_file():
             errors.append(f"resume_adapter={cfg.resume_adapter!r}: {name} not found there")
     if errors:
-        raise ValueError("invalid config: " + "; ".join(errors))
+        raise ConfigError("invalid config: " + "; ".join(errors))
 
 
 # === 3. Distributed + mesh ===
@@ -852,4 +853,6 @@ if __name__ == "__main__":
     except (ValueError, OSError, FloatingPointError, TimeoutError) as e:
         if os.environ.get("SCAFFOLD_DEBUG"):
             raise  # SCAFFOLD_DEBUG=1 python train.py ...: the full traceback
+        if isinstance(e, ConfigError) and int(os.environ.get("RANK", "0")) > 0:
+            raise SystemExit(1) from None  # the same on every torchrun rank: rank 0 prints it
         raise SystemExit(f"error: {' '.join(str(e).split())}") from None

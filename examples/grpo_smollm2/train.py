@@ -60,6 +60,7 @@ from tqdm import tqdm
 
 from runtime import (
     IGNORE_INDEX,
+    ConfigError,
     MetricsLogger,
     ModelArgs,
     RolloutPipeline,
@@ -209,7 +210,7 @@ def validate(cfg: Config, reward_funcs: list | None = None) -> None:
     ]  # fmt: skip
     errors = [message for holds, message in checks if not holds]
     if errors:
-        raise ValueError("invalid config: " + "; ".join(errors))
+        raise ConfigError("invalid config: " + "; ".join(errors))
 
 
 # === 3. Distributed + mesh ===
@@ -773,4 +774,6 @@ if __name__ == "__main__":
     except (ValueError, OSError, FloatingPointError, TimeoutError) as e:
         if os.environ.get("SCAFFOLD_DEBUG"):
             raise  # SCAFFOLD_DEBUG=1 python train.py ...: the full traceback
+        if isinstance(e, ConfigError) and int(os.environ.get("RANK", "0")) > 0:
+            raise SystemExit(1) from None  # the same on every torchrun rank: rank 0 prints it
         raise SystemExit(f"error: {' '.join(str(e).split())}") from None

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from generator.cli import cli
@@ -44,3 +45,25 @@ def test_single_node_launch_file_runs_two_gloo_processes(tiny_model_dir, small_d
     losses = [row["loss"] for row in rows if "loss" in row]
     assert len(losses) == 2 and all(x == x and x > 0 for x in losses)  # finite, 2 steps
     assert (tmp_path / "out" / "model" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("bad", [["--lr", "-1"], ["--learning_rate", "1e-4"]])
+def test_config_error_under_torchrun_is_printed_once(bad, tmp_path):
+    """A bad config is the same on every rank: rank 0 prints the one-line error, the other
+    ranks exit with status 1 silently, so the message is not repeated once per process."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(REPO / "examples" / "sft_smollm2" / "train.py"), *bad],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, output[-3000:]
+    assert ("lr=-1.0" if bad[0] == "--lr" else "unknown key 'learning_rate'") in errors[0]
+    assert "Traceback" not in output
