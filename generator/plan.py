@@ -24,13 +24,20 @@ What is simulated, and what is not:
   completion tokens (the longest rows the script trains on; the script's Config defaults, or
   --max-seq-len = prompt + completion with the prompt length kept), rank 0's share of them over
   the trainer ranks, and the frozen reference when kl_coef > 0 (`--kl-coef`; the Config's
-  default 0 loads none). Micro-batches from the second on repeat the second's memory exactly,
+  default 0 loads none). --algo grpo-lora runs the same step on its own script: `build_policy`
+  adds the adapters of the Config's defaults (LoRA rank 8 on q/k/v/o/gate/up/down; --peft dora
+  adds DoRA's magnitudes) on meta and freezes the base before fully_shard, so gradients and AdamW
+  state are the adapters' only; its KL reference (kl_coef > 0) is the policy with the adapters
+  off (`adapters_disabled`, one more no-grad forward per micro-batch), no second model, as its
+  main() does. Micro-batches from the second on repeat the second's memory exactly,
   so at most SIMULATED_MICRO_BATCHES run per step. The rollout engines (vLLM or the runtime's
   sampler, on Ray) are not simulated: their memory is a computed estimate (`engine_estimate`),
-  reported beside the trainer's, and added to the trainer's when they share its GPU. Nor is the
-  weight sync after each step (`gather_hf_state_dict`): on the GPU it adds one full parameter
-  at a time after the gradients are freed, below the step's peak; rank 0 keeps the gathered
-  bf16 weights in host memory for the push, which the plan does not count.
+  reported beside the trainer's, and added to the trainer's when they share its GPU (grpo-lora's
+  engines hold the merged plain model: the same estimate). Nor is the weight sync after each
+  step (`gather_hf_state_dict`; grpo-lora's `gather_merged_hf_state_dict` computes each merged
+  weight W + lora_scale * B A in fp32): on the GPU it adds one full parameter (merged: and its
+  temporaries) at a time after the gradients are freed, below the step's peak; rank 0 keeps the
+  gathered bf16 weights in host memory for the push, which the plan does not count.
 - Data-dependent branches take the path of a healthy step: `torch.isfinite(grad_norm)` is True
   (the optimizer steps), a boolean mask selects every position (GRPO's label mask: the
   completion tokens, as many as its rows have), and a number read on the host (the step's
