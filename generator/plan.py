@@ -1076,8 +1076,9 @@ def format_result(result: PlanResult, gpu_label: str, gpu_gib: float) -> str:
                 else "no KL reference (kl_coef 0, the script's default; --kl-coef > 0 adds a "
                 "no-grad forward with the adapters off, no second model)"
             )
+            kind = "DoRA" if adapters["peft"] == "dora" else "LoRA"
             reference = (
-                f"{adapters['peft'].upper()} adapters of rank {adapters['lora_rank']} on "
+                f"{kind} adapters of rank {adapters['lora_rank']} on "
                 f"{','.join(adapters['lora_target_modules'])} (the script's Config), the base "
                 f"frozen (no gradients, no optimizer state); {reference}"
             )

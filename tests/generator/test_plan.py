@@ -456,7 +456,7 @@ def test_grpo_lora_trainer_simulation_matches_real_steps(process_group, tiny_mod
                                 "down_proj"],
     }  # fmt: skip
     text = format_result(with_ref, "24", 24.0)
-    assert "LORA adapters of rank 8 on q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj," in text
+    assert "LoRA adapters of rank 8 on q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj," in text
     assert "the policy with its adapters off (kl_coef 0.05" in text and "no second model" in text
     # the engines hold the merged plain model: bf16 weights of every base parameter, as grpo's
     full = ModelArgs.from_hf_config(read_hf_config(tiny_model_dir)).num_params()
