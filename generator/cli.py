@@ -267,7 +267,8 @@ def _plan_summary(spec: Spec, gpu: tuple[str, float] | None) -> None:
     "--kl-coef",
     type=float,
     default=None,
-    help="--algo grpo: > 0 adds the frozen reference model the script then builds "
+    help="--algo grpo / grpo-lora: > 0 adds the KL reference the script then uses (grpo: a "
+    "frozen model it builds; grpo-lora: the policy with its adapters off, no second model) "
     "[default: the script's Config, 0: none].",
 )
 @click.option(
@@ -297,8 +298,9 @@ def plan(
     (no memory, no GPU) with a fake process group of gpus x nodes ranks, and PyTorch's memory
     tracker; prints parameters, gradients, optimizer state, activations, temporaries and the
     peak of one rank, a fits / does not fit verdict, and what would make it fit.
-    --algo grpo: the trainer's (gpus - engine_gpus) x nodes ranks, stepping on rollouts of the
-    script's lengths; the rollout engines' memory is a computed estimate beside it.
+    --algo grpo / grpo-lora: the trainer's (gpus - engine_gpus) x nodes ranks, stepping on
+    rollouts of the script's lengths; the rollout engines' memory is a computed estimate beside
+    it.
 
     \b
     Examples:

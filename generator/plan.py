@@ -24,13 +24,20 @@ What is simulated, and what is not:
   completion tokens (the longest rows the script trains on; the script's Config defaults, or
   --max-seq-len = prompt + completion with the prompt length kept), rank 0's share of them over
   the trainer ranks, and the frozen reference when kl_coef > 0 (`--kl-coef`; the Config's
-  default 0 loads none). Micro-batches from the second on repeat the second's memory exactly,
+  default 0 loads none). --algo grpo-lora runs the same step on its own script: `build_policy`
+  adds the adapters of the Config's defaults (LoRA rank 8 on q/k/v/o/gate/up/down; --peft dora
+  adds DoRA's magnitudes) on meta and freezes the base before fully_shard, so gradients and AdamW
+  state are the adapters' only; its KL reference (kl_coef > 0) is the policy with the adapters
+  off (`adapters_disabled`, one more no-grad forward per micro-batch), no second model, as its
+  main() does. Micro-batches from the second on repeat the second's memory exactly,
   so at most SIMULATED_MICRO_BATCHES run per step. The rollout engines (vLLM or the runtime's
   sampler, on Ray) are not simulated: their memory is a computed estimate (`engine_estimate`),
-  reported beside the trainer's, and added to the trainer's when they share its GPU. Nor is the
-  weight sync after each step (`gather_hf_state_dict`): on the GPU it adds one full parameter
-  at a time after the gradients are freed, below the step's peak; rank 0 keeps the gathered
-  bf16 weights in host memory for the push, which the plan does not count.
+  reported beside the trainer's, and added to the trainer's when they share its GPU (grpo-lora's
+  engines hold the merged plain model: the same estimate). Nor is the weight sync after each
+  step (`gather_hf_state_dict`; grpo-lora's `gather_merged_hf_state_dict` computes each merged
+  weight W + lora_scale * B A in fp32): on the GPU it adds one full parameter (merged: and its
+  temporaries) at a time after the gradients are freed, below the step's peak; rank 0 keeps the
+  gathered bf16 weights in host memory for the push, which the plan does not count.
 - Data-dependent branches take the path of a healthy step: `torch.isfinite(grad_norm)` is True
   (the optimizer steps), a boolean mask selects every position (GRPO's label mask: the
   completion tokens, as many as its rows have), and a number read on the host (the step's
@@ -62,7 +69,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from generator.features import ALGOS, TRICKS
+from generator.features import ALGOS, PEFT_ALGOS, TRICKS
 from generator.spec import ScaffoldError, Spec, model_config, trainer_gpus, validate_spec
 
 GIB = 2**30
@@ -90,7 +97,7 @@ MAX_SUGGESTED_WORLD = 1024  # "more GPUs" doubles the GPU count up to this many 
 # byte of the peak, only the time (a 70B rank with 16 micro-batches per step: 2 instead of 16).
 SIMULATED_MICRO_BATCHES = 2
 # Algorithms of the GRPO skeleton the planner has been checked on against real gloo runs
-GRPO_SIMULATED = ("grpo",)
+GRPO_SIMULATED = ("grpo", "grpo-lora")
 UNSIMULATED_TRICKS = {
     "compile": "inductor fuses temporaries, which fake tensors cannot model",
     "offload": "activations move to pinned host memory on a side stream, outside the simulation",
@@ -165,6 +172,13 @@ def is_grpo(spec: Spec) -> bool:
     return ALGOS[spec.algo].skeleton == "grpo"
 
 
+def has_adapters(spec: Spec) -> bool:
+    """The spec trains LoRA/DoRA adapters on a frozen base (grpo-lora in the GRPO skeleton): its
+    `build_policy` takes no `trainable` argument, and its KL reference is the policy itself with
+    the adapters off (`adapters_disabled`), so kl_coef > 0 builds no second model."""
+    return spec.algo in PEFT_ALGOS
+
+
 def check_simulable(
     spec: Spec, micro_batch_size: int | None, max_seq_len: int | None, kl_coef: float | None = None
 ) -> None:
@@ -187,8 +201,9 @@ def check_simulable(
         )
     if kl_coef is not None and (not is_grpo(spec) or not kl_coef >= 0):
         raise PlanError(
-            f"--kl-coef {kl_coef}: a GRPO option (> 0 adds the frozen reference model, 0 has "
-            "none); give it with --algo grpo, as a number >= 0"
+            f"--kl-coef {kl_coef}: a GRPO option (> 0 adds the KL reference: a frozen model for "
+            "grpo, a no-grad forward with the adapters off for grpo-lora; 0 has none); give it "
+            "with --algo grpo or grpo-lora, as a number >= 0"
         )
     assert is_grpo(spec) or None not in (micro_batch_size, max_seq_len), (
         "only GRPO reads its micro-batch and lengths from the script's Config"
@@ -567,8 +582,8 @@ def grpo_config(
     if max_seq_len is not None:
         if max_seq_len <= defaults.max_prompt_len:
             raise PlanError(
-                f"--max-seq-len {max_seq_len} with --algo grpo: it is prompt + completion tokens "
-                f"per rollout and the script's prompts take up to max_prompt_len = "
+                f"--max-seq-len {max_seq_len} with --algo {spec.algo}: it is prompt + completion "
+                f"tokens per rollout and the script's prompts take up to max_prompt_len = "
                 f"{defaults.max_prompt_len}; give more than {defaults.max_prompt_len} (the "
                 f"completion gets the rest; the default is {defaults.max_prompt_len} + "
                 f"{defaults.max_new_tokens})"
@@ -642,8 +657,9 @@ def measure_grpo_step(
     script, model_dir: Path, micro_batch_size: int | None, max_seq_len: int | None, spec: Spec,
     fake: bool, kl_coef: float | None = None, max_micro_batches: int = SIMULATED_MICRO_BATCHES,
 ) -> dict:  # fmt: skip
-    """The GRPO script's `setup_distributed`, `build_policy` (and the frozen reference when
-    kl_coef > 0, as its main() does), `build_optimizer`, and two `train_step`s on synthetic
+    """The GRPO script's `setup_distributed`, `build_policy` (and, for grpo, the frozen
+    reference when kl_coef > 0, as its main() does; grpo-lora's reference is the policy with its
+    adapters off, no second model), `build_optimizer`, and two `train_step`s on synthetic
     rollouts (`synthetic_rollouts`) under `MemTracker`: this rank's share of the step, in at
     most `max_micro_batches` micro-batches per step.
 
@@ -671,7 +687,9 @@ def measure_grpo_step(
         with _fake_to_empty() if fake else contextlib.nullcontext(), _real_mesh_ops():
             model = script.build_policy(cfg, model_dir, mesh, dist_info.device)
             reference = None
-            if cfg.kl_coef > 0:  # as main(): the frozen reference is built only then
+            # as main(): grpo builds the frozen reference only when kl_coef > 0; grpo-lora never
+            # does (its reference is the policy with the adapters off, inside microbatch_loss)
+            if cfg.kl_coef > 0 and not has_adapters(spec):
                 reference = script.build_policy(
                     cfg, model_dir, mesh, dist_info.device, trainable=False
                 )
@@ -697,6 +715,13 @@ def measure_grpo_step(
         hook.remove()
         categories, peak = _peak_rows(tracker)
     del model, reference, optimizer, scheduler
+    adapters = None
+    if has_adapters(spec):  # grpo-lora: the adapters of the script's Config (its defaults)
+        adapters = {
+            "peft": "dora" if cfg.use_dora else "lora",
+            "lora_rank": cfg.lora_rank,
+            "lora_target_modules": list(cfg.lora_target_modules),
+        }
     rollout = {
         "prompt_len": cfg.max_prompt_len,
         "completion_len": cfg.max_new_tokens,
@@ -707,6 +732,7 @@ def measure_grpo_step(
         "micro_batches": num_micro,
         "simulated_micro_batches": micro,
         "kl_coef": cfg.kl_coef,
+        "adapters": adapters,
         **engine_layout(spec, cfg, model_dir),
     }
     return {
@@ -1041,11 +1067,27 @@ def format_result(result: PlanResult, gpu_label: str, gpu_gib: float) -> str:
     r = result
     if r.rollout:
         ro = r.rollout
-        reference = (
-            f"the frozen reference model (kl_coef {ro['kl_coef']:g})"
-            if ro["kl_coef"] > 0
-            else "no reference model (kl_coef 0, the script's default; --kl-coef > 0 adds it)"
-        )
+        adapters = ro.get("adapters")
+        if adapters:  # grpo-lora: the KL reference is the policy with its adapters off
+            reference = (
+                f"the KL reference is the frozen base, the policy with its adapters off (kl_coef "
+                f"{ro['kl_coef']:g}: one more no-grad forward per micro-batch, no second model)"
+                if ro["kl_coef"] > 0
+                else "no KL reference (kl_coef 0, the script's default; --kl-coef > 0 adds a "
+                "no-grad forward with the adapters off, no second model)"
+            )
+            kind = "DoRA" if adapters["peft"] == "dora" else "LoRA"
+            reference = (
+                f"{kind} adapters of rank {adapters['lora_rank']} on "
+                f"{','.join(adapters['lora_target_modules'])} (the script's Config), the base "
+                f"frozen (no gradients, no optimizer state); {reference}"
+            )
+        else:
+            reference = (
+                f"the frozen reference model (kl_coef {ro['kl_coef']:g})"
+                if ro["kl_coef"] > 0
+                else "no reference model (kl_coef 0, the script's default; --kl-coef > 0 adds it)"
+            )
         step = (
             f"{ro['rollouts_per_step']} rollouts per step ({ro['prompts_per_step']} prompts x "
             f"{ro['num_generations']}), {ro['rollouts_on_rank']} on this rank in "

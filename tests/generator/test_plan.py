@@ -13,6 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from generator.cli import cli
+from generator.features import ALGOS
 from generator.plan import (
     GIB,
     PlanError,
@@ -390,3 +391,119 @@ def test_cli_plan_and_new_print_the_grpo_engines(tiny_model_dir, tmp_path):
     assert result.exit_code != 0 and "give more than 256" in result.output
     with pytest.raises(PlanError, match="--kl-coef 0.1: a GRPO option"):
         check_simulable(Spec(model=str(tiny_model_dir)), 1, 128, kl_coef=0.1)
+
+
+# --- GRPO of LoRA adapters: the same trainer simulation, the base frozen ----------------------
+
+
+def _adapter_numbers(model_dir: Path, dora: bool = False) -> tuple[int, int]:
+    """(elements, tensors) of the adapters grpo-lora's Config adds (rank 8 on q, k, v, o, gate,
+    up, down), from the model's shapes: lora_A [r, D_in] + lora_B [D_out, r] per linear, plus
+    DoRA's magnitude [D_out]."""
+    a = ModelArgs.from_hf_config(read_hf_config(model_dir))
+    D, q, kv, inter, r = (
+        a.hidden_size, a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim,
+        a.intermediate_size, 8,
+    )  # fmt: skip
+    shapes = [(D, q), (D, kv), (D, kv), (q, D), (D, inter), (D, inter), (inter, D)]  # (in, out)
+    per_layer = sum(r * (d_in + d_out) + (d_out if dora else 0) for d_in, d_out in shapes)
+    tensors = len(shapes) * (3 if dora else 2)
+    return per_layer * a.num_hidden_layers, tensors * a.num_hidden_layers
+
+
+def _real_grpo_lora_rank(rank, world_size, spec_json, model_dir, tmp, kl_coef):
+    data = json.loads(spec_json)
+    spec = Spec(**dict(data, tricks=tuple(data["tricks"])))
+    return _measure_real_grpo(spec, Path(model_dir), Path(tmp) / f"rank{rank}", kl_coef)
+
+
+def test_grpo_lora_trainer_simulation_matches_real_steps(process_group, tiny_model_dir, tmp_path):
+    """grpo-lora's build_policy (adapters on meta, base frozen), build_optimizer and two
+    train_steps: simulated = real, per category, at 1 rank (LoRA, DoRA, and kl_coef > 0, whose
+    reference is the policy with its adapters off: no second model) and on each of 2 gloo ranks
+    (kl_coef > 0). Gradients and optimizer state are the adapters' only: fp32 gradients of the
+    adapter elements, AdamW's two fp32 moments plus a 4-byte step per adapter tensor."""
+    spec = _grpo_spec(tiny_model_dir, algo="grpo-lora", gpus=2, engine_gpus=1)
+    dora = replace(spec, peft="dora")
+    two = replace(spec, gpus=3)  # 2 trainer ranks
+    plain, with_dora = simulate([spec, dora], GRPO_MBS, GRPO_SEQ)
+    with_ref, two_ranks = simulate([spec, two], GRPO_MBS, GRPO_SEQ, kl_coef=0.05)
+    reals = [
+        (plain, _measure_real_grpo(spec, tiny_model_dir, tmp_path / "lora")),
+        (with_dora, _measure_real_grpo(dora, tiny_model_dir, tmp_path / "dora")),
+        (with_ref, _measure_real_grpo(spec, tiny_model_dir, tmp_path / "ref", 0.05)),
+    ]
+    args = (json.dumps(asdict(two)), str(tiny_model_dir), str(tmp_path / "two"), 0.05)
+    reals += [(two_ranks, r) for r in spawn(_real_grpo_lora_rank, world_size=2, args=args)]
+    for sim, real in reals:
+        _assert_agrees(sim, real)
+        assert sim.categories == real["categories"] and sim.peak == real["peak"]
+    n, tensors = _adapter_numbers(tiny_model_dir)
+    n_dora, tensors_dora = _adapter_numbers(tiny_model_dir, dora=True)
+    for sim, elements, count, ranks in [
+        (plain, n, tensors, 1), (with_dora, n_dora, tensors_dora, 1), (with_ref, n, tensors, 1),
+        (two_ranks, n, tensors, 2),
+    ]:  # fmt: skip
+        assert sim.world_size == ranks
+        assert sim.categories["gradients"] == 4 * elements // ranks  # the tiny shapes split evenly
+        assert sim.categories["optimizer state"] == 2 * 4 * elements // ranks + 4 * count
+    # kl_coef > 0 builds no reference model: the same parameters as without it
+    assert with_ref.categories["parameters"] == plain.categories["parameters"]
+    assert plain.rollout["adapters"] == {
+        "peft": "lora",
+        "lora_rank": 8,
+        "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                "down_proj"],
+    }  # fmt: skip
+    text = format_result(with_ref, "24", 24.0)
+    assert "LoRA adapters of rank 8 on q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj," in text
+    assert "the policy with its adapters off (kl_coef 0.05" in text and "no second model" in text
+    # the engines hold the merged plain model: bf16 weights of every base parameter, as grpo's
+    full = ModelArgs.from_hf_config(read_hf_config(tiny_model_dir)).num_params()
+    assert plain.rollout["weight_bytes"] == full * 2
+
+
+def test_grpo_lora_suggestions_are_valid_specs(tiny_model_dir, monkeypatch):
+    """The suggestion search for grpo-lora tries only tricks grpo-lora takes and only specs
+    validate_spec accepts: the tricks, then more nodes (simulations replaced by a peak that
+    halves with each doubling of the nodes, whatever the tricks)."""
+    import generator.plan as plan
+
+    spec = _grpo_spec(tiny_model_dir, algo="grpo-lora", gpus=2, engine_gpus=1)
+    tried = []
+
+    def fake_simulate(specs, mbs, seq, progress=None, kl_coef=None):
+        tried.extend(specs)
+        return [
+            PlanResult(
+                spec=s,
+                micro_batch_size=1,
+                max_seq_len=320,
+                world_size=s.nodes,
+                categories={"temporaries": 100 * GIB // s.nodes},
+                peak=100 * GIB // s.nodes,
+                logits=0,
+                seconds=0.0,
+            )
+            for s in specs
+        ]
+
+    monkeypatch.setattr(plan, "simulate", fake_simulate)
+    (base,) = fake_simulate([spec], None, None)
+    s = suggest(base, 40.0, None, None)  # 36 GiB usable: 2 nodes (50 GiB) do not fit, 4 (25) do
+    assert s.nodes == 4 and "ac" in s.added_tricks and s.result.spec.algo == "grpo-lora"
+    assert tried[1:] and all(set(t.tricks) <= set(ALGOS["grpo-lora"].tricks) for t in tried)
+    for t in tried:
+        validate_spec(t)
+
+
+def test_cli_new_grpo_lora_prints_its_plan_command(tiny_model_dir, tmp_path):
+    """`scaffold new --algo grpo-lora` is simulable now: without --gpu-memory it prints the
+    `scaffold plan --algo grpo-lora` command, not a refusal."""
+    model = ["--algo", "grpo-lora", "--model", str(tiny_model_dir)]
+    result = CliRunner().invoke(cli, ["new", *model, "--out", str(tmp_path / "g")])
+    assert result.exit_code == 0, result.output
+    assert f"memory per GPU: scaffold plan --algo grpo-lora --model {tiny_model_dir}" in (
+        result.output
+    )
+    check_simulable(Spec(algo="grpo-lora", model=str(tiny_model_dir)), None, None, kl_coef=0.1)
