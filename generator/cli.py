@@ -17,7 +17,13 @@ from generator import __version__
 from generator.catalog import MODELS
 from generator.features import ALGOS, PEFT_ALGOS, PEFT_METHODS, TRICKS
 from generator.plan import GPU_MEMORY_GIB, parse_gpu_memory
-from generator.spec import ScaffoldError, Spec, resolve_engine_layout, trainer_gpus
+from generator.spec import (
+    ScaffoldError,
+    Spec,
+    engine_weight_note,
+    resolve_engine_layout,
+    trainer_gpus,
+)
 
 SPEC_FILE = Path(".scaffold") / "spec.json"
 BASE_FILE = Path(".scaffold") / "train.py.base"
@@ -187,6 +193,9 @@ def new(
     click.echo(
         f"wrote {script} ({len(text.splitlines())} lines) and {', '.join(launch)}\nrun: {run}"
     )
+    note = engine_weight_note(spec)
+    if note:
+        click.echo(note)
     _plan_summary(spec, gpu)
 
 
@@ -518,7 +527,9 @@ def _regen_check(paths) -> None:
         click.echo(f"drift: {d} differs from a fresh render of its spec", err=True)
     if drifted:
         raise click.ClickException(
-            f"{len(drifted)} file(s) out of date; re-render with `scaffold new ... --force`"
+            f"{len(drifted)} file(s) out of date; update each directory with `scaffold regen DIR` "
+            "(keeps your edits), or overwrite it with the `scaffold new ... --force` command in its "
+            "train.py header"
         )
     click.echo(f"{len(dirs)} script(s) match their templates")
 

@@ -594,7 +594,9 @@ def grpo_config(
     if kl_coef is not None:
         overrides["kl_coef"] = kl_coef
     cfg = script.Config(**overrides)
-    script.validate(cfg)
+    # the trainer does not depend on the engine: validate it as if the engines were the runtime's,
+    # so planning a vLLM spec needs no vllm here (the engine estimate reads cfg.engine)
+    script.validate(replace(cfg, engine="runtime", engine_tensor_parallel_size=1))
     return cfg
 
 
@@ -898,9 +900,10 @@ def plan_command(spec: Spec, gpu_memory: str) -> str:
         parts += ["--peft", spec.peft]
     if spec.tricks:
         parts += ["--tricks", ",".join(spec.tricks)]
-    names = ("gpus", "nodes", "tp", "cp", "dp_replicate", "engine_gpus", "engine_tp", "dtype")
-    for name in names:
-        if getattr(spec, name) != getattr(default, name):
+    for name in (*spec.changed_layout_options(), "dtype"):
+        if name == "ep":
+            continue  # `scaffold plan` refuses MoE models
+        if getattr(spec, name) != getattr(default, name) or name.startswith("engine_"):
             parts += [f"--{name.replace('_', '-')}", str(getattr(spec, name))]
     return shlex.join([*parts, "--gpu-memory", gpu_memory])
 

@@ -31,7 +31,14 @@ import merge3
 
 from generator import __version__
 from generator.cli import BASE_FILE, LAUNCH_BASE_DIR, SPEC_FILE
-from generator.spec import ScaffoldError, Spec, SpecError, validate_spec
+from generator.spec import (
+    ROLLOUT_ALGOS,
+    ScaffoldError,
+    Spec,
+    SpecError,
+    resolve_engine_layout,
+    validate_spec,
+)
 
 SCRIPT = "train.py"
 ORIG = "train.py.orig"
@@ -180,6 +187,16 @@ def parse_settings(settings: tuple[str, ...] | list[str], spec: Spec) -> Spec:
         else:
             changes[key] = value
     new = dataclasses.replace(spec, **changes)
+    layout = {"algo", "gpus", "model", "engine_gpus", "engine_tp"}
+    if layout & set(changes) and new.algo in ROLLOUT_ALGOS:
+        # GRPO's engine layout: what was not set here is chosen again for the new spec, as
+        # `scaffold new` chooses it (the stored values were chosen for the old one)
+        engine_gpus, engine_tp = resolve_engine_layout(
+            new, changes.get("engine_gpus"), changes.get("engine_tp")
+        )
+        new = dataclasses.replace(new, engine_gpus=engine_gpus, engine_tp=engine_tp)
+    elif new.algo not in ROLLOUT_ALGOS and not {"engine_gpus", "engine_tp"} & set(changes):
+        new = dataclasses.replace(new, engine_gpus=0, engine_tp=1)  # e.g. --set algo=sft
     validate_spec(new)
     return new
 

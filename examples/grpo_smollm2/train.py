@@ -19,9 +19,9 @@ trainer processes it broadcasts every step's rollouts to the other ranks):
     python train.py                                   # 1 trainer process + local Ray
     python train.py --rollout sync --max_steps 20     # strictly on-policy
     torchrun --nproc-per-node 1 train.py --lr 1e-06 --max_steps 100
-    ray start --head && python train.py --ray_address auto --num_engines 4   # a Ray cluster
+    ray start --head && python train.py --ray_address auto   # join a running Ray cluster
 A Ray cluster's nodes must expose only the engines' GPUs to Ray
-(`CUDA_VISIBLE_DEVICES=... ray start ...`); the trainer uses cuda:0..LOCAL_WORLD_SIZE-1 of its nodes.
+(`CUDA_VISIBLE_DEVICES=... ray start --num-gpus ...`); the trainer uses cuda:0..LOCAL_WORLD_SIZE-1 of its nodes.
 
 Differs from Shao et al. 2024 (DeepSeekMath, arXiv:2402.03300) / Hugging Face TRL's GRPOTrainer:
 - One optimizer step per rollout batch (TRL's num_iterations=1), so the clipping ratio is taken
@@ -51,6 +51,7 @@ import random
 import re
 import time
 from dataclasses import dataclass, field
+from importlib.util import find_spec
 from pathlib import Path
 
 import torch
@@ -195,6 +196,10 @@ def validate(cfg: Config, reward_funcs: list | None = None) -> None:
         (len(cfg.reward_weights) == num_funcs, f"reward_weights has {len(cfg.reward_weights)} entries for {num_funcs} reward functions"),
         (cfg.rollout in ROLLOUTS, f"rollout={cfg.rollout!r}: choose one of {ROLLOUTS}"),
         (cfg.engine in ENGINES, f"engine={cfg.engine!r}: choose one of {ENGINES}"),
+        # a local Ray starts the engines from this Python: vllm must import here (cluster nodes have their own)
+        (cfg.engine != "vllm" or bool(cfg.ray_address) or find_spec("vllm") is not None,
+         "engine='vllm' but vllm is not installed in this Python; install it in its own venv (CUDA: `pip install vllm`; CPU: "
+         "the scaffold repository's scripts/vllm_venv.sh) and run train.py with that venv's python, or use --engine runtime"),
         (cfg.engine_tensor_parallel_size == 1 or cfg.engine == "vllm",
          f"engine_tensor_parallel_size={cfg.engine_tensor_parallel_size}: > 1 needs engine='vllm' (the runtime engine runs on one device)"),
         (0 < cfg.engine_gpu_memory_utilization <= 1 and cfg.engine_cpu_kv_cache_gib > 0,

@@ -149,7 +149,7 @@ class Case:
     read_only: directories (relative to {tmp}) created with mode 0o555.
     recipe: script cases: the example directory whose train.py runs (examples/<recipe>).
     script_args: script cases: replaces SCRIPT_ARGS (recipes with other config fields: GRPO).
-    when: "no_cuda" (skip on a CUDA machine); "not_root" / "root": a chmod-555 directory stops
+    when: "no_cuda" (skip on a CUDA machine); "no_vllm" (skip where vllm imports); "not_root" / "root": a chmod-555 directory stops
         only non-root users, so as root the read-only case writes under /sys instead.
     """
 
@@ -447,6 +447,9 @@ CASES = [
            r"lower --num_engines", when="no_cuda",
            files={"sums.jsonl": jsonl([{"question": "3 + 4 =", "answer": "7"}])},
            recipe="grpo_smollm2", script_args=GRPO_ARGS),
+    script("grpo-vllm-engine-without-vllm", ["--engine", "vllm"],
+           r"engine='vllm' but vllm is not installed in this Python", r"--engine runtime",
+           when="no_vllm", recipe="grpo_smollm2", script_args=GRPO_ARGS),
     script("grpo-tensor-parallel-runtime-engine", ["--engine_tensor_parallel_size", "2"],
            r"engine_tensor_parallel_size=2: > 1 needs engine='vllm'",
            recipe="grpo_smollm2", script_args=GRPO_ARGS),
@@ -455,7 +458,7 @@ CASES = [
              r"--engine-gpus 4 with --gpus 4", r"the trainer needs at least one", r"choose 0\.\.3"),
     scaffold("new-sft-with-engine-gpus",
              ["new", "--algo", "sft", "--gpus", "2", "--engine-gpus", "1", "--out", "{tmp}/o"],
-             r"rollout engines exist only for --algo grpo", r"drop both options"),
+             r"rollout engines exist only for --algo grpo", r"--engine-gpus 1: rollout engines", r"drop it"),
     script("kd-tokenizer-mismatch", ["--teacher", "{model}-teacher"],
            r"tokenizer mismatch: teacher {model}-teacher/tokenizer\.json \(49153 tokens\)",
            r"student {model}/tokenizer\.json \(49152 tokens\)", r"<\|teacher_only\|>",

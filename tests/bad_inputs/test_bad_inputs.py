@@ -52,6 +52,10 @@ def _skip_reason(case: Case) -> str | None:
         import torch
 
         return "a CUDA device is present" if torch.cuda.is_available() else None
+    if case.when == "no_vllm":
+        import importlib.util
+
+        return "vllm is installed here" if importlib.util.find_spec("vllm") else None
     if case.when in ("root", "not_root"):
         is_root = hasattr(os, "geteuid") and os.geteuid() == 0
         if is_root != (case.when == "root"):

@@ -9,7 +9,14 @@ from click.testing import CliRunner
 
 from generator.cli import cli, spec_from_options
 from generator.render import render
-from generator.spec import Spec, SpecError, build_answers, trainer_gpus, validate_spec
+from generator.spec import (
+    Spec,
+    SpecError,
+    build_answers,
+    engine_weight_note,
+    trainer_gpus,
+    validate_spec,
+)
 
 
 def _spec(model="smollm2-135m", gpus=1, nodes=1, engine_gpus=None, engine_tp=None, algo="grpo"):
@@ -98,3 +105,37 @@ def test_grpo_lora_gets_the_same_layout():
     spec = _spec("llama3.3-70b", 8, algo="grpo-lora")
     assert (spec.engine_gpus, spec.engine_tp) == (4, 4)
     assert "engine_tensor_parallel_size: int = 4 " in render(spec)
+
+
+def test_commands_spell_out_the_engine_layout_and_warn_on_big_engine_shards(tmp_path):
+    """`--engine-gpus 0` at 8 GPUs is not the CLI default (4): the header's command and the
+    printed plan line must keep it; an engine GPU holding > 40 GiB of weights is pointed out."""
+    out = tmp_path / "e0"
+    result = CliRunner().invoke(
+        cli, ["new", "--algo", "grpo", "--model", "llama3.3-70b", "--gpus", "8",
+              "--engine-gpus", "0", "--out", str(out)],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "--gpus 8 --engine-gpus 0 --engine-tp 1" in (out / "train.py").read_text()
+    assert (
+        "scaffold plan --algo grpo --model llama3.3-70b --gpus 8 --engine-gpus 0" in result.output
+    )
+    assert "note: the GPU the engines share with the trainer holds 131.4 GiB" in result.output
+    six = _spec("llama3.3-70b", 8, engine_gpus=6)  # tp must divide 6 and 64 heads: at most 2
+    assert six.engine_tp == 2
+    assert "6 engine GPU(s) per node holds 65.7 GiB" in engine_weight_note(six)
+    assert engine_weight_note(_spec("llama3.3-70b", 8)) == ""  # the default: 32.9 GiB
+    assert "--engine-gpus" not in _spec("smollm2-135m", 1).command()  # 1 GPU: nothing to spell
+    assert "--engine" not in Spec(gpus=8).command()  # SFT has no engines
+
+
+def test_regen_chooses_the_engine_layout_again(tmp_path):
+    from generator.regen import parse_settings
+
+    spec = _spec("llama3.3-70b", 8)  # 4 engine GPUs, tp 4
+    assert (parse_settings(["engine_gpus=2"], spec).engine_tp) == 2  # tp 4 no longer divides
+    smaller = parse_settings(["gpus=4"], spec)
+    assert (smaller.engine_gpus, smaller.engine_tp) == (2, 2)
+    assert parse_settings(["engine_tp=2"], spec).engine_gpus == 4  # kept
+    sft = parse_settings(["algo=sft"], spec)
+    assert (sft.engine_gpus, sft.engine_tp) == (0, 1)

@@ -339,20 +339,22 @@ def test_grpo_engine_estimate_and_verdict(tmp_path):
 
 
 def test_grpo_suggests_more_nodes_not_more_gpus_per_node(tiny_model_dir):
-    """GRPO takes only the ac trick; past it, more trainer GPUs means more nodes of the same
-    layout (the engine GPUs of each node stay the engines'), a spec validate_spec accepts."""
+    """GRPO takes the ac and adamw8bit tricks; past them, more trainer GPUs means more nodes of
+    the same layout (the engine GPUs of each node stay the engines'), a spec validate_spec
+    accepts."""
     spec = _grpo_spec(tiny_model_dir, gpus=2, engine_gpus=1)
-    base, ac, ac_two_nodes = simulate(
-        [spec, replace(spec, tricks=("ac",)), replace(spec, tricks=("ac",), nodes=2)],
+    both = ("adamw8bit", "ac")
+    base, tricks, tricks_two_nodes = simulate(
+        [spec, replace(spec, tricks=both), replace(spec, tricks=both, nodes=2)],
         GRPO_MBS,
         GRPO_SEQ,
     )
-    assert ac_two_nodes.peak < ac.peak < base.peak
-    gpu_gib = (ac.peak + ac_two_nodes.peak) / 2 / GIB / 0.9  # between the two, after headroom
+    assert tricks_two_nodes.peak < tricks.peak < base.peak
+    gpu_gib = (tricks.peak + tricks_two_nodes.peak) / 2 / GIB / 0.9  # between the two
     s = suggest(base, gpu_gib, GRPO_MBS, GRPO_SEQ)
-    assert (s.added_tricks, s.nodes, s.gpus) == (("ac",), 2, 2)
-    assert s.result.spec == replace(spec, tricks=("ac",), nodes=2)
-    assert s.result.peak == ac_two_nodes.peak
+    assert (s.added_tricks, s.nodes, s.gpus) == (both, 2, 2)
+    assert s.result.spec == replace(spec, tricks=("ac", "adamw8bit"), nodes=2)  # registry order
+    assert s.result.peak == tricks_two_nodes.peak
     validate_spec(s.result.spec)
 
 

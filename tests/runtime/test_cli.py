@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from runtime.cli import ConfigError, parse
+from runtime.cli import ConfigError, help_text, parse
 
 
 @dataclass
@@ -110,3 +110,21 @@ def test_help_lists_every_key_with_type_default_and_comment(tmp_path, capsys, mo
     with pytest.raises(SystemExit):
         parse(module.Config, ["-h"])
     assert capsys.readouterr().out == ""
+
+
+@dataclass
+class _WrappedConfig:
+    # timeouts
+    weight_sync_timeout_s: float = (
+        300.0  # an engine that has not loaded new weights by then is an error
+    )
+    reward_weights: list[float] = field(default_factory=lambda: [1.0, 0.2])  # per reward function
+    plain: int = 3  # a plain one
+
+
+def test_help_keeps_comments_of_fields_the_formatter_wrapped():
+    text = help_text(_WrappedConfig)
+    assert "--weight_sync_timeout_s float (default: 300.0)  an engine that has not loaded" in text
+    assert "--reward_weights list[float] (default: [1.0, 0.2])  per reward function" in text
+    assert "--plain int (default: 3)  a plain one" in text
+    assert "# timeouts" in text

@@ -184,6 +184,23 @@ def test_cpu_head_dim_without_kernel_fails_up_front(tmp_path):
         VLLMEngine(str(tmp_path), enforce_eager=True, skip_tokenizer_init=True)
 
 
+def _saved_model_and_engine(args: ModelArgs, model_dir, **engine_kwargs):
+    """A random runtime model of `args` (INIT_STD, seed 0) saved to model_dir, and a VLLMEngine
+    started on it (fp32, eager, token ids only, a 32 MiB KV cache)."""
+    model = build_model(args, device="cpu")
+    model.init_weights(std=INIT_STD, generator=torch.Generator().manual_seed(0))
+    save_hf_checkpoint(model, model_dir, args.to_hf_config())
+    engine = VLLMEngine(
+        str(model_dir),
+        enforce_eager=True,
+        max_model_len=MAX_MODEL_LEN,
+        kv_cache_memory_bytes=32 * 2**20,
+        skip_tokenizer_init=True,
+        **engine_kwargs,
+    )
+    return model, engine
+
+
 def test_weight_sync_with_tied_embeddings(tmp_path):
     """Tied models (SmolLM2, Qwen3-0.6B): `named_parameters()` has no lm_head.weight, and vLLM's
     layerwise reload would leave its tied head on the old embedding (log-probs off by 0.8,
@@ -193,17 +210,7 @@ def test_weight_sync_with_tied_embeddings(tmp_path):
         max_position_embeddings=MAX_MODEL_LEN,
         tie_word_embeddings=True,
     )
-    model = build_model(args, device="cpu")
-    model.init_weights(std=INIT_STD, generator=torch.Generator().manual_seed(0))
-    save_hf_checkpoint(model, tmp_path, args.to_hf_config())
-    engine = VLLMEngine(
-        str(tmp_path),
-        enforce_eager=True,
-        max_model_len=MAX_MODEL_LEN,
-        kv_cache_memory_bytes=32 * 2**20,
-        skip_tokenizer_init=True,
-        max_num_seqs=4,
-    )
+    model, engine = _saved_model_and_engine(args, tmp_path, max_num_seqs=4)
     try:
         sequence, prompt_len = [3, 14, 15, 92, 65, 35, 89, 79], 3
         with torch.no_grad():
@@ -224,15 +231,9 @@ def test_tensor_parallel_engine_samples_and_syncs_like_the_runtime(tmp_path):
     of every attention head group and MLP, so the sampled-token log-probs and, after an update of
     full tensors that every worker shards for itself, the scores must still equal the runtime
     model's. A third engine, so about 25 s more."""
-    model = build_model(ARGS, device="cpu")
-    model.init_weights(std=INIT_STD, generator=torch.Generator().manual_seed(0))
-    save_hf_checkpoint(model, tmp_path, ARGS.to_hf_config())
-    engine = VLLMEngine(
-        str(tmp_path),
-        enforce_eager=True,
-        max_model_len=MAX_MODEL_LEN,
-        kv_cache_memory_bytes=32 * 2**20,
-        skip_tokenizer_init=True,
+    model, engine = _saved_model_and_engine(
+        ARGS,
+        tmp_path,
         max_num_seqs=8,
         tensor_parallel_size=2,
         distributed_executor_backend="mp",  # as make_engine_actor starts it inside a Ray actor
