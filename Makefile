@@ -34,7 +34,7 @@ test: install
 	$(BIN)/python -m pytest -q
 
 # vLLM engine tests (tests/vllm, marker vllm) in their own venv: 1.5-2.5 min install once (3.5 GB),
-# then about 1.5 min (two engine starts). addopts deselects `vllm` by default, so it is cleared here; pytest exits 5 (and
+# then about 2.5 min (four engine starts, one inside the GRPO script's Ray actor). addopts deselects `vllm` by default, so it is cleared here; pytest exits 5 (and
 # make fails) if no test was collected.
 test-vllm:
 	scripts/vllm_venv.sh $(VLLM_VENV)
