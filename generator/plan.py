@@ -900,11 +900,9 @@ def plan_command(spec: Spec, gpu_memory: str) -> str:
         parts += ["--peft", spec.peft]
     if spec.tricks:
         parts += ["--tricks", ",".join(spec.tricks)]
-    for name in (*spec.changed_layout_options(), "dtype"):
-        if name == "ep":
-            continue  # `scaffold plan` refuses MoE models
-        if getattr(spec, name) != getattr(default, name) or name.startswith("engine_"):
-            parts += [f"--{name.replace('_', '-')}", str(getattr(spec, name))]
+    names = [n for n in spec.layout_options() if n != "ep"]  # `scaffold plan` refuses MoE models
+    for name in (*names, *["dtype"] * (spec.dtype != default.dtype)):
+        parts += [f"--{name.replace('_', '-')}", str(getattr(spec, name))]
     return shlex.join([*parts, "--gpu-memory", gpu_memory])
 
 

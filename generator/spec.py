@@ -75,7 +75,7 @@ class Spec:
             data["tricks"] = tuple(data["tricks"])
         return cls(**data)  # fields missing in older spec.json files (e.g. peft) take defaults
 
-    def changed_layout_options(self) -> list[str]:
+    def layout_options(self) -> list[str]:
         """The parallel-layout fields a command line must spell out: those off their defaults,
         and GRPO's engine layout whenever a node has more than 1 GPU (the CLI then chooses it,
         so leaving it out would mean a possibly different layout)."""
@@ -96,9 +96,9 @@ class Spec:
             parts += ["--peft", self.peft]
         if self.tricks:
             parts += ["--tricks", ",".join(self.tricks)]
-        for name in (*self.changed_layout_options(), "dtype", "dataset"):
-            if getattr(self, name) != getattr(default, name) or name.startswith("engine_"):
-                parts += [f"--{name.replace('_', '-')}", str(getattr(self, name))]
+        names = [n for n in ("dtype", "dataset") if getattr(self, n) != getattr(default, n)]
+        for name in (*self.layout_options(), *names):
+            parts += [f"--{name.replace('_', '-')}", str(getattr(self, name))]
         parts += ["--out", self.out]
         return shlex.join(parts)
 

@@ -40,10 +40,8 @@ def alpaca_path() -> Path:
     return ensure_dataset("alpaca_en_demo.json")
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory, smollm2_dir) -> Path:
-    """2-layer, hidden-64 Llama (random, seed 0) with SmolLM2's real tokenizer (vocab 49152)."""
-    out = tmp_path_factory.mktemp("tiny_llama")
+def _tiny_tokenized_llama():
+    """STYLE.md's tiny Llama (random, seed 0) sized for SmolLM2's tokenizer (vocab 49152)."""
     args = ModelArgs(
         **{**TINY_CONFIG, "vocab_size": 49152},
         rope_theta=100000.0,
@@ -52,7 +50,15 @@ def tiny_model_dir(tmp_path_factory, smollm2_dir) -> Path:
     )
     model = build_model(args, device="cpu")
     model.init_weights(generator=torch.Generator().manual_seed(0))
-    save_hf_checkpoint(model, out, args.to_hf_config())
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, smollm2_dir) -> Path:
+    """2-layer, hidden-64 Llama (random, seed 0) with SmolLM2's real tokenizer (vocab 49152)."""
+    out = tmp_path_factory.mktemp("tiny_llama")
+    model = _tiny_tokenized_llama()
+    save_hf_checkpoint(model, out, model.args.to_hf_config())
     copy_tokenizer_files(smollm2_dir, out)
     return out
 
@@ -113,14 +119,8 @@ def even_model_dir(tmp_path_factory, smollm2_dir) -> Path:
     and -0.1 for odd token ids: "emit even ids" is then one direction of the hidden state, which
     a few GRPO steps can learn (starting near 50%)."""
     out = tmp_path_factory.mktemp("even_llama")
-    args = ModelArgs(
-        **{**TINY_CONFIG, "vocab_size": 49152},
-        rope_theta=100000.0,
-        max_position_embeddings=8192,
-        tie_word_embeddings=True,
-    )
-    model = build_model(args, device="cpu")
-    model.init_weights(generator=torch.Generator().manual_seed(0))
+    model = _tiny_tokenized_llama()
+    args = model.args
     with torch.no_grad():
         even = torch.arange(args.vocab_size) % 2 == 0
         model.model.embed_tokens.weight[:, 0] = torch.where(even, 0.1, -0.1)

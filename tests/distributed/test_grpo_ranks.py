@@ -14,11 +14,7 @@ DRIVER = """
 import sys
 sys.path.insert(0, {repo!r})
 from pathlib import Path
-from tests.conftest import import_script
-
-
-def even_token_reward(completion_ids, **kwargs):
-    return sum(t % 2 == 0 for t in completion_ids) / max(len(completion_ids), 1)
+from tests.conftest import even_token_reward, import_script
 
 
 if __name__ == "__main__":

@@ -33,11 +33,7 @@ DRIVER = r"""
 import json, sys
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
-from tests.conftest import import_script
-
-
-def even_token_reward(completion_ids, **kwargs):
-    return sum(t % 2 == 0 for t in completion_ids) / max(len(completion_ids), 1)
+from tests.conftest import even_token_reward, import_script
 
 
 if __name__ == "__main__":  # vLLM spawns its engine core: the script must be importable
