@@ -79,6 +79,7 @@ from runtime.parallel import (
     llama_tp_plan,
 )
 from runtime.rollout import (
+    HFWeightSource,
     ReplayBuffer,
     Rollout,
     RolloutPipeline,
@@ -110,6 +111,7 @@ __all__ = [
     "engine_gpu_ids",
     "collate_rollouts",
     "completion_logprobs",
+    "HFWeightSource",
     "gather_hf_state_dict",
     "gather_merged_hf_state_dict",
     "init_ray",

@@ -22,6 +22,7 @@ import sys
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -442,6 +443,88 @@ def gather_merged_hf_state_dict(
     return out
 
 
+class WeightMeta(NamedTuple):
+    """One tensor a weight transfer sends: HF name, dtype on the wire, full shape."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+class HFWeightSource:
+    """The policy's weights as the engines load them, one full tensor at a time, by HF name.
+
+    Implements vLLM's `WeightSource` protocol (`vllm.distributed.weight_transfer.base`):
+    `metadata()` lists (name, dtype, shape) without gathering anything, and each iteration yields
+    `(name, tensor)` pairs in that order, gathering one tensor at a time (`full_tensor()` of an
+    FSDP2/TP DTensor; a merged LoRA weight is computed), so no rank ever holds the whole model.
+    It is re-iterable: every pass reads the current parameters. Every trainer rank must iterate
+    it in lockstep (the gathers are collectives); only the sender's tensors are used.
+
+    The tensors are those `gather_hf_state_dict` (or, with `merged`, `gather_merged_hf_state_dict`)
+    returns, cast to `dtype` and moved to `device` (the transport's: CUDA for NCCL, CPU for gloo).
+    A tied `lm_head.weight` is sent too, as the embedding, right after it: vLLM's layerwise
+    reload gives the embedding a new tensor and would leave the tied head on the old one.
+
+    Args:
+        model: the runtime model (plain, FSDP2 or TP-sharded; LoRA/DoRA-wrapped with `merged`).
+        dtype: floating tensors are sent in this dtype (the engines' dtype, e.g. torch.bfloat16).
+        device: where the sent tensors live.
+        merged: send W + lora_scale * B A (DoRA rescaled) for every adapted linear, under the
+            base's names, and no adapter tensors.
+    """
+
+    def __init__(
+        self, model: nn.Module, dtype: torch.dtype, device: torch.device, merged: bool = False
+    ):
+        self.model, self.dtype, self.device, self.merged = (
+            model,
+            dtype,
+            torch.device(device),
+            merged,
+        )
+
+    def _tensors(self) -> dict:
+        from runtime.checkpoint import _TIED_KEYS, _is_tied, _reshard_fsdp, _tensors_to_save
+        from runtime.lora import merged_hf_tensors
+
+        _reshard_fsdp(self.model)  # a forward may leave the root's parameters gathered
+        hf_config = self.model.args.to_hf_config()
+        tensors = (merged_hf_tensors if self.merged else _tensors_to_save)(self.model, hf_config)
+        if not _is_tied(self.model):
+            return tensors
+        out = {}
+        for name, t in tensors.items():
+            out[name] = t
+            out.update({head: t for head, src in _TIED_KEYS.items() if src == name})
+        return out
+
+    def _wire_dtype(self, t) -> torch.dtype:
+        return self.dtype if t.dtype.is_floating_point else t.dtype
+
+    def metadata(self) -> list[WeightMeta]:
+        """(HF name, dtype sent, full shape) of every tensor, in iteration order (no gathers)."""
+        return [
+            WeightMeta(n, self._wire_dtype(t), tuple(t.shape)) for n, t in self._tensors().items()
+        ]
+
+    def __iter__(self):
+        from runtime.checkpoint import ComputedTensor
+
+        last_t, last_full = None, None  # a tied head follows its embedding and reuses it
+        for name, t in self._tensors().items():
+            if t is not last_t:
+                if isinstance(t, ComputedTensor):
+                    full = t.compute()
+                else:  # full_tensor(): a collective on every rank
+                    full = t.full_tensor() if hasattr(t, "full_tensor") else t
+                last_t, last_full = (
+                    t,
+                    full.detach().to(self.device, self._wire_dtype(t)).contiguous(),
+                )
+            yield name, last_full
+
+
 def push_weights(engines: list, state: dict[str, torch.Tensor], version: int) -> list:
     """Send one copy of `state` through the Ray object store to every engine (no wait).
 
@@ -572,6 +655,7 @@ class RolloutPipeline:
     batches_submitted: int = 0
     position: tuple = (0, 0)  # the caller's data position after the last submitted batch
     owns_ray: bool = False  # shutdown() also stops Ray
+    weight_transfer: object = None  # vLLM trainer-side transfer engine, made by the first transfer
 
     def submit(
         self, prompt_ids: list[list[int]], prompt_texts: list[str], answers: list[str], seed: int
@@ -663,6 +747,33 @@ class RolloutPipeline:
                 still.append((refs, version, pushed))
         self.sync_refs = still
 
+    def transfer_weights(self, source: HFWeightSource, version: int) -> None:
+        """Broadcast `source` to every engine as policy `version`, one tensor at a time, by vLLM's
+        weight-transfer engine (`runtime.weight_transfer`: NCCL on CUDA, gloo on CPU); the
+        vLLM engines only (started with `weight_transfer_config`).
+
+        Blocks until every engine has loaded it: each engine first finishes the generations
+        already queued on it (they keep the version they were submitted with). The first call
+        opens the transfer group (rank 0 of the trainer and every engine worker); later calls
+        reuse it, and `source` (re-iterable, read at every transfer) must be the same object.
+        The other trainer ranks iterate the same source alongside (its gathers are collectives).
+
+        Raises:
+            TimeoutError: an engine did not answer within weight_sync_timeout_s (names it).
+        """
+        from runtime.weight_transfer import start_weight_transfer  # imports vllm
+
+        self._check_pushes()
+        if self.weight_transfer is None:
+            self.weight_transfer = start_weight_transfer(
+                self.engines, source, self.weight_sync_timeout_s
+            )
+        elif self.weight_transfer.source is not source:
+            raise ValueError("transfer_weights: pass the same HFWeightSource at every transfer")
+        self.weight_transfer.client.version = version
+        self.weight_transfer.send_weights()
+        self.version = version
+
     def wait_weight_sync(self) -> None:
         """Block until every push is loaded everywhere (TimeoutError naming the engine)."""
         for refs, version, _ in self.sync_refs:
@@ -673,6 +784,9 @@ class RolloutPipeline:
         """Kill the engine and reward actors (and Ray itself when `owns_ray`)."""
         import ray
 
+        if self.weight_transfer is not None:
+            self.weight_transfer.shutdown()
+            self.weight_transfer = None
         for actor in [*self.engines, *self.reward_workers]:
             ray.kill(actor)
         self.engines, self.reward_workers, self.pending = [], [], deque()

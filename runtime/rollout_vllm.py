@@ -35,6 +35,7 @@ from __future__ import annotations
 import difflib
 import functools
 import os
+from importlib.util import find_spec
 from pathlib import Path
 
 import torch
@@ -346,6 +347,49 @@ class VLLMEngine:
         self._version = version
         return version
 
+    # --- collective weight transfer (runtime.weight_transfer; needs weight_transfer_config) ---
+    def transfer_workers(self) -> int:
+        """Worker processes of this engine (tensor x pipeline parallel): its ranks in a transfer."""
+        return self.llm.llm_engine.vllm_config.parallel_config.world_size
+
+    def init_weight_transfer(self, init_info: dict) -> None:
+        """Join the trainer's transfer group (every worker; blocks until the trainer hosts it)."""
+        self._transfer_rpc("init_weight_transfer_engine", init_info)
+
+    def start_weight_update(self) -> None:
+        """Begin a layerwise reload on every worker (after the generations queued before it)."""
+        self._transfer_rpc("start_weight_update")
+
+    def receive_weights(self, update_info: dict) -> None:
+        """Receive the tensors `update_info` lists (names, dtype_names, shapes) from the trainer's
+        broadcast and load them. The list is checked first, as `update_weights` checks its tensors.
+
+        Raises:
+            KeyError, ValueError: as `update_weights` (unknown name, missing tensor, wrong shape).
+        """
+        self._check_update({
+            n: torch.empty(shape, device="meta")
+            for n, shape in zip(update_info["names"], update_info["shapes"], strict=True)
+        })  # fmt: skip
+        self._transfer_rpc("update_weights", update_info)
+
+    def finish_weight_update(self, version: int) -> int:
+        """End the reload; later requests sample policy `version`. Returns it."""
+        self._transfer_rpc("finish_weight_update")
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        self._version = version
+        return version
+
+    def _transfer_rpc(self, method: str, *args) -> None:
+        try:
+            self.llm.collective_rpc(method, timeout=self.update_timeout_s, args=args)
+        except TimeoutError as e:
+            raise RuntimeError(
+                f"vLLM workers did not finish {method} within update_timeout_s="
+                f"{self.update_timeout_s} s; a worker is dead or stuck, or the trainer stopped "
+                "sending. Check the engine log."
+            ) from e
+
     def policy_version(self) -> int:
         """The policy version of the loaded weights (0 = as loaded from model_dir)."""
         return self._version
@@ -439,3 +483,9 @@ def _check_prompts(prompts: list[list[int]]) -> None:
 def _token_prompts(prompts: list[list[int]]) -> list[dict]:
     """vLLM TokensPrompt dicts: token ids in, no tokenizer involved."""
     return [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
+
+
+if find_spec("vllm") is not None:
+    # registers the "gloo" weight-transfer backend with vLLM; vLLM's workers import this module
+    # (worker_extension_cls) before they build their transfer engine
+    import runtime.weight_transfer  # noqa: F401

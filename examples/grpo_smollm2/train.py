@@ -14,6 +14,15 @@ GPU, --engine vllm is vLLM on engine_tensor_parallel_size GPUs per engine, its t
 GPU layout: the trainer and the engines share the GPU(s) (a local Ray gets all of them when none
 is left after the trainer's); on larger nodes give the engines their own (`scaffold new --engine-gpus`).
 
+Weight sync (--weight_transfer) after every optimizer step:
+- collective (vllm's default): rank 0 and every engine worker form one process group (vLLM's
+  weight-transfer engine: NCCL on CUDA, gloo on CPU); the trainer ranks gather one full tensor
+  at a time, rank 0 broadcasts it, each engine worker loads its shard. No full copy of the model
+  is made anywhere. Each engine first finishes the batches already queued on it.
+- object-store (the runtime engine's): the trainer ranks gather the full model to rank 0's host
+  memory, which sends it through the Ray object store to the engines without waiting for them.
+  Simple, but the whole model is copied to host memory, the object store and each engine's RPC.
+
 Launch (rank 0 is the Ray driver: it starts a local Ray, or joins --ray_address; with several
 trainer processes it broadcasts every step's rollouts to the other ranks):
     python train.py                                   # 1 trainer process + local Ray
@@ -62,6 +71,7 @@ from tqdm import tqdm
 from runtime import (
     IGNORE_INDEX,
     ConfigError,
+    HFWeightSource,
     MetricsLogger,
     ModelArgs,
     RolloutPipeline,
@@ -128,6 +138,7 @@ class Config:
     rollout: str = "async"  # "sync" | "async" | "off-policy" (see the docstring)
     max_staleness: int = 2  # off-policy: policy versions a trained sample may lag (sync 0, async 1)
     weight_sync_every_steps: int = 1  # off-policy: push weights to the engines every k steps
+    weight_transfer: str = "auto"  # "collective" (vllm), "object-store" or "auto" (vllm: collective); see the docstring
     engine: str = "runtime"  # "runtime" (KV-cache sampler, CPU or 1 GPU) or "vllm"
     num_engines: int = 1  # generator actors; each batch's prompts are split over them
     engine_tensor_parallel_size: int = 1  # vllm: GPUs per engine (vLLM tensor_parallel_size)
@@ -168,11 +179,19 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 ENGINE_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 ROLLOUTS = ("sync", "async", "off-policy")
 ENGINES = ("runtime", "vllm")
+WEIGHT_TRANSFERS = ("auto", "collective", "object-store")
 
 
 def staleness_bound(cfg: Config) -> int:
     """Policy versions a trained sample may lag behind the policy it updates."""
     return {"sync": 0, "async": 1}.get(cfg.rollout, cfg.max_staleness)
+
+
+def weight_transfer(cfg: Config) -> str:
+    """ "collective" or "object-store": how weights reach the engines ("auto": collective for vllm)."""
+    if cfg.weight_transfer == "auto":
+        return "collective" if cfg.engine == "vllm" else "object-store"
+    return cfg.weight_transfer
 
 
 def validate(cfg: Config, reward_funcs: list | None = None) -> None:
@@ -196,8 +215,12 @@ def validate(cfg: Config, reward_funcs: list | None = None) -> None:
         (len(cfg.reward_weights) == num_funcs, f"reward_weights has {len(cfg.reward_weights)} entries for {num_funcs} reward functions"),
         (cfg.rollout in ROLLOUTS, f"rollout={cfg.rollout!r}: choose one of {ROLLOUTS}"),
         (cfg.engine in ENGINES, f"engine={cfg.engine!r}: choose one of {ENGINES}"),
-        # a local Ray starts the engines from this Python: vllm must import here (cluster nodes have their own)
-        (cfg.engine != "vllm" or bool(cfg.ray_address) or find_spec("vllm") is not None,
+        (cfg.weight_transfer in WEIGHT_TRANSFERS, f"weight_transfer={cfg.weight_transfer!r}: choose one of {WEIGHT_TRANSFERS}"),
+        (weight_transfer(cfg) == "object-store" or cfg.engine == "vllm",
+         "weight_transfer='collective' needs engine='vllm' (vLLM's weight-transfer engine); the runtime engine uses 'object-store'"),
+        # a local Ray starts the engines from this Python, and the collective transfer's sender is vLLM's: vllm must
+        # import here (the nodes of a cluster have their own)
+        (cfg.engine != "vllm" or (bool(cfg.ray_address) and weight_transfer(cfg) == "object-store") or find_spec("vllm") is not None,
          "engine='vllm' but vllm is not installed in this Python; install it in its own venv (CUDA: `pip install vllm`; CPU: "
          "the scaffold repository's scripts/vllm_venv.sh) and run train.py with that venv's python, or use --engine runtime"),
         (cfg.engine_tensor_parallel_size == 1 or cfg.engine == "vllm",
@@ -438,6 +461,9 @@ def start_rollout(
             engine_kwargs["gpu_memory_utilization"] = cfg.engine_gpu_memory_utilization
         else:  # vLLM CPU would otherwise reserve gpu_memory_utilization (0.92) of the host's memory
             engine_kwargs["kv_cache_memory_bytes"] = int(cfg.engine_cpu_kv_cache_gib * 2**30)
+        if weight_transfer(cfg) == "collective":  # the trainer broadcasts from its own device
+            on_cuda = torch.cuda.is_available() and cfg.device != "cpu"
+            engine_kwargs["weight_transfer_config"] = {"backend": "nccl" if on_cuda else "gloo"}
     engines = [
         make_engine_actor(
             cfg.engine,
@@ -516,11 +542,28 @@ def next_rollouts(
     return groups, dropped, waited, pipeline.position
 
 
-def sync_weights(pipeline: RolloutPipeline | None, model, cfg: Config, version: int) -> float:
-    """Gather full weights (a collective on every rank) and push them to the engines as `version`
-    through the Ray object store; sync mode waits (its next batch needs them), the other modes let
-    the push queue behind the batches already generating. Returns seconds spent."""
+def sync_weights(
+    pipeline: RolloutPipeline | None,
+    model,
+    cfg: Config,
+    version: int,
+    source: HFWeightSource | None = None,
+) -> float:
+    """Send the policy to the engines as `version` (every rank calls this; rank 0 has the pipeline).
+
+    source given (--weight_transfer collective): rank 0 broadcasts it one tensor at a time to every engine
+    worker while the other ranks take part in its gathers; it returns once the engines have the weights.
+    None (object-store): the full weights are gathered to rank 0 and pushed through the Ray object store;
+    sync mode waits (its next batch needs them), the others let the push queue behind the batches already
+    generating. Returns seconds spent."""
     start = time.perf_counter()
+    if source is not None:
+        if pipeline is not None:
+            pipeline.transfer_weights(source, version)
+        else:
+            for _ in source:  # the gathers are collectives: every rank iterates
+                pass
+        return time.perf_counter() - start
     # every rank takes part in the gathers; rank 0 (the one with the pipeline) keeps the tensors
     state = gather_hf_state_dict(model, DTYPES[cfg.dtype], keep=pipeline is not None)
     if pipeline is not None:
@@ -685,8 +728,13 @@ def main(argv: list[str] | None = None, reward_funcs: list | None = None) -> lis
             )
     # rank 0 drives Ray; engines start from the checkpoint on disk, so a resumed policy is pushed once
     pipeline = start_rollout(cfg, model_dir, tokenizer, reward_funcs) if is_main else None
+    source = None  # collective transfer: the policy's HF tensors, read afresh at every sync
+    if weight_transfer(cfg) == "collective":
+        source = HFWeightSource(
+            model, DTYPES[cfg.dtype], device if device.type == "cuda" else torch.device("cpu")
+        )
     if resume_from:
-        sync_weights(pipeline, model, cfg, state.step)
+        sync_weights(pipeline, model, cfg, state.step, source)
         if pipeline:
             pipeline.wait_weight_sync()
     batches = prompt_batches(
@@ -737,7 +785,7 @@ def main(argv: list[str] | None = None, reward_funcs: list | None = None) -> lis
             )
         state.step = step
         if step % cfg.weight_sync_every_steps == 0 or cfg.rollout != "off-policy":
-            metrics["weight_sync_s"] = sync_weights(pipeline, model, cfg, step)
+            metrics["weight_sync_s"] = sync_weights(pipeline, model, cfg, step, source)
         step_time = time.perf_counter() - start
         metrics.update(
             dropped_stale=dropped, rollout_wait_s=waited, train_s=train_time, step_time_s=step_time,
