@@ -36,8 +36,9 @@ What is simulated, and what is not:
   engines hold the merged plain model: the same estimate). Nor is the weight sync after each
   step (`gather_hf_state_dict`; grpo-lora's `gather_merged_hf_state_dict` computes each merged
   weight W + lora_scale * B A in fp32): on the GPU it adds one full parameter (merged: and its
-  temporaries) at a time after the gradients are freed, below the step's peak; rank 0 keeps the
-  gathered bf16 weights in host memory for the push, which the plan does not count.
+  temporaries) at a time after the gradients are freed, below the step's peak. With
+  `--weight_transfer object-store` rank 0 keeps the gathered bf16 weights in host memory for the
+  push, which the plan does not count; the collective transfer (vLLM's default) keeps none.
 - Data-dependent branches take the path of a healthy step: `torch.isfinite(grad_norm)` is True
   (the optimizer steps), a boolean mask selects every position (GRPO's label mask: the
   completion tokens, as many as its rows have), and a number read on the host (the step's

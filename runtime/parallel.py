@@ -308,6 +308,33 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
+def cast_frozen_params(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Store every frozen floating parameter (requires_grad False) in `dtype`, in place.
+
+    Frozen weights never take an optimizer step, so fp32 "master" copies of them buy nothing:
+    under FSDP2 with `MixedPrecisionPolicy(param_dtype=dtype)` the forward computes with the same
+    values either way (FSDP casts each all-gathered parameter to param_dtype; rounding at load
+    gives the same bf16 numbers as rounding at the cast), and bf16 storage halves their memory:
+    a LoRA model's base, a frozen reference. torchtune keeps LoRA bases in bf16 the same way.
+    Trainable parameters (adapters, DoRA magnitudes) keep their dtype. Call on meta, before
+    `fully_shard` (FSDP2 records each parameter's dtype when it shards), with the same Parameter
+    objects kept (`param.data` is swapped), so optimizer and module references stay valid.
+    NF4 (torchao) weights are left alone.
+
+    Returns:
+        the number of parameters cast.
+    """
+    cast = 0
+    for param in model.parameters():
+        if param.requires_grad or not param.is_floating_point() or param.dtype == dtype:
+            continue
+        if type(param.data) is not torch.Tensor:  # a tensor subclass (e.g. NF4): its own layout
+            continue
+        param.data = param.data.to(dtype)
+        cast += 1
+    return cast
+
+
 def disable_fsdp_gradient_division(model: torch.nn.Module) -> None:
     """Make every FSDP2 module sum gradients across ranks instead of averaging them.
 

@@ -8,6 +8,10 @@ training overlap without the driver touching the intermediate data. Actor calls 
 run in submission order, so a generation submitted after `update_weights(version=v)` samples from
 policy version v: that is the version recorded with every sample.
 
+Weight sync, two paths: `push_weights` (the full state through the Ray object store; any engine)
+and `RolloutPipeline.transfer_weights` (vLLM engines: rank 0 broadcasts one tensor at a time from
+an `HFWeightSource`, through vLLM's weight-transfer engine; `runtime.weight_transfer`).
+
 Engines (duck-typed, one interface):
 - `RuntimeEngine` (here): the runtime's own KV-cache generator on CPU (or one GPU);
 - `runtime.rollout_vllm.VLLMEngine`: vLLM (`vllm.LLM`), imported only when asked for.

@@ -15,7 +15,7 @@ vLLM 0.32 APIs used:
   `log_softmax(top_k_top_p(logits / temperature))` for the sampled token (`vllm/v1/sample/sampler.py`,
   `ops/topk_topp_sampler.py`); the default "raw_logprobs" would be temperature 1.
 - scoring: `SamplingParams(prompt_logprobs=0)`, always of the raw (temperature 1) logits.
-- weight sync: `worker_extension_cls` mixes `VLLMWorkerExtension` into every worker, and
+- weight sync by RPC (`update_weights`): `worker_extension_cls` mixes `VLLMWorkerExtension` into every worker, and
   `LLM.collective_rpc` runs one layerwise reload there (vLLM's `reload_weights` of
   `model_executor/model_loader/reload`, split into begin / load chunk / finish so the tensors
   can arrive in chunks): the model's own `load_weights` fuses q/k/v and gate/up into vLLM's packed
@@ -23,9 +23,13 @@ vLLM 0.32 APIs used:
   Tensors travel as (dtype, shape, bytes) in chunks of at most 256 MiB through vLLM's msgpack
   RPC, so no insecure (pickle) serialization is enabled. Then `LLM.reset_prefix_cache()` drops KV
   blocks computed with the old weights. This copies every weight through the engine's RPC socket:
-  fine on CPU and for small models; for large GPU models vLLM's NCCL weight-transfer engine
-  (`weight_transfer_config`, `init_weight_transfer_engine`/`update_weights` on the GPU worker) is
-  the path to add.
+  fine on CPU and for small models.
+- collective weight transfer (`runtime.weight_transfer`, the large-model path): start the engine
+  with `weight_transfer_config={"backend": "nccl"}` (CUDA) or `{"backend": "gloo"}` (CPU), then
+  `init_weight_transfer` / `start_weight_update` / `receive_weights` / `finish_weight_update`
+  drive vLLM's own worker methods (`init_weight_transfer_engine`, ...) while the trainer's rank 0
+  broadcasts one tensor at a time. Importing this module registers the "gloo" backend, when vllm
+  is installed; vLLM's workers import it for the worker extension.
 
 Shape legend: N prompts, G completions per prompt (`n`), T_i tokens of completion i.
 """

@@ -15,11 +15,12 @@ GPU layout: the trainer and the engines share the GPU(s) (a local Ray gets all o
 is left after the trainer's); on larger nodes give the engines their own (`scaffold new --engine-gpus`).
 
 Weight sync (--weight_transfer) after every optimizer step:
-- collective (vllm's default): rank 0 and every engine worker form one process group (vLLM's
-  weight-transfer engine: NCCL on CUDA, gloo on CPU); the trainer ranks gather one full tensor
-  at a time, rank 0 broadcasts it, each engine worker loads its shard. No full copy of the model
-  is made anywhere. Each engine first finishes the batches already queued on it.
-- object-store (the runtime engine's): the trainer ranks gather the full model to rank 0's host
+- collective ("auto" with vllm, unless the engines share the trainer's GPUs): rank 0 and every
+  engine worker form one process group (vLLM's weight-transfer engine: NCCL on CUDA, gloo on
+  CPU); the trainer ranks gather one full tensor at a time, rank 0 broadcasts it, each engine
+  worker loads its shard. No full copy of the model is made anywhere. Each engine first finishes
+  the batches already queued on it.
+- object-store ("auto" otherwise): the trainer ranks gather the full model to rank 0's host
   memory, which sends it through the Ray object store to the engines without waiting for them.
   Simple, but the whole model is copied to host memory, the object store and each engine's RPC.
 
@@ -155,7 +156,9 @@ class Config:
     rollout: str = "async"  # "sync" | "async" | "off-policy" (see the docstring)
     max_staleness: int = 2  # off-policy: policy versions a trained sample may lag (sync 0, async 1)
     weight_sync_every_steps: int = 1  # off-policy: push weights to the engines every k steps
-    weight_transfer: str = "auto"  # "collective" (vllm), "object-store" or "auto" (vllm: collective); see the docstring
+    weight_transfer: str = (
+        "auto"  # "collective" (vllm only), "object-store" or "auto" (see the docstring)
+    )
     engine: str = "runtime"  # "runtime" (KV-cache sampler, CPU or 1 GPU) or "vllm"
     num_engines: int = 1  # generator actors; each batch's prompts are split over them
     engine_tensor_parallel_size: int = 1  # vllm: GPUs per engine (vLLM tensor_parallel_size)
@@ -223,10 +226,20 @@ def staleness_bound(cfg: Config) -> int:
     return {"sync": 0, "async": 1}.get(cfg.rollout, cfg.max_staleness)
 
 
+def engines_share_gpus(cfg: Config) -> bool:
+    """Whether a local Ray's engines get the trainer's own GPUs (none is left after this node's trainer processes)."""
+    if cfg.ray_address or cfg.device == "cpu" or not torch.cuda.is_available():
+        return False
+    return engine_gpu_ids(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.cuda.device_count())[1]
+
+
 def weight_transfer(cfg: Config) -> str:
-    """ "collective" or "object-store": how weights reach the engines ("auto": collective for vllm)."""
+    """ "collective" or "object-store": how weights reach the engines. "auto": collective for vllm, except when the
+    engines share the trainer's GPUs (one NCCL group cannot hold two ranks on one GPU)."""
     if cfg.weight_transfer == "auto":
-        return "collective" if cfg.engine == "vllm" else "object-store"
+        return (
+            "collective" if cfg.engine == "vllm" and not engines_share_gpus(cfg) else "object-store"
+        )
     return cfg.weight_transfer
 
 
@@ -254,11 +267,15 @@ def validate(cfg: Config, reward_funcs: list | None = None) -> None:
         (cfg.weight_transfer in WEIGHT_TRANSFERS, f"weight_transfer={cfg.weight_transfer!r}: choose one of {WEIGHT_TRANSFERS}"),
         (weight_transfer(cfg) == "object-store" or cfg.engine == "vllm",
          "weight_transfer='collective' needs engine='vllm' (vLLM's weight-transfer engine); the runtime engine uses 'object-store'"),
+        (weight_transfer(cfg) == "object-store" or not engines_share_gpus(cfg),
+         "weight_transfer='collective' with the engines on the trainer's GPU(s): one NCCL group cannot hold two ranks on one "
+         "GPU; use --weight_transfer object-store, or give the engines GPUs of their own (`scaffold new --engine-gpus`)"),
         # a local Ray starts the engines from this Python, and the collective transfer's sender is vLLM's: vllm must
         # import here (the nodes of a cluster have their own)
         (cfg.engine != "vllm" or (bool(cfg.ray_address) and weight_transfer(cfg) == "object-store") or find_spec("vllm") is not None,
          "engine='vllm' but vllm is not installed in this Python; install it in its own venv (CUDA: `pip install vllm`; CPU: "
-         "the scaffold repository's scripts/vllm_venv.sh) and run train.py with that venv's python, or use --engine runtime"),
+         "the scaffold repository's scripts/vllm_venv.sh) and run train.py with that venv's python, or use --engine runtime"
+         + (" (or --weight_transfer object-store: with --ray_address only the cluster needs vllm then)" if cfg.ray_address else "")),
         (cfg.engine_tensor_parallel_size == 1 or cfg.engine == "vllm",
          f"engine_tensor_parallel_size={cfg.engine_tensor_parallel_size}: > 1 needs engine='vllm' (the runtime engine runs on one device)"),
         (0 < cfg.engine_gpu_memory_utilization <= 1 and cfg.engine_cpu_kv_cache_gib > 0,

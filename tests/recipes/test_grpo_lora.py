@@ -19,7 +19,13 @@ from safetensors.torch import load_file
 
 from generator.render import render
 from generator.spec import Spec, SpecError
-from runtime import Rollout, RuntimeEngine, Tokenizer, gather_merged_hf_state_dict
+from runtime import (
+    HFWeightSource,
+    Rollout,
+    RuntimeEngine,
+    Tokenizer,
+    gather_merged_hf_state_dict,
+)
 from runtime.grpo import collate_rollouts, completion_logprobs
 from runtime.lora import is_adapter_param
 from runtime.testing import spawn
@@ -184,7 +190,8 @@ def test_engines_get_the_merged_policy_and_the_saves_agree(
 def _merged_state(rank, world_size, model_dir: str) -> dict:
     """The grpo-lora script's DoRA policy on `world_size` FSDP2 ranks with fixed nonzero adapters
     (the same full values on every rank, each keeping its shard), gathered merged as
-    sync_weights does: every rank takes part, only rank 0 keeps the tensors."""
+    sync_weights does (every rank takes part, only rank 0 keeps the tensors), and as the
+    collective transfer's source yields them on rank 0 (every rank iterates it)."""
     from runtime.checkpoint import _copy_into
 
     path = REPO / "examples" / "grpo_lora_smollm2" / "train.py"
@@ -198,18 +205,26 @@ def _merged_state(rank, world_size, model_dir: str) -> dict:
             if is_adapter_param(name):
                 noise = 0.05 * torch.randn(param.shape, generator=g)
                 _copy_into(param, _full(param) + noise)
-    return gather_merged_hf_state_dict(model, torch.float32, keep=rank == 0)
+    gathered = gather_merged_hf_state_dict(model, torch.float32, keep=rank == 0)
+    source = HFWeightSource(model, torch.float32, torch.device("cpu"), merged=True)
+    sourced = {name: t.clone() for name, t in source}
+    return gathered, sourced if rank == 0 else {}
 
 
 def test_merged_gather_on_two_ranks_equals_one(even_model_dir):
     """The weight-sync gather is a collective over FSDP2 shards (DoRA magnitudes sharded too):
-    rank 0 of 2 gets the 1-process merged tensors, rank 1 keeps nothing."""
-    one = _merged_state(0, 1, str(even_model_dir))  # in this process: a 1-process group
-    two = spawn(_merged_state, world_size=2, args=(str(even_model_dir),))
-    assert two[1] == {} and two[0].keys() == one.keys()
+    rank 0 of 2 gets the 1-process merged tensors, rank 1 keeps nothing. The collective
+    transfer's HFWeightSource yields the same tensors on rank 0, plus the tied head."""
+    one, one_sourced = _merged_state(0, 1, str(even_model_dir))  # in this process: 1 process
+    (two, two_sourced), rank1 = spawn(_merged_state, world_size=2, args=(str(even_model_dir),))
+    assert rank1 == ({}, {}) and two.keys() == one.keys()
     assert "model.layers.0.self_attn.q_proj.weight" in one and not any("lora" in k for k in one)
     for key, tensor in one.items():  # measured equal; 1e-5 leaves room for fp32 reduction order
-        torch.testing.assert_close(two[0][key], tensor, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(two[key], tensor, atol=1e-5, rtol=1e-5)
+    assert two_sourced.keys() == one_sourced.keys() == one.keys() | {"lm_head.weight"}
+    for key, tensor in one_sourced.items():
+        torch.testing.assert_close(two_sourced[key], tensor, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(one.get(key, one["model.embed_tokens.weight"]), tensor)
 
 
 def test_sync_resume_replays_the_uninterrupted_run(

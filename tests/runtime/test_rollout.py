@@ -182,3 +182,45 @@ def test_local_ray_gives_engines_only_the_gpus_after_the_trainers(visible, train
 def test_runtime_engine_refuses_tensor_parallel():
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 .* need --engine vllm"):
         make_engine_actor("runtime", "unused", tensor_parallel_size=2)
+
+
+def test_weight_source_yields_the_gathered_state_one_tensor_at_a_time(tiny_model_dir):
+    """HFWeightSource (the collective transfer's source): metadata() agrees with iteration, the
+    tensors are gather_hf_state_dict's plus the tied head right after the embedding, cast to the
+    wire dtype, and every pass reads the current parameters."""
+    from runtime import HFWeightSource, gather_merged_hf_state_dict
+    from runtime.lora import add_lora, init_lora
+
+    model = _tiny_model(tiny_model_dir)  # tied embeddings
+    source = HFWeightSource(model, torch.float32, torch.device("cpu"))
+    pairs = list(source)
+    names = [n for n, _ in pairs]
+    assert [tuple(m) for m in source.metadata()] == [(n, t.dtype, tuple(t.shape)) for n, t in pairs]
+    want = gather_hf_state_dict(model)
+    assert "lm_head.weight" not in want and names.count("lm_head.weight") == 1
+    assert names.index("lm_head.weight") == names.index("model.embed_tokens.weight") + 1
+    got = dict(pairs)
+    assert got.keys() - {"lm_head.weight"} == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert torch.equal(got["lm_head.weight"], want["model.embed_tokens.weight"])
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.add_(1.0)
+    again = dict(HFWeightSource(model, torch.bfloat16, torch.device("cpu")))
+    assert all(t.dtype == torch.bfloat16 for t in again.values())
+    up = "model.layers.0.mlp.up_proj.weight"
+    assert torch.equal(again[up], (want[up] + 1.0).to(torch.bfloat16))
+    assert torch.equal(dict(source)[up], want[up] + 1.0)  # a second pass of the same source
+    # LoRA/DoRA: the merged weights under the base's names, no adapter tensors
+    add_lora(model, ["q_proj", "v_proj"], rank=4, alpha=8, use_dora=True)
+    init_lora(model, seed=0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(1))
+    merged = dict(HFWeightSource(model, torch.float32, torch.device("cpu"), merged=True))
+    want = gather_merged_hf_state_dict(model, torch.float32)
+    assert merged.keys() - {"lm_head.weight"} == want.keys()
+    assert not any("lora" in k for k in merged)
+    q = "model.layers.1.self_attn.q_proj.weight"
+    assert (merged[q] - got[q]).abs().max() > 1e-3  # the adapters are in (got: before LoRA)
+    assert all(torch.equal(merged[k], want[k]) for k in want)

@@ -73,7 +73,9 @@ def test_two_engines_receive_broadcast_weights_and_score_like_the_trainer(tmp_pa
             expected = _logprobs(model)
             for i, engine in enumerate(engines):
                 got = torch.tensor(ray.get(engine.score.remote([SEQUENCE], [PROMPT_LEN]))[0])
-                print(f"v{version} engine {i}: max |vLLM - trainer| = {(got - expected).abs().max():.2e}")
+                print(
+                    f"v{version} engine {i}: max |vLLM - trainer| = {(got - expected).abs().max():.2e}"
+                )
                 torch.testing.assert_close(got, expected, atol=LOGPROB_ATOL, rtol=0)
                 assert ray.get(engine.policy_version.remote()) == version
             assert (expected - before).abs().max() > 100 * LOGPROB_ATOL  # the weights moved
