@@ -56,6 +56,7 @@ from runtime import (
     all_reduce_sum,
     build_mesh,
     build_model,
+    cast_frozen_params,
     check_vocab_fits,
     copy_tokenizer_files,
     cosine_schedule_with_warmup,
@@ -251,6 +252,9 @@ def build_reference(cfg: Config, model_dir: Path, mesh, device: torch.device) ->
     """
     reference = build_model(read_model_args(cfg, model_dir), device="meta")
     reference.requires_grad_(False)  # never trained: no gradient buffers, no optimizer state
+    cast_frozen_params(
+        reference, DTYPES[cfg.dtype]
+    )  # stored in the compute dtype: half the memory in bf16
     ref_device = torch.device("cpu") if cfg.ref_device == "cpu" else device
     if ref_device == device:
         mp_policy = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.dtype])

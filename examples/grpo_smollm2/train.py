@@ -80,6 +80,7 @@ from runtime import (
     TrainState,
     build_mesh,
     build_model,
+    cast_frozen_params,
     check_ray_resources,
     check_vocab_fits,
     collate_rollouts,
@@ -279,6 +280,9 @@ def build_policy(
     # on meta: no memory until FSDP has sharded it; HF module names, so keys equal the checkpoint's
     model = build_model(model_args, device="meta")
     model.requires_grad_(trainable)
+    cast_frozen_params(
+        model, DTYPES[cfg.dtype]
+    )  # a frozen reference is stored in the compute dtype (half in bf16)
     # fp32 parameters are the master weights; FSDP casts to param_dtype for compute and reduces
     # gradients in fp32, so bf16 runs still apply every small AdamW update.
     mp_policy = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.dtype], reduce_dtype=torch.float32)

@@ -58,6 +58,7 @@ from runtime import (
     all_reduce_sum,
     build_mesh,
     build_model,
+    cast_frozen_params,
     check_vocab_fits,
     copy_tokenizer_files,
     cosine_schedule_with_warmup,
@@ -246,6 +247,9 @@ def build_sft_model(cfg: Config, model_dir: Path, mesh, device: torch.device) ->
     # train the adapters only: base weights, embeddings and norms stay frozen
     for name, param in model.named_parameters():
         param.requires_grad = is_adapter_param(name)
+    # frozen weights take no optimizer step, so they are stored in the compute dtype (bf16 halves the
+    # base's memory; FSDP computes with the same bf16 values either way); adapters keep fp32 masters
+    cast_frozen_params(model, DTYPES[cfg.dtype])
     # fp32 parameters are the master weights; FSDP casts to param_dtype for compute and reduces
     # gradients in fp32, so bf16 runs still apply every small AdamW update.
     mp_policy = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.dtype], reduce_dtype=torch.float32)
@@ -504,9 +508,11 @@ def save(
         (path / "training_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     if cfg.save_merged:
         hf_config = read_hf_config(model_dir)
-        # W + lora_scale * B A per adapted linear (DoRA: rescaled per row), one tensor at a time
+        # W + lora_scale * B A per adapted linear (DoRA: rescaled per row), one tensor at a time, merged in fp32
+        # and written in the run's dtype (the frozen base's)
+        tensors = merged_hf_tensors(model, hf_config)
         save_hf_checkpoint(
-            model, path / "merged", hf_config, tensors=merged_hf_tensors(model, hf_config)
+            model, path / "merged", hf_config, dtype=DTYPES[cfg.dtype], tensors=tensors
         )
         if is_main:
             copy_tokenizer_files(model_dir, path / "merged")

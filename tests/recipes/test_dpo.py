@@ -143,6 +143,26 @@ def test_reference_logprobs_identical_across_the_three_modes(
     torch.testing.assert_close(full_precomputed, separate, atol=1e-5, rtol=1e-6)
 
 
+def test_bf16_separate_reference_is_stored_in_bf16_with_unchanged_logprobs(
+    dpo_script, tiny_model_dir, short_pairs, monkeypatch
+):
+    """ref_mode=separate, dtype bf16: the frozen reference is stored in bf16 (half its memory);
+    FSDP computes with bf16 weights either way, so its log-probs equal those of the reference
+    kept in fp32 (`cast_frozen_params` disabled) exactly."""
+    s = dpo_script
+    cfg, mesh, _, _, model, batch, device = _setup(
+        s, tiny_model_dir, short_pairs, dtype="bf16", ref_mode="separate"
+    )
+    reference = s.build_reference(cfg, Path(tiny_model_dir), mesh, device)
+    assert {p.dtype for p in reference.parameters()} == {torch.bfloat16}
+    got = s.reference_logprobs(model, reference, None, batch, cfg)
+    with monkeypatch.context() as m:
+        m.setattr(s, "cast_frozen_params", lambda model, dtype: 0)
+        fp32_reference = s.build_reference(cfg, Path(tiny_model_dir), mesh, device)
+    assert {p.dtype for p in fp32_reference.parameters()} == {torch.float32}
+    assert torch.equal(got, s.reference_logprobs(model, fp32_reference, None, batch, cfg))
+
+
 def test_adapters_off_reference_is_constant_while_the_policy_trains(
     dpo_lora_script, tiny_model_dir, short_pairs
 ):

@@ -187,6 +187,31 @@ def test_weight_sync_from_fsdp_policy(grpo_script, ray_session, even_model_dir):
     pipeline.shutdown()
 
 
+def test_bf16_reference_is_stored_in_bf16_with_unchanged_logprobs(
+    grpo_script, even_model_dir, monkeypatch
+):
+    """kl_coef > 0, dtype bf16: the frozen reference (build_policy(trainable=False)) is stored in
+    bf16, and its completion log-probs equal those of a reference kept in fp32
+    (`cast_frozen_params` disabled): FSDP computes with bf16 weights either way."""
+    s = grpo_script
+    cfg = s.Config(dtype="bf16", device="cpu", kl_coef=0.05)
+    _, mesh = s.setup_distributed(cfg)  # a 1-process group, removed after the test
+    batch = collate_rollouts([[1, 2, 3, 4, 5]], [[10, 11, 12, 13]], pad_token_id=0)
+
+    def reference_logprobs():
+        reference = s.build_policy(cfg, even_model_dir, mesh, torch.device("cpu"), trainable=False)
+        dtypes = {p.dtype for p in reference.parameters()}  # before a forward leaves some gathered
+        with torch.no_grad():
+            return dtypes, completion_logprobs(reference, batch["input_ids"], batch["labels"])
+
+    dtypes, got = reference_logprobs()
+    with monkeypatch.context() as m:
+        m.setattr(s, "cast_frozen_params", lambda model, dtype: 0)
+        fp32_dtypes, want = reference_logprobs()
+    assert dtypes == {torch.bfloat16} and fp32_dtypes == {torch.float32}
+    assert torch.equal(got, want)
+
+
 def test_short_run_raises_mean_reward(
     grpo_script, ray_session, even_model_dir, chain_sum_64, tmp_path
 ):

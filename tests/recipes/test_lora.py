@@ -97,6 +97,61 @@ def test_save_resume_gives_the_identical_next_step_loss(
     assert s.train_step(resumed, opt2, sched2, [batches[2]], cfg2, device)["loss"] == expected
 
 
+@pytest.fixture(scope="module")
+def bf16_valued_model_dir(tmp_path_factory, tiny_model_dir) -> Path:
+    """The tiny model with every weight rounded to a bf16 value (stored as fp32), as a bf16
+    checkpoint's weights are: rounding at load or at FSDP's cast then gives the same numbers."""
+    from safetensors.torch import load_file, save_file
+
+    from runtime import copy_tokenizer_files
+
+    out = tmp_path_factory.mktemp("bf16_valued")
+    for f in tiny_model_dir.iterdir():
+        if f.suffix == ".safetensors":
+            tensors = load_file(f)
+            rounded = {k: v.to(torch.bfloat16).float() for k, v in tensors.items()}
+            save_file(rounded, out / f.name, metadata={"format": "pt"})
+        elif f.name == "config.json":
+            (out / f.name).write_text(f.read_text())
+    copy_tokenizer_files(tiny_model_dir, out)
+    return out
+
+
+@pytest.mark.parametrize("use_dora", [False, True], ids=["lora", "dora"])
+def test_bf16_stores_the_frozen_base_in_bf16_and_trains_as_with_an_fp32_base(
+    use_dora, lora_script, bf16_valued_model_dir, small_dataset, monkeypatch
+):
+    """dtype bf16: the frozen base (weights, embeddings, norms) is stored in bf16, the adapters
+    keep fp32 master weights. FSDP computes with bf16 weights either way, so 3 steps give the
+    same losses, gradient norms and adapters as the same script with its base kept in fp32
+    (`cast_frozen_params` disabled), bit for bit, in less memory."""
+    s = lora_script
+
+    def run():
+        cfg, model, opt, sched, batches, device = _setup(
+            s, bf16_valued_model_dir, small_dataset, dtype="bf16", use_dora=use_dora
+        )
+        metrics = [s.train_step(model, opt, sched, [batches[i]], cfg, device) for i in range(3)]
+        adapters = {n: p.full_tensor() for n, p in model.named_parameters() if p.requires_grad}
+        nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        return model, metrics, adapters, nbytes
+
+    model, metrics, adapters, nbytes = run()
+    assert {p.dtype for p in model.parameters() if not p.requires_grad} == {torch.bfloat16}
+    assert {p.dtype for p in model.parameters() if p.requires_grad} == {torch.float32}
+    with monkeypatch.context() as m:
+        m.setattr(s, "cast_frozen_params", lambda model, dtype: 0)
+        fp32_model, fp32_metrics, fp32_adapters, fp32_nbytes = run()
+    assert {p.dtype for p in fp32_model.parameters()} == {torch.float32}
+    for key in ("loss", "grad_norm"):
+        assert [m[key] for m in metrics] == [m[key] for m in fp32_metrics], key
+    assert metrics[2]["loss"] != metrics[0]["loss"]  # the adapters did train
+    assert adapters.keys() == fp32_adapters.keys()
+    assert all(torch.equal(adapters[k], fp32_adapters[k]) for k in adapters)
+    print(f"parameter bytes: {nbytes} (bf16 base) vs {fp32_nbytes} (fp32 base)")
+    assert nbytes < 0.55 * fp32_nbytes
+
+
 def test_bad_lora_options_name_the_option(lora_script, tiny_model_dir, small_dataset, tmp_path):
     s = lora_script
     bad = s.Config(lora_rank=0, lora_target_modules=["q_proj", "qkv"], resume_adapter=str(tmp_path))
