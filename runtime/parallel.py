@@ -328,7 +328,7 @@ def cast_frozen_params(model: torch.nn.Module, dtype: torch.dtype) -> int:
     for param in model.parameters():
         if param.requires_grad or not param.is_floating_point() or param.dtype == dtype:
             continue
-        if type(param.data) is not torch.Tensor:  # a tensor subclass (e.g. NF4): its own layout
+        if type(param.data).__name__ == "NF4Tensor":  # torchao NF4 (QLoRA): its own 4-bit layout
             continue
         param.data = param.data.to(dtype)
         cast += 1

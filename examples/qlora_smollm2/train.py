@@ -24,6 +24,8 @@ Differs from Hugging Face TRL / torchtune defaults:
   [D_out, r], scaled by lora_alpha / lora_rank; only they reach the optimizer. A is
   kaiming-uniform and B zero, as Hugging Face PEFT. The adapter is saved in PEFT layout
   (`peft.PeftModel.from_pretrained` loads it) and, with save_merged, merged into an HF model.
+  The frozen base is stored in the compute dtype (bf16 runs: bf16, half the memory of fp32
+  masters it would never update); the adapters keep fp32 master weights.
 - QLoRA (Dettmers et al. 2023, arXiv:2305.14314): targeted base weights are frozen 4-bit NF4
   (torchao; blocks of 64, double-quantized scalers), loaded and quantized one tensor at a time,
   dequantized to the compute dtype in each forward. Differs: no paged optimizer; the scaler
