@@ -41,6 +41,7 @@ from vllm.distributed.weight_transfer.factory import (
     WeightTransferEngineFactory,
     WeightTransferTrainerFactory,
 )
+from vllm.distributed.weight_transfer.nccl_common import worker_init_payload
 from vllm.distributed.weight_transfer.nccl_engine import (
     NCCLTrainerInitInfo,
     NCCLTrainerWeightTransferEngine,
@@ -153,10 +154,11 @@ class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
             world_size=init_info.world_size,
             packed=False,
         )
-        payload = {k: v for k, v in worker_info.__dict__.items() if v is not None}
         # the workers block in the rendezvous until rank 0 hosts it: join from a thread
         with ThreadPoolExecutor(max_workers=1) as pool:
-            joined = pool.submit(client.init_weight_transfer_engine, payload)
+            joined = pool.submit(
+                client.init_weight_transfer_engine, worker_init_payload(worker_info)
+            )
             engine.model_update_group = gloo_group(
                 init_info.master_address,
                 init_info.master_port,
@@ -180,10 +182,14 @@ class GlooTrainerWeightTransferEngine(NCCLTrainerWeightTransferEngine):
 
 
 def _register() -> None:
-    if "gloo" not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine("gloo", GlooWeightTransferEngine)
-    if "gloo" not in WeightTransferTrainerFactory._registry:
-        WeightTransferTrainerFactory.register_engine("gloo", GlooTrainerWeightTransferEngine)
+    for factory, engine in (
+        (WeightTransferEngineFactory, GlooWeightTransferEngine),
+        (WeightTransferTrainerFactory, GlooTrainerWeightTransferEngine),
+    ):
+        try:
+            factory.register_engine("gloo", engine)
+        except ValueError:  # already registered: this module was imported again
+            pass
 
 
 _register()
