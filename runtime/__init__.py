@@ -5,6 +5,7 @@ Public API = the names below; scripts import only these, so any change shows in 
 
 from runtime.checkpoint import (
     ComputedTensor,
+    checkpoint_dtype,
     copy_tokenizer_files,
     load_hf_checkpoint,
     prepare_out_dir,
@@ -148,6 +149,7 @@ __all__ = [
     "check_same_tokenizer",
     "check_vocab_fits",
     "context_parallel_chunks",
+    "checkpoint_dtype",
     "copy_tokenizer_files",
     "cosine_schedule_with_warmup",
     "chunked_kd_loss",

@@ -139,6 +139,30 @@ def _file_shapes(key_to_file: dict[str, Path]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+_SAFETENSORS_FLOAT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def checkpoint_dtype(model_dir: str | os.PathLike) -> torch.dtype:
+    """The dtype most floating tensors of a safetensors checkpoint are stored in (headers only),
+    e.g. to write a merged export as the base model was shipped.
+
+    Raises:
+        FileNotFoundError: no safetensors checkpoint in model_dir.
+        ValueError: it holds no float32/bfloat16/float16 tensor.
+    """
+    key_to_file, source = _checkpoint_index(Path(model_dir))
+    counts: dict[torch.dtype, int] = {}
+    for path in sorted(set(key_to_file.values())):
+        with _open_safetensors(path) as f:
+            for key in f.keys():
+                dtype = _SAFETENSORS_FLOAT_DTYPES.get(f.get_slice(key).get_dtype())
+                if dtype is not None:
+                    counts[dtype] = counts.get(dtype, 0) + 1
+    if not counts:
+        raise ValueError(f"{source}: no float32, bfloat16 or float16 tensor")
+    return max(counts, key=counts.get)
+
+
 def _plan_load(model, key_to_file, source, strict, exclude=()) -> dict[str, str]:
     """Return {model param name: file key}; raise ValueError listing every mismatch."""
     params = {

@@ -770,7 +770,10 @@ class RolloutPipeline:
         self._check_pushes()
         if self.weight_transfer is None:
             self.weight_transfer = start_weight_transfer(
-                self.engines, source, self.weight_sync_timeout_s
+                self.engines,
+                source,
+                self.weight_sync_timeout_s,
+                ready_timeout_s=max(self.rollout_timeout_s, self.weight_sync_timeout_s),
             )
         elif self.weight_transfer.source is not source:
             raise ValueError("transfer_weights: pass the same HFWeightSource at every transfer")

@@ -31,6 +31,10 @@ vLLM 0.32 APIs used:
   broadcasts one tensor at a time. Importing this module registers the "gloo" backend, when vllm
   is installed; vLLM's workers import it for the worker extension.
 
+Expected vLLM log lines, harmless: "Chat template warmup failed ... Tokenizer not available when
+`skip_tokenizer_init=True`" at start (token ids in and out), and "RotaryEmbedding: Failed to load
+weights" at every layerwise reload (RoPE has no weights to load).
+
 Shape legend: N prompts, G completions per prompt (`n`), T_i tokens of completion i.
 """
 

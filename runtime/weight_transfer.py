@@ -207,16 +207,20 @@ class EngineWeightSyncClient:
         engines: `VLLMEngine` actor handles.
         workers: worker processes of each engine (its tensor_parallel_size x pipeline size).
         timeout_s: seconds each call may take per engine.
+        ready_timeout_s: seconds the start call may take: it runs after the generations already
+            queued on the engine.
     """
 
-    def __init__(self, engines: list, workers: list[int], timeout_s: float):
-        self.engines, self.workers, self.timeout_s = engines, workers, timeout_s
+    def __init__(self, engines: list, workers: list[int], timeout_s: float, ready_timeout_s: float):
+        self.engines, self.workers = engines, workers
+        self.timeout_s, self.ready_timeout_s = timeout_s, ready_timeout_s
         self.version = 0
 
-    def _call(self, what: str, method: str, args_per_engine: list[tuple]) -> list:
+    def _call(self, what: str, method: str, args_per_engine: list[tuple], timeout_s: float = 0):
         import ray
         from ray.exceptions import GetTimeoutError
 
+        timeout_s = timeout_s or self.timeout_s
         refs = [
             getattr(e, method).remote(*a)
             for e, a in zip(self.engines, args_per_engine, strict=True)
@@ -224,12 +228,13 @@ class EngineWeightSyncClient:
         out = []
         for i, ref in enumerate(refs):
             try:
-                out.append(ray.get(ref, timeout=self.timeout_s))
+                out.append(ray.get(ref, timeout=timeout_s))
             except GetTimeoutError:
                 raise TimeoutError(
                     f"weight transfer ({what}, policy version {self.version}) to engine {i} did not "
-                    f"finish within weight_sync_timeout_s={self.timeout_s} s (engine busy, dead or "
-                    "out of memory); raise --weight_sync_timeout_s or check the engine logs"
+                    f"finish within {timeout_s} s (engine busy, dead or out of memory); raise "
+                    "--weight_sync_timeout_s (--rollout_timeout_s while batches are still "
+                    "generating) or check the engine logs"
                 ) from None
         return out
 
@@ -242,7 +247,7 @@ class EngineWeightSyncClient:
         )
 
     def start_weight_update(self) -> None:
-        self._call("start", "start_weight_update", [()] * len(self.engines))
+        self._call("start", "start_weight_update", [()] * len(self.engines), self.ready_timeout_s)
 
     def update_weights(self, update_info: dict) -> None:
         self._call("receive", "receive_weights", [(update_info,)] * len(self.engines))
@@ -262,30 +267,42 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_weight_transfer(engines: list, source, timeout_s: float):
+def start_weight_transfer(engines: list, source, timeout_s: float, ready_timeout_s: float):
     """Open the transfer group between this process (rank 0, the sender) and every worker of
     `engines`, and return vLLM's trainer-side engine: its `send_weights()` pushes `source` again
     each time it is called.
 
-    The backend is "nccl" when CUDA is available (vLLM's `NCCLTrainerWeightTransferEngine`; the
-    engines must have been started with `weight_transfer_config={"backend": "nccl"}`), else
-    "gloo". This process hosts the rendezvous on its node's IP (`ray.util.get_node_ip_address`),
-    at a free port.
+    The backend follows the source's device: "nccl" for CUDA tensors (vLLM's
+    `NCCLTrainerWeightTransferEngine`; the engines must have been started with
+    `weight_transfer_config={"backend": "nccl"}`), else "gloo" (`{"backend": "gloo"}`). This
+    process hosts the rendezvous on its node's IP (`ray.util.get_node_ip_address`), at a free port.
 
     Args:
         engines: `VLLMEngine` Ray actors, started with the matching `weight_transfer_config`.
-        source: a `runtime.rollout.HFWeightSource` (or any vLLM `WeightSource`).
+        source: a `runtime.rollout.HFWeightSource` (its `device` picks the backend).
         timeout_s: per-call timeout of the engine RPCs (and gloo's per-tensor timeout).
+        ready_timeout_s: how long to wait for the engines to answer at all: an engine still
+            starting, or finishing the generations queued on it, answers only after that.
 
     Raises:
-        TimeoutError: an engine did not join within timeout_s (names it).
+        TimeoutError: an engine did not answer within ready_timeout_s or timeout_s (names it).
     """
     import ray
+    from ray.exceptions import GetTimeoutError
 
-    workers = ray.get([e.transfer_workers.remote() for e in engines], timeout=timeout_s)
-    client = EngineWeightSyncClient(engines, workers, timeout_s)
+    workers = []
+    for i, engine in enumerate(engines):
+        try:
+            workers.append(ray.get(engine.transfer_workers.remote(), timeout=ready_timeout_s))
+        except GetTimeoutError:
+            raise TimeoutError(
+                f"weight transfer: engine {i} did not answer within {ready_timeout_s} s (it is still "
+                "starting, or generating the batches queued on it); raise --rollout_timeout_s or "
+                "check the engine logs"
+            ) from None
+    client = EngineWeightSyncClient(engines, workers, timeout_s, ready_timeout_s)
     address, port, world_size = ray.util.get_node_ip_address(), _free_port(), 1 + sum(workers)
-    if torch.cuda.is_available():
+    if source.device.type == "cuda":
         info = NCCLTrainerInitInfo(address, port, world_size, rank=0)
     else:
         info = GlooTrainerInitInfo(address, port, world_size, rank=0, timeout_s=timeout_s)

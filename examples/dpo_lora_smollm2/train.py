@@ -69,6 +69,7 @@ from runtime import (
     build_model,
     cast_frozen_params,
     check_vocab_fits,
+    checkpoint_dtype,
     copy_tokenizer_files,
     cosine_schedule_with_warmup,
     destroy_distributed,
@@ -699,10 +700,10 @@ def save(
     if cfg.save_merged:
         hf_config = read_hf_config(model_dir)
         # W + lora_scale * B A per adapted linear (DoRA: rescaled per row), one tensor at a time, merged in fp32
-        # and written in the run's dtype (the frozen base's)
+        # and written in the base checkpoint's dtype (as peft's merge_and_unload keeps the base's)
         tensors = merged_hf_tensors(model, hf_config)
         save_hf_checkpoint(
-            model, path / "merged", hf_config, dtype=DTYPES[cfg.dtype], tensors=tensors
+            model, path / "merged", hf_config, dtype=checkpoint_dtype(model_dir), tensors=tensors
         )
         if is_main:
             copy_tokenizer_files(model_dir, path / "merged")

@@ -97,6 +97,7 @@ from runtime import (
     cast_frozen_params,
     check_ray_resources,
     check_vocab_fits,
+    checkpoint_dtype,
     collate_rollouts,
     completion_logprobs,
     copy_tokenizer_files,
@@ -268,14 +269,14 @@ def validate(cfg: Config, reward_funcs: list | None = None) -> None:
         (cfg.rollout in ROLLOUTS, f"rollout={cfg.rollout!r}: choose one of {ROLLOUTS}"),
         (cfg.engine in ENGINES, f"engine={cfg.engine!r}: choose one of {ENGINES}"),
         (cfg.weight_transfer in WEIGHT_TRANSFERS, f"weight_transfer={cfg.weight_transfer!r}: choose one of {WEIGHT_TRANSFERS}"),
-        (weight_transfer(cfg) == "object-store" or cfg.engine == "vllm",
+        (weight_transfer(cfg) != "collective" or cfg.engine == "vllm",
          "weight_transfer='collective' needs engine='vllm' (vLLM's weight-transfer engine); the runtime engine uses 'object-store'"),
-        (weight_transfer(cfg) == "object-store" or not engines_share_gpus(cfg),
+        (weight_transfer(cfg) != "collective" or not engines_share_gpus(cfg),
          "weight_transfer='collective' with the engines on the trainer's GPU(s): one NCCL group cannot hold two ranks on one "
          "GPU; use --weight_transfer object-store, or give the engines GPUs of their own (`scaffold new --engine-gpus`)"),
         # a local Ray starts the engines from this Python, and the collective transfer's sender is vLLM's: vllm must
         # import here (the nodes of a cluster have their own)
-        (cfg.engine != "vllm" or (bool(cfg.ray_address) and weight_transfer(cfg) == "object-store") or find_spec("vllm") is not None,
+        (cfg.engine != "vllm" or (bool(cfg.ray_address) and weight_transfer(cfg) != "collective") or find_spec("vllm") is not None,
          "engine='vllm' but vllm is not installed in this Python; install it in its own venv (CUDA: `pip install vllm`; CPU: "
          "the scaffold repository's scripts/vllm_venv.sh) and run train.py with that venv's python, or use --engine runtime"
          + (" (or --weight_transfer object-store: with --ray_address only the cluster needs vllm then)" if cfg.ray_address else "")),
@@ -790,10 +791,10 @@ def save(
     if cfg.save_merged:
         hf_config = read_hf_config(model_dir)
         # W + lora_scale * B A per adapted linear (DoRA: rescaled per row), one tensor at a time, merged in fp32
-        # and written in the run's dtype (the frozen base's)
+        # and written in the base checkpoint's dtype (as peft's merge_and_unload keeps the base's)
         tensors = merged_hf_tensors(model, hf_config)
         save_hf_checkpoint(
-            model, path / "merged", hf_config, dtype=DTYPES[cfg.dtype], tensors=tensors
+            model, path / "merged", hf_config, dtype=checkpoint_dtype(model_dir), tensors=tensors
         )
         if is_main:
             copy_tokenizer_files(model_dir, path / "merged")
@@ -853,7 +854,8 @@ def main(argv: list[str] | None = None, reward_funcs: list | None = None) -> lis
         print(
             f"model {model_dir} | {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params | "
             f"{len(examples)} prompts | {cfg.prompts_per_step} x {cfg.num_generations} rollouts per step | "
-            f"rollout {cfg.rollout} (staleness <= {staleness_bound(cfg)}) | {cfg.num_engines} {cfg.engine} engine(s) | "
+            f"rollout {cfg.rollout} (staleness <= {staleness_bound(cfg)}) | {cfg.num_engines} {cfg.engine} engine(s), "
+            f"weight sync {weight_transfer(cfg)}{'' if source is None else ' (' + ('nccl' if source.device.type == 'cuda' else 'gloo') + ')'} | "
             f"{dist_info.world_size} trainer process(es) on {device.type}"
         )
     progress = tqdm(
@@ -891,7 +893,10 @@ def main(argv: list[str] | None = None, reward_funcs: list | None = None) -> lis
                 f"saving this step (last good checkpoint: {state.path or 'none (set --save_every_steps)'}); lower --lr"
             )
         state.step = step
-        if step % cfg.weight_sync_every_steps == 0 or cfg.rollout != "off-policy":
+        # no push after the last step: no rollout would use it (a resumed run pushes at its start)
+        if step < cfg.max_steps and (
+            step % cfg.weight_sync_every_steps == 0 or cfg.rollout != "off-policy"
+        ):
             metrics["weight_sync_s"] = sync_weights(pipeline, model, cfg, step, source)
         step_time = time.perf_counter() - start
         metrics.update(

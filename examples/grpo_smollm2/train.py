@@ -230,14 +230,14 @@ def validate(cfg: Config, reward_funcs: list | None = None) -> None:
         (cfg.rollout in ROLLOUTS, f"rollout={cfg.rollout!r}: choose one of {ROLLOUTS}"),
         (cfg.engine in ENGINES, f"engine={cfg.engine!r}: choose one of {ENGINES}"),
         (cfg.weight_transfer in WEIGHT_TRANSFERS, f"weight_transfer={cfg.weight_transfer!r}: choose one of {WEIGHT_TRANSFERS}"),
-        (weight_transfer(cfg) == "object-store" or cfg.engine == "vllm",
+        (weight_transfer(cfg) != "collective" or cfg.engine == "vllm",
          "weight_transfer='collective' needs engine='vllm' (vLLM's weight-transfer engine); the runtime engine uses 'object-store'"),
-        (weight_transfer(cfg) == "object-store" or not engines_share_gpus(cfg),
+        (weight_transfer(cfg) != "collective" or not engines_share_gpus(cfg),
          "weight_transfer='collective' with the engines on the trainer's GPU(s): one NCCL group cannot hold two ranks on one "
          "GPU; use --weight_transfer object-store, or give the engines GPUs of their own (`scaffold new --engine-gpus`)"),
         # a local Ray starts the engines from this Python, and the collective transfer's sender is vLLM's: vllm must
         # import here (the nodes of a cluster have their own)
-        (cfg.engine != "vllm" or (bool(cfg.ray_address) and weight_transfer(cfg) == "object-store") or find_spec("vllm") is not None,
+        (cfg.engine != "vllm" or (bool(cfg.ray_address) and weight_transfer(cfg) != "collective") or find_spec("vllm") is not None,
          "engine='vllm' but vllm is not installed in this Python; install it in its own venv (CUDA: `pip install vllm`; CPU: "
          "the scaffold repository's scripts/vllm_venv.sh) and run train.py with that venv's python, or use --engine runtime"
          + (" (or --weight_transfer object-store: with --ray_address only the cluster needs vllm then)" if cfg.ray_address else "")),
@@ -767,7 +767,8 @@ def main(argv: list[str] | None = None, reward_funcs: list | None = None) -> lis
         print(
             f"model {model_dir} | {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params | "
             f"{len(examples)} prompts | {cfg.prompts_per_step} x {cfg.num_generations} rollouts per step | "
-            f"rollout {cfg.rollout} (staleness <= {staleness_bound(cfg)}) | {cfg.num_engines} {cfg.engine} engine(s) | "
+            f"rollout {cfg.rollout} (staleness <= {staleness_bound(cfg)}) | {cfg.num_engines} {cfg.engine} engine(s), "
+            f"weight sync {weight_transfer(cfg)}{'' if source is None else ' (' + ('nccl' if source.device.type == 'cuda' else 'gloo') + ')'} | "
             f"{dist_info.world_size} trainer process(es) on {device.type}"
         )
     progress = tqdm(
@@ -805,7 +806,10 @@ def main(argv: list[str] | None = None, reward_funcs: list | None = None) -> lis
                 f"saving this step (last good checkpoint: {state.path or 'none (set --save_every_steps)'}); lower --lr"
             )
         state.step = step
-        if step % cfg.weight_sync_every_steps == 0 or cfg.rollout != "off-policy":
+        # no push after the last step: no rollout would use it (a resumed run pushes at its start)
+        if step < cfg.max_steps and (
+            step % cfg.weight_sync_every_steps == 0 or cfg.rollout != "off-policy"
+        ):
             metrics["weight_sync_s"] = sync_weights(pipeline, model, cfg, step, source)
         step_time = time.perf_counter() - start
         metrics.update(

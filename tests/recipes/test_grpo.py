@@ -187,6 +187,22 @@ def test_weight_sync_from_fsdp_policy(grpo_script, ray_session, even_model_dir):
     pipeline.shutdown()
 
 
+def test_weight_transfer_option_is_checked_alone(grpo_script):
+    """A misspelt --weight_transfer gets one error naming the choices, not a second one about
+    the collective transfer it did not ask for; 'collective' needs the vLLM engine."""
+    s = grpo_script
+    with pytest.raises(s.ConfigError) as e:
+        s.validate(s.Config(weight_transfer="object_store", device="cpu"))
+    message = str(e.value)
+    assert (
+        "weight_transfer='object_store': choose one of" in message and "needs engine" not in message
+    )
+    assert s.weight_transfer(s.Config(engine="runtime")) == "object-store"
+    assert s.weight_transfer(s.Config(engine="vllm", device="cpu")) == "collective"
+    with pytest.raises(s.ConfigError, match="weight_transfer='collective' needs engine='vllm'"):
+        s.validate(s.Config(engine="runtime", weight_transfer="collective", device="cpu"))
+
+
 def test_bf16_reference_is_stored_in_bf16_with_unchanged_logprobs(
     grpo_script, even_model_dir, monkeypatch
 ):

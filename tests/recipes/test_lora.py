@@ -152,6 +152,31 @@ def test_bf16_stores_the_frozen_base_in_bf16_and_trains_as_with_an_fp32_base(
     assert nbytes < 0.55 * fp32_nbytes
 
 
+def test_bf16_merged_export_keeps_the_base_checkpoint_dtype(
+    lora_script, bf16_valued_model_dir, small_dataset, tmp_path
+):
+    """The merged model is written in the base checkpoint's dtype (fp32 here), not the run's
+    bf16: a small LoRA update added to a bf16-rounded weight would mostly round away. It equals
+    the fp32 merge of the trained adapters into the base exactly."""
+    from safetensors.torch import load_file
+
+    s = lora_script
+    cfg, model, opt, sched, batches, device = _setup(
+        s, bf16_valued_model_dir, small_dataset, dtype="bf16"
+    )
+    for step in range(2):
+        s.train_step(model, opt, sched, [batches[step]], cfg, device)
+    s.save(model, None, bf16_valued_model_dir, cfg, tmp_path / "model", is_main=True)
+    merged = load_file(tmp_path / "model" / "merged" / "model.safetensors")
+    assert {t.dtype for t in merged.values()} == {torch.float32}
+    base = load_file(bf16_valued_model_dir / "model.safetensors")
+    q = "model.layers.0.self_attn.q_proj.weight"
+    layer = model.model.layers[0].self_attn.q_proj
+    want = base[q] + layer.delta_weight().float()
+    assert torch.equal(merged[q], want)
+    assert not torch.equal(merged[q].to(torch.bfloat16).float(), merged[q])  # bf16 would lose it
+
+
 def test_bad_lora_options_name_the_option(lora_script, tiny_model_dir, small_dataset, tmp_path):
     s = lora_script
     bad = s.Config(lora_rank=0, lora_target_modules=["q_proj", "qkv"], resume_adapter=str(tmp_path))

@@ -10,6 +10,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from runtime.checkpoint import (
+    checkpoint_dtype,
     copy_tokenizer_files,
     load_hf_checkpoint,
     read_hf_config,
@@ -91,6 +92,11 @@ def test_save_dtype_and_existing_dir_replaced(tmp_path):
     names = sorted(p.name for p in out.iterdir())
     assert names == ["config.json", "model.safetensors", "tokenizer.json"]  # stale shards gone
     assert read_hf_config(out)["dtype"] == "bfloat16"
+    assert checkpoint_dtype(out) == torch.bfloat16
+    save_hf_checkpoint(
+        model, tmp_path / "fp32", model.args.to_hf_config(), max_shard_bytes=TINY_SHARD_BYTES
+    )
+    assert checkpoint_dtype(tmp_path / "fp32") == torch.float32  # sharded: every shard's headers
     with safe_open(out / "model.safetensors", framework="pt") as f:
         assert f.get_tensor("model.norm.weight").dtype == torch.bfloat16
     reloaded = build_model(model.args, device="cpu")
