@@ -481,12 +481,8 @@ class HFWeightSource:
     def __init__(
         self, model: nn.Module, dtype: torch.dtype, device: torch.device, merged: bool = False
     ):
-        self.model, self.dtype, self.device, self.merged = (
-            model,
-            dtype,
-            torch.device(device),
-            merged,
-        )
+        self.model, self.dtype, self.merged = model, dtype, merged
+        self.device = torch.device(device)
 
     def _tensors(self) -> dict:
         from runtime.checkpoint import _TIED_KEYS, _is_tied, _reshard_fsdp, _tensors_to_save
@@ -522,10 +518,8 @@ class HFWeightSource:
                     full = t.compute()
                 else:  # full_tensor(): a collective on every rank
                     full = t.full_tensor() if hasattr(t, "full_tensor") else t
-                last_t, last_full = (
-                    t,
-                    full.detach().to(self.device, self._wire_dtype(t)).contiguous(),
-                )
+                last_t = t
+                last_full = full.detach().to(self.device, self._wire_dtype(t)).contiguous()
             yield name, last_full
 
 
@@ -763,7 +757,10 @@ class RolloutPipeline:
         The other trainer ranks iterate the same source alongside (its gathers are collectives).
 
         Raises:
-            TimeoutError: an engine did not answer within weight_sync_timeout_s (names it).
+            TimeoutError: an engine did not answer in time (names it): weight_sync_timeout_s per
+                call, max(rollout_timeout_s, weight_sync_timeout_s) for the wait behind queued
+                generations.
+            ValueError: another source than the first transfer's.
         """
         from runtime.weight_transfer import start_weight_transfer  # imports vllm
 
