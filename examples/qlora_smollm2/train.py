@@ -24,8 +24,6 @@ Differs from Hugging Face TRL / torchtune defaults:
   [D_out, r], scaled by lora_alpha / lora_rank; only they reach the optimizer. A is
   kaiming-uniform and B zero, as Hugging Face PEFT. The adapter is saved in PEFT layout
   (`peft.PeftModel.from_pretrained` loads it) and, with save_merged, merged into an HF model.
-  The frozen base is stored in the compute dtype (bf16 runs: bf16, half the memory of fp32
-  masters it would never update); the adapters keep fp32 master weights.
 - QLoRA (Dettmers et al. 2023, arXiv:2305.14314): targeted base weights are frozen 4-bit NF4
   (torchao; blocks of 64, double-quantized scalers), loaded and quantized one tensor at a time,
   dequantized to the compute dtype in each forward. Differs: no paged optimizer; the scaler
@@ -257,9 +255,7 @@ def build_sft_model(cfg: Config, model_dir: Path, mesh, device: torch.device) ->
     # train the adapters only: base weights, embeddings and norms stay frozen
     for name, param in model.named_parameters():
         param.requires_grad = is_adapter_param(name)
-    # frozen weights take no optimizer step, so they are stored in the compute dtype (bf16 halves the
-    # base's memory; FSDP computes with the same bf16 values either way); adapters keep fp32 masters
-    cast_frozen_params(model, DTYPES[cfg.dtype])
+    cast_frozen_params(model, DTYPES[cfg.dtype])  # no optimizer step: bf16 runs keep them in bf16
     # fp32 parameters are the master weights; FSDP casts to param_dtype for compute and reduces
     # gradients in fp32, so bf16 runs still apply every small AdamW update.
     mp_policy = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.dtype], reduce_dtype=torch.float32)
@@ -519,12 +515,9 @@ def save(
         (path / "training_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     if cfg.save_merged:
         hf_config = read_hf_config(model_dir)
-        # W + lora_scale * B A per adapted linear (DoRA: rescaled per row), one tensor at a time, merged in fp32
-        # and written in the base checkpoint's dtype (as peft's merge_and_unload keeps the base's)
-        tensors = merged_hf_tensors(model, hf_config)
-        save_hf_checkpoint(
-            model, path / "merged", hf_config, dtype=checkpoint_dtype(model_dir), tensors=tensors
-        )
+        # W + lora_scale * B A per adapted linear (DoRA: rescaled per row), one tensor at a time, in the base's dtype
+        merged, dtype = merged_hf_tensors(model, hf_config), checkpoint_dtype(model_dir)
+        save_hf_checkpoint(model, path / "merged", hf_config, dtype=dtype, tensors=merged)
         if is_main:
             copy_tokenizer_files(model_dir, path / "merged")
 
