@@ -245,6 +245,11 @@ def weight_transfer(cfg: Config) -> str:
     return cfg.weight_transfer
 
 
+def transfer_backend(cfg: Config) -> str:
+    """The collective transfer's backend: "nccl" when the trainer runs on CUDA (init_distributed's rule), else "gloo"."""
+    return "nccl" if cfg.device != "cpu" and torch.cuda.is_available() else "gloo"
+
+
 def validate(cfg: Config, reward_funcs: list | None = None) -> None:
     """Check every field and combination at once, before any model, data or Ray work."""
     positive = ("num_generations", "prompts_per_step", "max_new_tokens", "micro_batch_size", "max_steps",
@@ -549,8 +554,7 @@ def start_rollout(
         else:  # vLLM CPU would otherwise reserve gpu_memory_utilization (0.92) of the host's memory
             engine_kwargs["kv_cache_memory_bytes"] = int(cfg.engine_cpu_kv_cache_gib * 2**30)
         if weight_transfer(cfg) == "collective":  # the trainer broadcasts from its own device
-            on_cuda = torch.cuda.is_available() and cfg.device != "cpu"
-            engine_kwargs["weight_transfer_config"] = {"backend": "nccl" if on_cuda else "gloo"}
+            engine_kwargs["weight_transfer_config"] = {"backend": transfer_backend(cfg)}
     engines = [
         make_engine_actor(
             cfg.engine,
@@ -828,12 +832,8 @@ def main(argv: list[str] | None = None, reward_funcs: list | None = None) -> lis
     pipeline = start_rollout(cfg, model_dir, tokenizer, reward_funcs) if is_main else None
     source = None  # collective transfer: the policy's HF tensors, read afresh at every sync
     if weight_transfer(cfg) == "collective":
-        source = HFWeightSource(
-            model,
-            DTYPES[cfg.dtype],
-            device if device.type == "cuda" else torch.device("cpu"),
-            merged=True,
-        )
+        source_device = device if transfer_backend(cfg) == "nccl" else torch.device("cpu")
+        source = HFWeightSource(model, DTYPES[cfg.dtype], source_device, merged=True)
     if resume_from:
         sync_weights(pipeline, model, cfg, state.step, source)
         if pipeline:
@@ -848,7 +848,7 @@ def main(argv: list[str] | None = None, reward_funcs: list | None = None) -> lis
             f"model {model_dir} | {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params | "
             f"{len(examples)} prompts | {cfg.prompts_per_step} x {cfg.num_generations} rollouts per step | "
             f"rollout {cfg.rollout} (staleness <= {staleness_bound(cfg)}) | {cfg.num_engines} {cfg.engine} engine(s), "
-            f"weight sync {weight_transfer(cfg)}{'' if source is None else ' (' + ('nccl' if source.device.type == 'cuda' else 'gloo') + ')'} | "
+            f"weight sync {weight_transfer(cfg)}{f' ({transfer_backend(cfg)})' if source is not None else ''} | "
             f"{dist_info.world_size} trainer process(es) on {device.type}"
         )
     progress = tqdm(
