@@ -31,7 +31,7 @@ demo: install
 test: install
 	$(BIN)/pip install --quiet -e '.[test]'
 	$(BIN)/scaffold assets
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 # vLLM engine tests (tests/vllm, marker vllm) in their own venv: 1.5-2.5 min install once (3.5 GB),
 # then about 2.5 min (four engine starts, one inside the GRPO script's Ray actor). addopts deselects `vllm` by default, so it is cleared here; pytest exits 5 (and
