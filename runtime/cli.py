@@ -69,8 +69,11 @@ def parse(config_cls: type, argv: list[str] | None = None):
             nxt = argv[i + 1] if i + 1 < len(argv) else None
             if hints[key] is bool and (nxt is None or nxt.startswith("--")):
                 raw = "true"  # a bare --flag means true
-            elif nxt is None:
-                raise ConfigError(f"--{key} needs a value (field type {_type_name(hints[key])})")
+            elif nxt is None or re.match(r"--[A-Za-z]", nxt):
+                after = f", got the next flag {nxt}" if nxt else ""
+                raise ConfigError(
+                    f"--{key} needs a value (field type {_type_name(hints[key])}){after}"
+                )
             else:
                 raw, i = nxt, i + 1
         values[key] = _coerce(key, raw, hints[key])

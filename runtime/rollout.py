@@ -276,13 +276,39 @@ def init_ray(address: str = "", num_cpus: int = 0, gpu_ids: list[int] | None = N
         address: "" = start a local Ray; else passed to `ray.init(address=...)`.
         num_cpus: local Ray only: cores it may use (0 = all).
         gpu_ids: local Ray only: CUDA device indices for the engines; None = all of them.
+
+    Raises:
+        ConnectionError: naming `--ray_address`, when "auto" finds no cluster on this node or no
+            Ray head answers at "host:port" within 10 s (Ray itself retries for minutes).
+        ValueError: an address that is none of "auto", "host:port", "ray://host:port".
     """
     import os
+    import socket
 
     import ray
 
     if address:
-        ray.init(address=address)
+        fix = "start one with `ray start --head`, or leave --ray_address empty for a local Ray"
+        if address != "auto" and not address.startswith("ray://"):
+            host, _, port = address.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(
+                    f"--ray_address {address!r}: expected auto, host:port or ray://host:port"
+                )
+            try:
+                socket.create_connection((host, int(port)), timeout=10).close()
+            except OSError as e:
+                raise ConnectionError(
+                    f"--ray_address {address!r}: no Ray head answers there ({e}); {fix}"
+                ) from None
+        try:
+            ray.init(address=address)
+        except ConnectionError as e:
+            if address != "auto":
+                raise ConnectionError(f"--ray_address {address!r}: {e}") from None
+            raise ConnectionError(
+                f"--ray_address auto: no running Ray cluster on this node; {fix}"
+            ) from None
         return
     saved = os.environ.get("CUDA_VISIBLE_DEVICES")
     if gpu_ids is not None:

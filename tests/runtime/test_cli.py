@@ -60,6 +60,10 @@ def test_unknown_key_suggests_closest():
         (["--max_steps", "ten"], r"--max_steps: expected int, got 'ten'"),
         (["--compile=maybe"], r"--compile: expected bool"),
         (["--lr"], r"--lr needs a value"),
+        (
+            ["--lr", "--max_steps", "3"],
+            r"--lr needs a value \(field type float\), got the next flag --max_steps",
+        ),
         (["--max_steps", "1.5"], r"expected int"),
     ],
 )

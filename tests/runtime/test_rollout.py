@@ -23,6 +23,7 @@ from runtime.rollout import (
     engine_gpu_ids,
     gather_hf_state_dict,
     generate_with_logprobs,
+    init_ray,
     make_engine_actor,
     push_weights,
     wait_weight_sync,
@@ -177,6 +178,22 @@ def test_local_ray_gives_engines_only_the_gpus_after_the_trainers(visible, train
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result == {"got": expected, "restored": visible, "gpu": 4.0}
+
+
+def test_ray_address_nobody_answers_is_a_clear_error_not_minutes_of_retries():
+    """Ray's own `ray.init("host:port")` retries an unreachable head for minutes; `init_ray`
+    checks the port first and names --ray_address."""
+    import socket
+
+    with socket.socket() as s:  # a port that was just free: nothing listens there now
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.monotonic()
+    with pytest.raises(ConnectionError, match=rf"--ray_address '127.0.0.1:{port}': no Ray head"):
+        init_ray(f"127.0.0.1:{port}")
+    assert time.monotonic() - start < 10
+    with pytest.raises(ValueError, match=r"--ray_address 'headnode': expected auto, host:port"):
+        init_ray("headnode")
 
 
 def test_runtime_engine_refuses_tensor_parallel():
