@@ -162,6 +162,9 @@ def validate_spec(spec: Spec) -> None:
 # What tensor parallel has been made right for: the SFT skeleton's full-parameter model. The
 # refusals say why (a feature whose modules the TP plan does not cover, or an untested pairing).
 _TP_ALGOS = ("sft",)
+# HSDP (--dp-replicate) is only a 2-D FSDP mesh: every algorithm on the SFT skeleton takes it (LoRA's
+# frozen NF4 base and KD's whole teacher included; tests/distributed/test_hsdp_adapters.py).
+_HSDP_ALGOS = tuple(name for name, algo in ALGOS.items() if algo.skeleton == "sft")
 _TP_REFUSED_TRICKS = {
     "compile": "per-block torch.compile of DTensor (tensor-parallel) blocks is not tested here",
 }
@@ -208,14 +211,19 @@ def _validate_parallel(spec: Spec) -> None:
             "reduce-scatters activations in every block, which needs the intra-node links "
             f"(NVLink); keep tp <= {spec.gpus} and scale across nodes with data parallel"
         )
-    if spec.tp > 1 or spec.dp_replicate > 1 or spec.cp > 1:
-        if spec.algo not in _TP_ALGOS:
-            raise SpecError(
-                f"--algo {spec.algo} with --tp {spec.tp} --cp {spec.cp} --dp-replicate "
-                f"{spec.dp_replicate}: tensor parallel, context parallel and HSDP are wired into "
-                f"the SFT skeleton only (--algo {', '.join(_TP_ALGOS)}); use --tp 1 --cp 1 "
-                "--dp-replicate 1 (FSDP over all GPUs)"
-            )
+    if (spec.tp > 1 or spec.cp > 1) and spec.algo not in _TP_ALGOS:
+        raise SpecError(
+            f"--algo {spec.algo} with --tp {spec.tp} --cp {spec.cp}: tensor and context parallel "
+            f"are wired into full-parameter SFT only (--algo {', '.join(_TP_ALGOS)}); use --tp 1 "
+            "--cp 1 (FSDP over all GPUs, or HSDP with --dp-replicate"
+            f"{' for --algo ' + ', '.join(_HSDP_ALGOS) if spec.algo not in _HSDP_ALGOS else ''})"
+        )
+    if spec.dp_replicate > 1 and spec.algo not in _HSDP_ALGOS:
+        raise SpecError(
+            f"--algo {spec.algo} with --dp-replicate {spec.dp_replicate}: HSDP is wired into the "
+            f"SFT skeleton (--algo {', '.join(_HSDP_ALGOS)}); use --dp-replicate 1 (FSDP over all "
+            "GPUs)"
+        )
     if spec.cp > 1:
         _validate_cp(spec, world)
     if spec.tp > 1:

@@ -138,9 +138,11 @@ def copy_into_nf4_(param: torch.Tensor, full: torch.Tensor) -> None:
 
     full = full.to(device=local.device, dtype=local.dtype)
     q = to_nf4(full.contiguous(), local.block_size, local.scaler_block_size)
-    if isinstance(param, DTensor):
-        mesh = param.device_mesh
-        q = torch.chunk(q, mesh.size(), dim=0)[mesh.get_local_rank()]
+    if isinstance(param, DTensor):  # rows split over the Shard(0) mesh dim (HSDP: replicated
+        mesh = param.device_mesh  # over "dp_replicate", sharded over "dp_shard")
+        for dim, placement in enumerate(param.placements):
+            if placement.is_shard():
+                q = torch.chunk(q, mesh.size(dim), dim=0)[mesh.get_local_rank(dim)]
     for attr in ("quantized_scalers", "quantization_factor", "quantized_data"):
         getattr(local, attr).copy_(getattr(q, attr))
     local.scaler_mean = q.scaler_mean.clone()

@@ -35,9 +35,11 @@ from generator.spec import Spec, SpecError, validate_spec
         # degrees >= 1
         (Spec(dp_replicate=0), ["--dp-replicate 0: must be >= 1"]),
         (Spec(tp=0), ["--tp 0: must be >= 1"]),
-        # TP / HSDP are wired into the SFT skeleton only
-        (Spec(algo="dpo", model="qwen3-0.6b", gpus=2, tp=2, dataset="dpo_en_demo.json"), ["--algo dpo", "SFT skeleton only"]),
-        (Spec(algo="lora", gpus=4, dp_replicate=2), ["--algo lora", "--tp 1 --cp 1 --dp-replicate 1"]),
+        # TP / CP are wired into full-parameter SFT only, HSDP into the SFT skeleton (sft, lora, qlora, kd)
+        (Spec(algo="dpo", model="qwen3-0.6b", gpus=2, tp=2, dataset="dpo_en_demo.json"), ["--algo dpo", "full-parameter SFT only", "HSDP with --dp-replicate for --algo sft, lora, qlora, kd"]),
+        (Spec(algo="lora", model="qwen3-0.6b", gpus=2, tp=2), ["--algo lora with --tp 2", "use --tp 1 --cp 1 (FSDP over all GPUs, or HSDP with --dp-replicate)"]),
+        (Spec(algo="dpo", gpus=4, dp_replicate=2, dataset="dpo_en_demo.json"), ["--algo dpo with --dp-replicate 2", "--algo sft, lora, qlora, kd", "use --dp-replicate 1"]),
+        (Spec(algo="grpo", gpus=4, engine_gpus=0, dp_replicate=2, dataset="chain_sum.jsonl"), ["--algo grpo with --dp-replicate 2"]),
         # compile of DTensor blocks is not tested here
         (Spec(model="qwen3-0.6b", gpus=2, tp=2, tricks=("compile",)), ["--tricks compile with --tp 2"]),
     ],
@@ -52,6 +54,7 @@ def test_refused_parallel_plans(spec, expected):
 def test_valid_plans_pass_and_command_prints_non_defaults():
     tp = Spec(model="qwen3-0.6b", gpus=4, tp=2, out="o")
     hsdp = Spec(gpus=4, dp_replicate=2, out="o")
+    hsdp_adapters = [Spec(algo=a, gpus=4, dp_replicate=2, out="o") for a in ("lora", "qlora", "kd")]
     cp = Spec(gpus=2, cp=2, tricks=("ac", "lce"), out="o")
     hsdp_cp = Spec(gpus=8, cp=2, dp_replicate=2, out="o")
     tp_cp = Spec(model="qwen3-0.6b", gpus=8, cp=2, tp=2, out="o")
@@ -62,6 +65,7 @@ def test_valid_plans_pass_and_command_prints_non_defaults():
         hsdp_cp,
         tp_cp,
         Spec(model="qwen3-0.6b", gpus=8, nodes=2, tp=8, dp_replicate=2),
+        *hsdp_adapters,
     ):
         validate_spec(spec)
     assert "--gpus 4 --tp 2 --out" in tp.command() and "--cp" not in tp.command()

@@ -295,7 +295,7 @@ def test_generator_renders_grpo_lora_and_refuses_bad_combinations(tmp_path):
         (Spec(algo="grpo-lora", tricks=("lce",), out="o"), "--algo grpo-lora does not take --tricks lce"),
         (Spec(algo="grpo-lora", peft="ia3", out="o"), "--peft 'ia3'; valid: lora, dora"),
         (Spec(algo="grpo", peft="dora", out="o"), "--algo lora or qlora or dpo-lora or grpo-lora"),
-        (Spec(algo="grpo-lora", gpus=2, tp=2, out="o"), "wired into the SFT skeleton only"),
+        (Spec(algo="grpo-lora", gpus=2, tp=2, out="o"), "wired into full-parameter SFT only"),
     ]:  # fmt: skip
         with pytest.raises(SpecError, match=message.replace("(", r"\(").replace(")", r"\)")):
             render(spec)
