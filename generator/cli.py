@@ -409,6 +409,8 @@ def list_(what):
         click.echo("\nalgorithms:" if what is None else "algorithms:")
         for algo in ALGOS.values():
             click.echo(f"  {algo.name:10} {algo.summary}")
+            if algo.tricks is not None:  # the others take every trick
+                click.echo(f"  {'':10} tricks: {', '.join(algo.tricks)} only")
         click.echo(f"  --peft (with --algo {'/'.join(PEFT_ALGOS)}):")
         for name, summary in PEFT_METHODS.items():
             click.echo(f"    {name:8} {summary}")

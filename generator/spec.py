@@ -126,8 +126,9 @@ def validate_spec(spec: Spec) -> None:
     refused = [t for t in spec.tricks if allowed is not None and t not in allowed]
     if refused:
         raise SpecError(
-            f"--algo {spec.algo} does not take --tricks {','.join(refused)} (it has no SFT loss or "
-            f"step section for them to replace); valid for {spec.algo}: {', '.join(allowed)}"
+            f"--algo {spec.algo} does not take --tricks {','.join(refused)} (those tricks rewrite "
+            f"the SFT cross-entropy or optimizer step, which {spec.algo} replaces with its own); "
+            f"valid for {spec.algo}: {', '.join(allowed)} (`scaffold list algos`)"
         )
     if len(set(spec.tricks)) != len(spec.tricks):
         raise SpecError(f"--tricks lists a trick twice: {list(spec.tricks)}")

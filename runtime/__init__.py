@@ -55,7 +55,12 @@ from runtime.loss import (
     token_logprobs,
     vocab_parallel_cross_entropy_sum,
 )
-from runtime.metrics import MetricsLogger, peak_memory_mib, transformer_flops_per_token
+from runtime.metrics import (
+    MetricsLogger,
+    logger_errors,
+    peak_memory_mib,
+    transformer_flops_per_token,
+)
 from runtime.models.llama import CausalLM, KVCache, LlamaForCausalLM, ModelArgs, build_model
 from runtime.models.moe import apply_expert_parallel, load_balancing_loss
 from runtime.offload import offload_activations
@@ -133,6 +138,7 @@ __all__ = [
     "LlamaForCausalLM",
     "LoRALinear",
     "MetricsLogger",
+    "logger_errors",
     "ResumableDistributedSampler",
     "ModelArgs",
     "Tokenizer",

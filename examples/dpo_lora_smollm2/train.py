@@ -12,6 +12,17 @@ Launch:
     launch/torchrun_multinode.sh                      # torchrun --nnodes 1: the line to run on each node
     python train.py --ref_mode precomputed --beta 0.05   # reference log-probs cached before training
 
+Data (--dataset, .json/.jsonl/.parquet or a `datasets` name), one pair per row, either
+- TRL's `prompt` (or `messages`), `chosen`, `rejected`: strings or message lists ({"role",
+  "content"}), or only `chosen`/`rejected` conversations that share their prompt turns (TRL's
+  implicit prompt); or
+- LLaMA-Factory's `conversations` (the prompt turns) with `chosen`/`rejected` replies.
+
+Logged (TRL's names): rewards/chosen and rewards/rejected = beta * (policy - reference) log-prob
+of each reply (summed over its tokens; IPO: per-token mean), mean over the step's pairs;
+rewards/margins = their difference; rewards/accuracies = the fraction of pairs whose chosen reward
+is higher (0 at step 1, where the policy is the reference).
+
 Reference modes (--ref_mode):
 - adapters-off: the policy's own frozen base with the LoRA adapters skipped: no second copy
 - separate: a frozen copy of the checkpoint (--ref_device cpu keeps it in host memory)
@@ -80,6 +91,7 @@ from runtime import (
     load_hf_checkpoint,
     load_rows,
     load_train_state,
+    logger_errors,
     merged_hf_tensors,
     parse_config,
     peak_memory_mib,
@@ -185,11 +197,15 @@ def validate(cfg: Config) -> None:
         if getattr(cfg, name) < 1:
             errors.append(f"{name}={getattr(cfg, name)}: must be >= 1")
     if not 0 <= cfg.warmup_steps <= cfg.max_steps:
-        errors.append(f"warmup_steps={cfg.warmup_steps}: must be in [0, max_steps={cfg.max_steps}]")
-    if cfg.lr <= 0 or cfg.max_grad_norm < 0 or len(cfg.betas) != 2:
         errors.append(
-            f"lr={cfg.lr} must be > 0, max_grad_norm={cfg.max_grad_norm} >= 0, betas two floats"
+            f"warmup_steps={cfg.warmup_steps}: must be in [0, max_steps={cfg.max_steps}] (a run shorter than the warmup needs --warmup_steps too, e.g. --warmup_steps 0)"
         )
+    if cfg.lr <= 0:
+        errors.append(f"lr={cfg.lr}: must be > 0")
+    if cfg.max_grad_norm < 0:
+        errors.append(f"max_grad_norm={cfg.max_grad_norm}: must be >= 0 (0 = no clipping)")
+    if len(cfg.betas) != 2:
+        errors.append(f"betas={cfg.betas}: AdamW's two floats, e.g. --betas 0.9,0.95")
     if not 0 <= cfg.min_lr_ratio <= 1:
         errors.append(f"min_lr_ratio={cfg.min_lr_ratio}: must be in [0, 1]")
     if not 0 <= cfg.val_fraction < 1:
@@ -223,6 +239,7 @@ def validate(cfg: Config) -> None:
         )
     if cfg.logprob_num_chunks < 1:
         errors.append(f"logprob_num_chunks={cfg.logprob_num_chunks}: must be >= 1")
+    errors += logger_errors(cfg.loggers)  # a missing wandb/tensorboard fails now, not at step 1
     if cfg.lora_rank < 1 or cfg.lora_alpha <= 0 or not 0 <= cfg.lora_dropout < 1:
         errors.append(
             f"lora_rank={cfg.lora_rank} must be >= 1, lora_alpha={cfg.lora_alpha} > 0, "
@@ -491,6 +508,11 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer) -> tuple[list[dict], list[
             f"{source}: no pair keeps a supervised token in both replies after truncation to "
             f"max_seq_len={cfg.max_seq_len}; raise --max_seq_len"
         )
+    if len(kept) < len(pairs) and int(os.environ.get("RANK", "0")) == 0:
+        print(
+            f"{source}: {len(pairs) - len(kept)} of {len(pairs)} pairs dropped: their prompt leaves no reply "
+            f"token within max_seq_len={cfg.max_seq_len} (raise --max_seq_len to keep them)"
+        )
     return split_train_val(kept, cfg.val_fraction, cfg.seed)
 
 
@@ -717,27 +739,43 @@ def load_reference(
 ):
     """The reference by cfg.ref_mode: (frozen copy or None, [N, 2] log-prob table or None).
 
-    precomputed: the table is saved to out_dir/reference_logps.pt, so a resumed run (whose policy
-    has moved) reads it back instead of recomputing.
+    precomputed: the table is saved to out_dir/reference_logps.pt with the config fields it was
+    computed from, so a resumed run (whose policy has moved) reads it back instead of recomputing,
+    and refuses it if one of those fields changed (the rows or their tokens would not match).
     """
     if cfg.ref_mode == "separate":
         return build_reference(cfg, model_dir, mesh, device), None
     if cfg.ref_mode != "precomputed":
         return None, None
     path = out_dir / "reference_logps.pt"
+    computed_from = {k: getattr(cfg, k) for k in ("model", "dataset", "max_seq_len", "dtype")} | {
+        "pairs": len(examples)
+    }
     if resumed:
         if not path.is_file():
             raise ValueError(
                 f"ref_mode='precomputed' resumes from a checkpoint but {path} is missing, and the trained "
                 "policy is no longer the reference; restore the file or start over with --resume none"
             )
-        return None, torch.load(path)
+        saved = torch.load(path)
+        changed = {
+            k: (v, computed_from[k])
+            for k, v in saved["computed_from"].items()
+            if computed_from.get(k) != v
+        }
+        if changed:
+            raise ValueError(
+                f"{path} was computed for other data: "
+                + ", ".join(f"{k} {old!r} (now {new!r})" for k, (old, new) in changed.items())
+                + "; resume with the same values, or start over in a new --out_dir (the reference is the untrained policy)"
+            )
+        return None, saved["reference_logps"]
     dp = mesh["dp_shard"]
     ref_cache = precompute_reference_logprobs(
         model, examples, cfg, pad_token_id, dp.get_local_rank(), dp.size(), device
     )
     if is_main:
-        torch.save(ref_cache, path)
+        torch.save({"reference_logps": ref_cache, "computed_from": computed_from}, path)
     return None, ref_cache
 
 
@@ -749,7 +787,11 @@ def main(argv: list[str] | None = None) -> dict:
     is_main, device = dist_info.is_main, dist_info.device
     dp_rank, dp_size = mesh["dp_shard"].get_local_rank(), mesh["dp_shard"].size()
     out_dir = prepare_out_dir(cfg.out_dir)  # an unwritable out_dir fails now, not at the first save
-    model_dir = resolve_model_dir(cfg.model, cfg.hf_repo_id)
+    # the default hf_repo_id is the default model's: another --model needs its own (or a local copy)
+    hf_repo_id = (
+        cfg.hf_repo_id if cfg.model == Config.model or cfg.hf_repo_id != Config.hf_repo_id else ""
+    )
+    model_dir = resolve_model_dir(cfg.model, hf_repo_id)
     tokenizer = Tokenizer.from_dir(model_dir)
     check_vocab_fits(tokenizer, model_dir)  # ids past the embedding table would fail mid-step
     train_set, val_set = build_datasets(cfg, tokenizer)

@@ -113,6 +113,7 @@ from runtime import (
     load_hf_checkpoint,
     load_rows,
     load_train_state,
+    logger_errors,
     make_engine_actor,
     make_reward_workers,
     merged_hf_tensors,
@@ -261,9 +262,11 @@ def validate(cfg: Config, reward_funcs: list | None = None) -> None:
         (cfg.device in ("auto", "cuda", "cpu"), f"device={cfg.device!r}: choose auto, cuda or cpu"),
         (cfg.device != "cuda" or torch.cuda.is_available(), "device='cuda' but torch sees no CUDA device: use --device cpu"),
         *((getattr(cfg, n) >= 1, f"{n}={getattr(cfg, n)}: must be >= 1") for n in positive),
-        (0 <= cfg.warmup_steps <= cfg.max_steps, f"warmup_steps={cfg.warmup_steps}: must be in [0, max_steps={cfg.max_steps}]"),
-        (cfg.lr > 0 and cfg.max_grad_norm >= 0 and len(cfg.betas) == 2 and 0 <= cfg.min_lr_ratio <= 1,
-         f"lr={cfg.lr} must be > 0, max_grad_norm={cfg.max_grad_norm} >= 0, betas two floats, min_lr_ratio in [0, 1]"),
+        (0 <= cfg.warmup_steps <= cfg.max_steps, f"warmup_steps={cfg.warmup_steps}: must be in [0, max_steps={cfg.max_steps}] (a run shorter than the warmup needs --warmup_steps too, e.g. --warmup_steps 0)"),
+        (cfg.lr > 0, f"lr={cfg.lr}: must be > 0"),
+        (cfg.max_grad_norm >= 0, f"max_grad_norm={cfg.max_grad_norm}: must be >= 0 (0 = no clipping)"),
+        (len(cfg.betas) == 2, f"betas={cfg.betas}: AdamW's two floats, e.g. --betas 0.9,0.95"),
+        (0 <= cfg.min_lr_ratio <= 1, f"min_lr_ratio={cfg.min_lr_ratio}: must be in [0, 1]"),
         (cfg.temperature > 0 and 0 < cfg.top_p <= 1, f"temperature={cfg.temperature} must be > 0, top_p={cfg.top_p} in (0, 1]"),
         (0 <= cfg.clip_eps_low < 1 and cfg.clip_eps_high >= 0,
          f"clip_eps_low={cfg.clip_eps_low} must be in [0, 1), clip_eps_high={cfg.clip_eps_high} >= 0"),
@@ -296,7 +299,7 @@ def validate(cfg: Config, reward_funcs: list | None = None) -> None:
         (min(cfg.log_every_steps, cfg.save_every_steps) >= 0 and cfg.keep_last_checkpoints >= 1,
          "log_every_steps and save_every_steps must be >= 0, keep_last_checkpoints >= 1"),
     ]  # fmt: skip
-    errors = [message for holds, message in checks if not holds]
+    errors = [message for holds, message in checks if not holds] + logger_errors(cfg.loggers)
     if cfg.lora_rank < 1 or cfg.lora_alpha <= 0 or not 0 <= cfg.lora_dropout < 1:
         errors.append(
             f"lora_rank={cfg.lora_rank} must be >= 1, lora_alpha={cfg.lora_alpha} > 0, "
@@ -807,7 +810,11 @@ def main(argv: list[str] | None = None, reward_funcs: list | None = None) -> lis
     is_main, device = dist_info.is_main, dist_info.device
     dp_rank, dp_size = mesh["dp_shard"].get_local_rank(), mesh["dp_shard"].size()
     out_dir = prepare_out_dir(cfg.out_dir)  # an unwritable out_dir fails now, not at the first save
-    model_dir = resolve_model_dir(cfg.model, cfg.hf_repo_id)
+    # the default hf_repo_id is the default model's: another --model needs its own (or a local copy)
+    hf_repo_id = (
+        cfg.hf_repo_id if cfg.model == Config.model or cfg.hf_repo_id != Config.hf_repo_id else ""
+    )
+    model_dir = resolve_model_dir(cfg.model, hf_repo_id)
     tokenizer = Tokenizer.from_dir(model_dir)
     check_vocab_fits(tokenizer, model_dir)  # ids past the embedding table would fail mid-step
     examples = load_prompts(cfg, tokenizer)

@@ -86,6 +86,7 @@ from runtime import (
     load_hf_checkpoint,
     load_rows,
     load_train_state,
+    logger_errors,
     pack_examples,
     packed_position_ids,
     packing_efficiency,
@@ -172,11 +173,15 @@ def validate(cfg: Config) -> None:
         if getattr(cfg, name) < 1:
             errors.append(f"{name}={getattr(cfg, name)}: must be >= 1")
     if not 0 <= cfg.warmup_steps <= cfg.max_steps:
-        errors.append(f"warmup_steps={cfg.warmup_steps}: must be in [0, max_steps={cfg.max_steps}]")
-    if cfg.lr <= 0 or cfg.max_grad_norm < 0 or len(cfg.betas) != 2:
         errors.append(
-            f"lr={cfg.lr} must be > 0, max_grad_norm={cfg.max_grad_norm} >= 0, betas two floats"
+            f"warmup_steps={cfg.warmup_steps}: must be in [0, max_steps={cfg.max_steps}] (a run shorter than the warmup needs --warmup_steps too, e.g. --warmup_steps 0)"
         )
+    if cfg.lr <= 0:
+        errors.append(f"lr={cfg.lr}: must be > 0")
+    if cfg.max_grad_norm < 0:
+        errors.append(f"max_grad_norm={cfg.max_grad_norm}: must be >= 0 (0 = no clipping)")
+    if len(cfg.betas) != 2:
+        errors.append(f"betas={cfg.betas}: AdamW's two floats, e.g. --betas 0.9,0.95")
     if not 0 <= cfg.min_lr_ratio <= 1:
         errors.append(f"min_lr_ratio={cfg.min_lr_ratio}: must be in [0, 1]")
     if not 0 <= cfg.val_fraction < 1:
@@ -191,6 +196,7 @@ def validate(cfg: Config) -> None:
             errors.append(f"{name}={getattr(cfg, name)}: must be >= 0")
     if cfg.keep_last_checkpoints < 1:
         errors.append(f"keep_last_checkpoints={cfg.keep_last_checkpoints}: must be >= 1")
+    errors += logger_errors(cfg.loggers)  # a missing wandb/tensorboard fails now, not at step 1
     if cfg.packing_attention not in ("auto", "flex", "sdpa"):
         errors.append(f"packing_attention={cfg.packing_attention!r}: choose auto, flex or sdpa")
     elif cfg.packing_attention == "flex" and (
@@ -545,7 +551,11 @@ def main(argv: list[str] | None = None) -> dict:
         mesh["dp"].get_group(),
     )
     out_dir = prepare_out_dir(cfg.out_dir)  # an unwritable out_dir fails now, not at the first save
-    model_dir = resolve_model_dir(cfg.model, cfg.hf_repo_id)
+    # the default hf_repo_id is the default model's: another --model needs its own (or a local copy)
+    hf_repo_id = (
+        cfg.hf_repo_id if cfg.model == Config.model or cfg.hf_repo_id != Config.hf_repo_id else ""
+    )
+    model_dir = resolve_model_dir(cfg.model, hf_repo_id)
     tokenizer = Tokenizer.from_dir(model_dir)
     check_vocab_fits(tokenizer, model_dir)  # ids past the embedding table would fail mid-step
     train_set, val_set = build_datasets(cfg, tokenizer)

@@ -21,9 +21,10 @@ def test_single_node_launch_file_runs_two_gloo_processes(tiny_model_dir, small_d
     out = tmp_path / "run"
     result = CliRunner().invoke(cli, ["new", "--gpus", "2", "--out", str(out)])
     assert result.exit_code == 0, result.output
+    # relative paths: from the directory the launch file is run in (tmp_path), not train.py's
     args = [
-        "--model", str(tiny_model_dir), "--dataset", str(small_dataset),
-        "--out_dir", str(tmp_path / "out"), "--device", "cpu", "--dtype", "fp32",
+        "--model", str(tiny_model_dir), "--dataset", os.path.relpath(small_dataset, tmp_path),
+        "--out_dir", "out", "--device", "cpu", "--dtype", "fp32",
         "--max_steps", "2", "--warmup_steps", "0", "--max_seq_len", "64", "--micro_batch_size", "2",
         "--val_fraction", "0", "--eval_every_steps", "0", "--sample_max_new_tokens", "0",
     ]  # fmt: skip
@@ -45,6 +46,7 @@ def test_single_node_launch_file_runs_two_gloo_processes(tiny_model_dir, small_d
     losses = [row["loss"] for row in rows if "loss" in row]
     assert len(losses) == 2 and all(x == x and x > 0 for x in losses)  # finite, 2 steps
     assert (tmp_path / "out" / "model" / "model.safetensors").is_file()
+    assert not (out / "out").exists()
 
 
 @pytest.mark.parametrize("bad", [["--lr", "-1"], ["--learning_rate", "1e-4"]])

@@ -254,6 +254,10 @@ def test_list_and_help():
     assert "sft" in listed.output and "ac" in listed.output
     assert "lora" in listed.output and "qlora" in listed.output and "dora" in listed.output
     assert "0.13B" in listed.output  # smollm2-135m: 134.5 M parameters
+    algos = runner.invoke(cli, ["list", "algos"]).output.splitlines()
+    dpo = algos.index(next(line for line in algos if line.split()[:1] == ["dpo"]))
+    assert algos[dpo + 1].split() == ["tricks:", "ac,", "adamw8bit", "only"]  # what dpo takes
+    assert not algos[1].strip().startswith("tricks:")  # sft takes every trick: no line
     helped = runner.invoke(cli, ["new", "--help"])
     assert helped.exit_code == 0 and "--model" in helped.output and "--tricks" in helped.output
 

@@ -233,6 +233,11 @@ def test_resume_continues_exactly_and_keeps_the_precomputed_reference(
     assert got[3] == pytest.approx(want[3], abs=1e-6) and got[4] == pytest.approx(want[4], abs=1e-6)
     assert want[3] != pytest.approx(math.log(2), abs=1e-3)  # the policy did move
     if ref_mode == "precomputed":
+        # a resume on other data (or tokens) cannot use the cached table: refused, naming what changed
+        with pytest.raises(ValueError, match=r"computed for other data: max_seq_len 96 \(now 64\)"):
+            dpo_script.main(
+                [*common, "--out_dir", str(resumed), "--max_steps", "6", "--max_seq_len", "64"]
+            )
         (resumed / "reference_logps.pt").unlink()
         with pytest.raises(ValueError, match="reference_logps.pt is missing"):
             dpo_script.main([*common, "--out_dir", str(resumed), "--max_steps", "6"])
@@ -252,3 +257,21 @@ def test_ipo_compares_per_token_means(dpo_lora_script, tiny_model_dir, short_pai
     want, _, _ = s.dpo_loss(mean[:2], mean[2:], ref_mean[:2], ref_mean[2:], cfg.beta, 0.0, "ipo")
     torch.testing.assert_close(losses, want)
     torch.testing.assert_close(sums["logps/chosen"], mean[:2].sum())
+
+
+def test_pairs_whose_prompt_fills_max_seq_len_are_dropped_and_counted(
+    dpo_script, smollm2_dir, capsys
+):
+    """Real dpo_en_demo at max_seq_len 256: the pairs whose prompt leaves no reply token are dropped,
+    and the startup output says how many (the startup line alone showed only what was kept)."""
+    from runtime import Tokenizer
+
+    cfg = dpo_script.Config(
+        model=str(smollm2_dir), dataset="dpo_en_demo.json", max_seq_len=256, val_fraction=0.0
+    )
+    train, val = dpo_script.build_datasets(cfg, Tokenizer.from_dir(smollm2_dir))
+    rows = json.loads(ensure_dataset("dpo_en_demo.json").read_text())
+    dropped = len(rows) - len(train) - len(val)
+    assert dropped > 0
+    out = capsys.readouterr().out
+    assert f"{dropped} of {len(rows)} pairs dropped" in out and "raise --max_seq_len" in out

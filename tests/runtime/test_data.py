@@ -120,7 +120,10 @@ def test_datasets_failure_is_explained(monkeypatch):
 def test_malformed_jsonl_line_names_file_and_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"prompt": "a", "response": "b"}\n\n{"prompt": "c", \n')
-    with pytest.raises(ValueError, match=rf"^{path}:3: invalid JSON \("):
+    with pytest.raises(
+        ValueError,
+        match=rf"^{path}:3: invalid JSON \(Expecting property name.*: column 17\); each line",
+    ):
         load_rows(str(path))
 
 

@@ -64,3 +64,25 @@ def test_explicit_path_is_never_replaced_by_the_default_model(tmp_path, monkeypa
     with pytest.raises(FileNotFoundError) as err:
         resolve_model_dir(str(missing), "HuggingFaceTB/SmolLM2-135M-Instruct")
     assert f"looked at {missing})" in str(err.value)
+
+
+def test_error_names_the_scripts_options(tmp_path, monkeypatch):
+    """KD's teacher is resolved like --model: the error names --teacher and --teacher_hf_repo_id."""
+    monkeypatch.setenv("SCAFFOLD_HOME", str(tmp_path / "home"))
+    with pytest.raises(FileNotFoundError) as err:
+        resolve_model_dir("my-teacher", "", ("--teacher", "--teacher_hf_repo_id"))
+    msg = str(err.value)
+    assert msg.startswith("--teacher 'my-teacher': no config.json found")
+    assert "with --teacher, or its Hub id with --teacher_hf_repo_id" in msg and "--model" not in msg
+
+
+def test_missing_dataset_file_names_each_place_once(tmp_path, monkeypatch):
+    from runtime.hub import resolve_data_path
+
+    monkeypatch.setenv("SCAFFOLD_HOME", str(tmp_path / "home"))
+    missing = tmp_path / "nope.json"
+    with pytest.raises(FileNotFoundError, match=rf"\(looked at {missing}\); fix the path"):
+        resolve_data_path(str(missing))  # an absolute path is not looked for in the cache
+    with pytest.raises(FileNotFoundError) as err:
+        resolve_data_path("nope.json")
+    assert f"and {tmp_path / 'home' / 'data' / 'nope.json'})" in str(err.value)

@@ -9,7 +9,8 @@ set -euo pipefail
 : "${NODE_RANK:?set NODE_RANK to the index of this node, 0..0}"
 : "${MASTER_ADDR:?set MASTER_ADDR to the hostname of node 0}"
 MASTER_PORT="${MASTER_PORT:-29500}"
-cd "$(dirname "$0")/.."  # the directory of train.py (the same path on every node)
+# train.py beside launch/ (the same path on every node); relative paths in the arguments stay
+# relative to the directory you run this from
 exec torchrun \
     --nnodes 1 \
     --nproc-per-node 2 \
@@ -17,4 +18,4 @@ exec torchrun \
     --rdzv-id "${RDZV_ID:-scaffold}" \
     --rdzv-backend c10d \
     --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" \
-    train.py "$@"
+    "$(dirname "$0")/../train.py" "$@"
