@@ -142,6 +142,12 @@ def cli():
     type=click.Path(file_okay=False),
     help="Directory to write train.py (and .scaffold/) into.",
 )
+@click.option(
+    "--teacher",
+    default="",
+    help="--algo kd: the frozen teacher, a catalog name or HF dir with the student's tokenizer "
+    "[default: the student's own checkpoint, so the KL starts at 0].",
+)
 @click.option("--force", is_flag=True, help="Overwrite an existing train.py.")
 @click.option(
     "--gpu-memory",
@@ -152,7 +158,7 @@ def cli():
 @_friendly
 def new(
     algo, peft, model, tricks, gpus, nodes, tp, cp, dp_replicate, ep, engine_gpus, engine_tp, dtype,
-    dataset, out, force, gpu_memory,
+    dataset, out, teacher, force, gpu_memory,
 ):  # fmt: skip
     """Write OUT/train.py for the chosen model, algorithm, tricks and GPUs.
 
@@ -160,6 +166,7 @@ def new(
     Example:
       scaffold new --algo sft --model smollm2-135m --out runs/demo
       scaffold new --algo qlora --peft dora --out runs/qdora
+      scaffold new --algo kd --model smollm2-135m --teacher smollm2-1.7b --out runs/kd
       scaffold new --model llama3.3-70b --gpus 8 --tricks ac,lce --gpu-memory h200-141 --out r70
       python runs/demo/train.py --max_steps 50
     """
@@ -169,7 +176,7 @@ def new(
 
     spec = spec_from_options(
         algo, peft, model, tricks, gpus, nodes, tp, cp, dp_replicate, ep, dtype, dataset, out,
-        engine_gpus, engine_tp,
+        engine_gpus, engine_tp, teacher,
     )  # fmt: skip
     out_dir = Path(out)
     script = out_dir / "train.py"
@@ -343,7 +350,7 @@ def plan(
 
 def spec_from_options(
     algo, peft, model, tricks, gpus, nodes, tp, cp, dp_replicate, ep, dtype, dataset=None, out=None,
-    engine_gpus=None, engine_tp=None,
+    engine_gpus=None, engine_tp=None, teacher="",
 ) -> Spec:  # fmt: skip
     """The Spec of `scaffold new` / `scaffold plan` options: --tricks split on commas, --dataset
     defaulting to the algorithm's demo set, GRPO's engine GPUs chosen when not given."""
@@ -361,6 +368,7 @@ def spec_from_options(
         dtype=dtype,
         dataset=dataset or (ALGOS[algo].dataset if algo in ALGOS else Spec.dataset),
         out=out,
+        teacher=teacher,
     )
     if algo not in ALGOS or gpus < 1:  # validate_spec names the bad option
         return spec
@@ -426,7 +434,8 @@ def list_(what):
 
 _SET_HELP = (
     "Change one option of the recorded spec (repeatable): algo, dataset, dtype, gpus, model, nodes, "
-    "tp, cp, dp_replicate, ep, engine_gpus, engine_tp, peft, tricks (comma list; `tricks=` for none). "
+    "tp, cp, dp_replicate, ep, engine_gpus, engine_tp, peft, teacher, tricks (comma list; `tricks=` "
+    "for none). "
     "Validated like `scaffold new`."
 )
 

@@ -56,6 +56,7 @@ SETTABLE = (
     "engine_gpus",
     "engine_tp",
     "peft",
+    "teacher",
     "tricks",
 )  # Spec fields for --set
 LABEL_OURS, LABEL_BASE, LABEL_THEIRS = "yours", "base (last render)", "new render"
@@ -197,6 +198,8 @@ def parse_settings(settings: tuple[str, ...] | list[str], spec: Spec) -> Spec:
         new = dataclasses.replace(new, engine_gpus=engine_gpus, engine_tp=engine_tp)
     elif new.algo not in ROLLOUT_ALGOS and not {"engine_gpus", "engine_tp"} & set(changes):
         new = dataclasses.replace(new, engine_gpus=0, engine_tp=1)  # e.g. --set algo=sft
+    if new.algo != "kd" and "teacher" not in changes:
+        new = dataclasses.replace(new, teacher="")  # --set algo=sft on a kd run: no teacher
     validate_spec(new)
     return new
 

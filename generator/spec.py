@@ -55,6 +55,7 @@ class Spec:
     dtype: str = "bf16"
     dataset: str = "alpaca_en_demo.json"
     out: str = "."
+    teacher: str = ""  # algo kd: the teacher, catalog name or local HF dir ("" = the model itself)
 
     def to_json(self) -> str:
         return json.dumps({"generator_version": __version__, "spec": asdict(self)}, indent=2) + "\n"
@@ -96,7 +97,9 @@ class Spec:
             parts += ["--peft", self.peft]
         if self.tricks:
             parts += ["--tricks", ",".join(self.tricks)]
-        names = [n for n in ("dtype", "dataset") if getattr(self, n) != getattr(default, n)]
+        names = [
+            n for n in ("dtype", "dataset", "teacher") if getattr(self, n) != getattr(default, n)
+        ]
         for name in (*self.layout_options(), *names):
             parts += [f"--{name.replace('_', '-')}", str(getattr(self, name))]
         parts += ["--out", self.out]
@@ -109,6 +112,14 @@ def validate_spec(spec: Spec) -> None:
         raise SpecError(f"unknown algorithm {spec.algo!r}; valid: {', '.join(ALGOS)}")
     if spec.peft not in PEFT_METHODS:
         raise SpecError(f"--peft {spec.peft!r}; valid: {', '.join(PEFT_METHODS)}")
+    if spec.teacher and spec.algo != "kd":
+        raise SpecError(f"--teacher {spec.teacher} is for --algo kd (distillation); drop it")
+    if spec.teacher and spec.teacher not in MODELS:
+        if not (Path(spec.teacher).expanduser() / "config.json").is_file():
+            raise SpecError(
+                f"--teacher {spec.teacher!r}: neither a catalog model (`scaffold list models`) nor "
+                "a local Hugging Face directory with config.json"
+            )
     if spec.peft != Spec.peft and spec.algo not in PEFT_ALGOS:
         raise SpecError(
             f"--peft {spec.peft} needs an adapter algorithm (--algo {' or '.join(PEFT_ALGOS)}); "
@@ -552,6 +563,20 @@ def build_answers(spec: Spec) -> dict:
         }
     else:
         model = _local_model_answers(Path(spec.model).expanduser())
+    # kd's teacher: a catalog name keeps its Hub id; a directory its absolute path; none = the model
+    if spec.teacher in MODELS:
+        model["teacher_path"], model["teacher_hf_repo_id"] = (
+            spec.teacher,
+            MODELS[spec.teacher].hf_repo_id,
+        )
+    elif spec.teacher:
+        model["teacher_path"] = str(Path(spec.teacher).expanduser().resolve())
+        model["teacher_hf_repo_id"] = ""
+    else:
+        model["teacher_path"], model["teacher_hf_repo_id"] = (
+            model["model_path"],
+            model["hf_repo_id"],
+        )
     # The algorithm's template first (it adds the adapters before tricks wrap the blocks), then the
     # tricks in registry order, not CLI order.
     algo = ALGOS[spec.algo]

@@ -114,7 +114,7 @@ class Config:
     device: str = "auto"  # "auto" (CUDA if available), "cuda" or "cpu"
     # distillation: loss = (1 - kd_ratio) * CE + kd_ratio * kd_temperature^2 * KL, per supervised token
     teacher: str = "smollm2-135m"  # teacher: local HF directory or catalog name (same tokenizer)
-    teacher_hf_repo_id: str = ""  # Hub fallback for the teacher
+    teacher_hf_repo_id: str = "HuggingFaceTB/SmolLM2-135M-Instruct"  # Hub fallback for the teacher
     kd_ratio: float = 0.5  # weight of the KL term (0 = plain SFT, 1 = distillation only)
     kd_temperature: float = 2.0  # softmax temperature of both models in the KL
     kd_loss: str = "forward"  # "forward" KL(teacher || student) or "reverse" KL(student || teacher)
@@ -242,17 +242,29 @@ def build_sft_model(cfg: Config, model_dir: Path, mesh, device: torch.device) ->
     register_fsdp_forward_method(model, "forward_hidden")
     # distillation compares token distributions: the teacher must use the student's tokenizer
     teacher_dir = resolve_model_dir(
-        cfg.teacher, cfg.teacher_hf_repo_id, ("--teacher", "--teacher_hf_repo_id")
+        cfg.teacher, teacher_repo_id(cfg), ("--teacher", "--teacher_hf_repo_id")
     )
     check_same_tokenizer(model_dir, teacher_dir)
+    if teacher_dir.resolve() == model_dir.resolve() and int(os.environ.get("RANK", "0")) == 0:
+        print(
+            "note: the teacher is the student's own checkpoint, so the KL term starts at 0; pass --teacher"
+        )
     load_teacher(
-        cfg.teacher, cfg.teacher_hf_repo_id, cfg.dtype, str(device)
+        cfg.teacher, teacher_repo_id(cfg), cfg.dtype, str(device)
     )  # now; the loss reuses it
     disable_fsdp_gradient_division(model)  # the loss is already divided by the global token count
     model.to_empty(device=device)
     model.init_rope()  # RoPE tables are buffers, not weights: compute them on the real device
     load_hf_checkpoint(model, model_dir)  # each rank copies its shard of every tensor
     return model
+
+
+def teacher_repo_id(cfg: Config) -> str:
+    """The Hub id to download the teacher from: the default id is the default teacher's, so another
+    --teacher needs its own --teacher_hf_repo_id (or a local copy)."""
+    if cfg.teacher == Config.teacher or cfg.teacher_hf_repo_id != Config.teacher_hf_repo_id:
+        return cfg.teacher_hf_repo_id
+    return ""
 
 
 @functools.cache
@@ -289,7 +301,7 @@ def sft_loss(model: torch.nn.Module, batch: dict, cfg: Config) -> torch.Tensor:
     weight = model.lm_head.weight  # [V, D], the tied embedding when tie_word_embeddings
     ce = linear_cross_entropy(hidden, weight, batch["labels"], num_chunks=cfg.kd_num_chunks)
     teacher = load_teacher(
-        cfg.teacher, cfg.teacher_hf_repo_id, cfg.dtype, str(hidden.device)
+        cfg.teacher, teacher_repo_id(cfg), cfg.dtype, str(hidden.device)
     )  # cached
     with torch.no_grad():
         teacher_hidden = teacher.forward_hidden(batch["input_ids"])  # [B, S, D_teacher]

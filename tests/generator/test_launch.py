@@ -33,7 +33,12 @@ def test_launch_files_parse_and_carry_the_numbers(gpus, nodes, tmp_path):
         _bash_n(text, tmp_path, name)
         assert "{{" not in text and "{%" not in text
     one = files["launch/torchrun.sh"]
-    assert f'exec torchrun --standalone --nproc-per-node {gpus} train.py "$@"' in one
+    # train.py by the file's own path: relative arguments keep the caller's directory
+    assert (
+        f'exec torchrun --standalone --nproc-per-node {gpus} "$(dirname "$0")/../train.py" "$@"'
+        in one
+    )
+    assert "\ncd " not in one and "\ncd " not in files["launch/torchrun_multinode.sh"]
     multi = files["launch/torchrun_multinode.sh"].split("exec torchrun")[1]
     for flag in (
         f"--nnodes {nodes}",
@@ -151,7 +156,7 @@ def test_grpo_launch_files_split_the_node_between_trainer_and_engines(tmp_path):
     files = render_launch(replace(spec, out="o"))
     for name, text in files.items():
         _bash_n(text, tmp_path, name)
-    assert '--nproc-per-node 4 train.py "$@"' in files["launch/torchrun.sh"]
+    assert '--nproc-per-node 4 "$(dirname "$0")/../train.py" "$@"' in files["launch/torchrun.sh"]
     assert "--nproc-per-node 4 \\" in files["launch/torchrun_multinode.sh"]
     slurm = files["launch/slurm.sbatch"]
     assert "export CUDA_VISIBLE_DEVICES_RAY=4,5,6,7\n" in slurm

@@ -49,8 +49,8 @@ def test_kd_loss_mixes_ce_and_kl(kd_script, tiny_model_dir, small_dataset, kd_lo
         cfg.kd_ratio, cfg.kd_temperature = 0.7, 2.0
         torch.testing.assert_close(s.sft_loss(model, batch, cfg), 0.3 * ce, atol=1e-4, rtol=1e-5)
         # the teacher is built once (in build_sft_model) and reused by every loss call
-        teacher = s.load_teacher(cfg.teacher, cfg.teacher_hf_repo_id, cfg.dtype, "cpu")
-        assert teacher is s.load_teacher(cfg.teacher, cfg.teacher_hf_repo_id, cfg.dtype, "cpu")
+        teacher = s.load_teacher(cfg.teacher, s.teacher_repo_id(cfg), cfg.dtype, "cpu")
+        assert teacher is s.load_teacher(cfg.teacher, s.teacher_repo_id(cfg), cfg.dtype, "cpu")
         assert not any(p.requires_grad for p in teacher.parameters())
 
 
@@ -76,3 +76,38 @@ def test_tiny_student_distilled_from_smollm2_on_real_data(
     losses = [r["loss"] for r in rows if "loss" in r]
     assert len(losses) == 8
     assert sum(losses[-2:]) < 0.85 * sum(losses[:2]), losses  # the same 2 batches, later
+
+
+def test_scaffold_new_teacher_option_and_the_hub_id_it_brings(kd_script):
+    """`scaffold new --algo kd --teacher NAME` renders the teacher and its catalog Hub id; the
+    default teacher is the student's checkpoint; the script downloads the default id only for the
+    default teacher (another --teacher needs its own --teacher_hf_repo_id)."""
+    from generator.render import render
+    from generator.spec import Spec, SpecError, validate_spec
+
+    text = render(Spec(algo="kd", teacher="smollm2-360m", out="o"))
+    assert 'teacher: str = "smollm2-360m"' in text
+    assert 'teacher_hf_repo_id: str = "HuggingFaceTB/SmolLM2-360M-Instruct"' in text
+    spec = Spec(algo="kd", teacher="smollm2-360m", out="o")
+    assert "--teacher smollm2-360m" in spec.command()
+    assert Spec.from_json(spec.to_json()) == spec
+    with pytest.raises(SpecError, match="--teacher smollm2-360m is for --algo kd"):
+        validate_spec(Spec(teacher="smollm2-360m"))
+    with pytest.raises(SpecError, match="--teacher 'gpt-5': neither a catalog model"):
+        validate_spec(Spec(algo="kd", teacher="gpt-5"))
+    from generator.regen import parse_settings
+
+    kd = Spec(algo="kd", out="o")
+    assert parse_settings(["teacher=smollm2-360m"], kd).teacher == "smollm2-360m"
+    assert parse_settings(["algo=sft"], spec).teacher == ""  # leaving kd drops the teacher
+    s = kd_script  # rendered with the default teacher: the student's smollm2-135m
+    assert (s.Config.teacher, s.Config.teacher_hf_repo_id) == (
+        "smollm2-135m",
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
+    )
+    assert s.teacher_repo_id(s.Config()) == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert s.teacher_repo_id(s.Config(teacher="smollm2-1.7b")) == ""
+    other = s.Config(
+        teacher="smollm2-1.7b", teacher_hf_repo_id="HuggingFaceTB/SmolLM2-1.7B-Instruct"
+    )
+    assert s.teacher_repo_id(other) == "HuggingFaceTB/SmolLM2-1.7B-Instruct"
