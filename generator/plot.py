@@ -8,6 +8,8 @@ from pathlib import Path
 from generator.spec import ScaffoldError
 
 PANELS = [("loss", "val_loss"), ("lr",), ("tokens_per_s",), ("grad_norm",)]
+# drawn when the run logs them: DPO's (TRL's names) and GRPO's mean reward
+EXTRA_PANELS = [("rewards/accuracies",), ("rewards/margins",), ("reward",)]
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -24,8 +26,24 @@ def read_metrics(path: Path) -> list[dict]:
     return rows
 
 
+def curves(rows: list[dict]) -> dict[tuple[str, ...], dict[str, list[tuple[int, float]]]]:
+    """The panels to draw (PANELS, then the EXTRA_PANELS the rows log) and, per key, its (step,
+    value) points in step order. A resumed run logs again the steps after its checkpoint: the
+    last value logged for a step is the one drawn."""
+    panels = PANELS + [p for p in EXTRA_PANELS if any(r.get(p[0]) is not None for r in rows)]
+    out = {}
+    for keys in panels:
+        out[keys] = {}
+        for key in keys:
+            by_step = {r["step"]: r[key] for r in rows if r.get(key) is not None}
+            out[keys][key] = sorted(by_step.items())
+    return out
+
+
 def plot_metrics(run_dir: Path, out: Path | None = None) -> Path:
-    """Write a PNG with loss/val_loss, lr, tokens/s and grad-norm panels; returns its path.
+    """Write a PNG with loss/val_loss, lr, tokens/s and grad-norm panels (plus DPO's reward
+    accuracy and margin, GRPO's reward, when logged); returns its path. A step logged twice (a run
+    resumed from an earlier checkpoint) is drawn with its last value.
 
     Looks for metrics.jsonl in RUN_DIR or RUN_DIR/out (the script's default out_dir).
     """
@@ -42,11 +60,11 @@ def plot_metrics(run_dir: Path, out: Path | None = None) -> Path:
         import matplotlib.pyplot as plt
     except ImportError as e:
         raise ScaffoldError("scaffold plot needs matplotlib: pip install 'scaffold[plot]'") from e
-    rows = read_metrics(path)
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(4 * len(PANELS), 3.2))
-    for ax, keys in zip(axes, PANELS):
+    panels = curves(read_metrics(path))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
+    for ax, (keys, points) in zip(axes, panels.items()):
         for key in keys:
-            pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+            pts = points[key]
             if pts:
                 ax.plot(*zip(*pts), marker="o" if key == "val_loss" else None, ms=3, label=key)
         ax.set_xlabel("step")
