@@ -175,7 +175,7 @@ def validate_spec(spec: Spec) -> None:
 # refusals say why (a feature whose modules the TP plan does not cover, or an untested pairing).
 _TP_ALGOS = ("sft",)
 # HSDP (--dp-replicate) is only a 2-D FSDP mesh: every algorithm on the SFT skeleton takes it (LoRA's
-# frozen NF4 base and KD's whole teacher included; tests/distributed/test_hsdp_adapters.py).
+# frozen NF4 base and KD's whole teacher included; tests/distributed/test_fsdp_adapters_kd.py).
 _HSDP_ALGOS = tuple(name for name, algo in ALGOS.items() if algo.skeleton == "sft")
 _TP_REFUSED_TRICKS = {
     "compile": "per-block torch.compile of DTensor (tensor-parallel) blocks is not tested here",

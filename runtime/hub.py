@@ -92,9 +92,9 @@ def resolve_data_path(dataset: str) -> str:
     if cached.exists():
         return str(cached)
     if path.suffix.lower() in (".json", ".jsonl", ".parquet"):  # a file, never a Hub name
-        looked = [str(path.absolute())] + (
-            [str(cached)] if cached != path else []
-        )  # absolute: once
+        looked = [str(path.absolute())]
+        if cached != path:  # an absolute path joins the cache directory as itself
+            looked.append(str(cached))
         raise FileNotFoundError(
             f"dataset {dataset!r}: no such file (looked at {' and '.join(looked)}); "
             "fix the path given as --dataset, or copy the file into "
