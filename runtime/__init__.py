@@ -33,7 +33,7 @@ from runtime.grpo import (
     group_advantages,
     scatter_completion_values,
 )
-from runtime.hub import resolve_data_path, resolve_model_dir, scaffold_home
+from runtime.hub import hub_repo_id, resolve_data_path, resolve_model_dir, scaffold_home
 from runtime.lora import (
     LORA_TARGET_MODULES,
     LoRALinear,
@@ -189,6 +189,7 @@ __all__ = [
     "resolve_resume",
     "resolve_data_path",
     "resolve_model_dir",
+    "hub_repo_id",
     "save_adapter",
     "save_hf_checkpoint",
     "save_train_state",

@@ -29,6 +29,17 @@ def scaffold_home() -> Path:
     return Path(os.environ.get("SCAFFOLD_HOME", "~/.cache/scaffold")).expanduser()
 
 
+def hub_repo_id(model: str, hf_repo_id: str, default_model: str, default_repo_id: str) -> str:
+    """The Hub id to fall back to for `model`: a script's default `hf_repo_id` belongs to its
+    default model, so another model gets "" (nothing downloaded) unless its own id was given.
+
+    Args:
+        model, hf_repo_id: the values the run was given (e.g. cfg.model, cfg.hf_repo_id).
+        default_model, default_repo_id: the script's defaults (Config.model, Config.hf_repo_id).
+    """
+    return hf_repo_id if model == default_model or hf_repo_id != default_repo_id else ""
+
+
 def resolve_model_dir(
     model: str, hf_repo_id: str = "", flags: tuple[str, str] = ("--model", "--hf_repo_id")
 ) -> Path:

@@ -105,6 +105,7 @@ from runtime import (
     engine_gpu_ids,
     gather_merged_hf_state_dict,
     group_advantages,
+    hub_repo_id,
     init_distributed,
     init_lora,
     init_ray,
@@ -811,10 +812,9 @@ def main(argv: list[str] | None = None, reward_funcs: list | None = None) -> lis
     dp_rank, dp_size = mesh["dp_shard"].get_local_rank(), mesh["dp_shard"].size()
     out_dir = prepare_out_dir(cfg.out_dir)  # an unwritable out_dir fails now, not at the first save
     # the default hf_repo_id is the default model's: another --model needs its own (or a local copy)
-    hf_repo_id = (
-        cfg.hf_repo_id if cfg.model == Config.model or cfg.hf_repo_id != Config.hf_repo_id else ""
+    model_dir = resolve_model_dir(
+        cfg.model, hub_repo_id(cfg.model, cfg.hf_repo_id, Config.model, Config.hf_repo_id)
     )
-    model_dir = resolve_model_dir(cfg.model, hf_repo_id)
     tokenizer = Tokenizer.from_dir(model_dir)
     check_vocab_fits(tokenizer, model_dir)  # ids past the embedding table would fail mid-step
     examples = load_prompts(cfg, tokenizer)

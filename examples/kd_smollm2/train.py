@@ -64,6 +64,7 @@ from runtime import (
     destroy_distributed,
     disable_fsdp_gradient_division,
     generate,
+    hub_repo_id,
     init_distributed,
     linear_cross_entropy,
     load_hf_checkpoint,
@@ -262,9 +263,9 @@ def build_sft_model(cfg: Config, model_dir: Path, mesh, device: torch.device) ->
 def teacher_repo_id(cfg: Config) -> str:
     """The Hub id to download the teacher from: the default id is the default teacher's, so another
     --teacher needs its own --teacher_hf_repo_id (or a local copy)."""
-    if cfg.teacher == Config.teacher or cfg.teacher_hf_repo_id != Config.teacher_hf_repo_id:
-        return cfg.teacher_hf_repo_id
-    return ""
+    return hub_repo_id(
+        cfg.teacher, cfg.teacher_hf_repo_id, Config.teacher, Config.teacher_hf_repo_id
+    )
 
 
 @functools.cache
@@ -537,10 +538,9 @@ def main(argv: list[str] | None = None) -> dict:
     )
     out_dir = prepare_out_dir(cfg.out_dir)  # an unwritable out_dir fails now, not at the first save
     # the default hf_repo_id is the default model's: another --model needs its own (or a local copy)
-    hf_repo_id = (
-        cfg.hf_repo_id if cfg.model == Config.model or cfg.hf_repo_id != Config.hf_repo_id else ""
+    model_dir = resolve_model_dir(
+        cfg.model, hub_repo_id(cfg.model, cfg.hf_repo_id, Config.model, Config.hf_repo_id)
     )
-    model_dir = resolve_model_dir(cfg.model, hf_repo_id)
     tokenizer = Tokenizer.from_dir(model_dir)
     check_vocab_fits(tokenizer, model_dir)  # ids past the embedding table would fail mid-step
     train_set, val_set = build_datasets(cfg, tokenizer)

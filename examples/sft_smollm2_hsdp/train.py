@@ -58,6 +58,7 @@ from runtime import (
     destroy_distributed,
     disable_fsdp_gradient_division,
     generate,
+    hub_repo_id,
     init_distributed,
     load_hf_checkpoint,
     load_rows,
@@ -459,10 +460,9 @@ def main(argv: list[str] | None = None) -> dict:
     )
     out_dir = prepare_out_dir(cfg.out_dir)  # an unwritable out_dir fails now, not at the first save
     # the default hf_repo_id is the default model's: another --model needs its own (or a local copy)
-    hf_repo_id = (
-        cfg.hf_repo_id if cfg.model == Config.model or cfg.hf_repo_id != Config.hf_repo_id else ""
+    model_dir = resolve_model_dir(
+        cfg.model, hub_repo_id(cfg.model, cfg.hf_repo_id, Config.model, Config.hf_repo_id)
     )
-    model_dir = resolve_model_dir(cfg.model, hf_repo_id)
     tokenizer = Tokenizer.from_dir(model_dir)
     check_vocab_fits(tokenizer, model_dir)  # ids past the embedding table would fail mid-step
     train_set, val_set = build_datasets(cfg, tokenizer)
