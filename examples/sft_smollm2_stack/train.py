@@ -672,5 +672,8 @@ if __name__ == "__main__":
         if os.environ.get("SCAFFOLD_DEBUG"):
             raise  # SCAFFOLD_DEBUG=1 python train.py ...: the full traceback
         if isinstance(e, ConfigError) and int(os.environ.get("RANK", "0")) > 0:
-            raise SystemExit(1) from None  # the same on every torchrun rank: rank 0 prints it
+            # the same on every torchrun rank: rank 0 prints it. Exit later than rank 0, or torchrun
+            # may stop rank 0 (on this rank's failure) before its message is out
+            time.sleep(5)
+            raise SystemExit(1) from None
         raise SystemExit(f"error: {' '.join(str(e).split())}") from None
