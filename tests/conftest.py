@@ -1,13 +1,11 @@
-"""Fixtures for running emitted scripts: a tiny random Llama with the real SmolLM2 tokenizer, a slice
-of the real alpaca data, and a helper that imports an example script as a module; for the GRPO
-scripts a tiny model that can learn a simple reward, that reward, a slice of chain_sum and a local
-Ray."""
+"""Fixtures for running emitted scripts: a tiny random Llama with a 512-token cut of SmolLM2's
+tokenizer (and one with the real 49,152-token tokenizer, for the tests about it), the real
+SmolLM2-135M, a slice of the real alpaca data; for the GRPO scripts a tiny model that can learn a
+simple reward, a slice of chain_sum and a local Ray. Helpers (no fixtures) are in helpers.py."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,19 +13,7 @@ import torch
 
 from generator.assets import ensure_chain_sum, ensure_dataset, ensure_smollm2
 from runtime import ModelArgs, build_model, copy_tokenizer_files, save_hf_checkpoint
-from runtime.testing import TINY_CONFIG
-
-REPO = Path(__file__).resolve().parents[1]
-EXAMPLES = REPO / "examples"
-
-
-def import_script(path: Path, name: str):
-    """Import an emitted train.py as a module (importing must have no side effects)."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+from tests.helpers import EXAMPLES, SMALL_VOCAB, TINY_CONFIG, import_script, small_tokenizer_files
 
 
 @pytest.fixture(scope="session")
@@ -40,10 +26,10 @@ def alpaca_path() -> Path:
     return ensure_dataset("alpaca_en_demo.json")
 
 
-def _tiny_tokenized_llama():
-    """STYLE.md's tiny Llama (random, seed 0) sized for SmolLM2's tokenizer (vocab 49152)."""
+def _tiny_tokenized_llama(vocab_size: int = SMALL_VOCAB):
+    """The tiny random Llama of the parity tests (seed 0), sized for a tokenizer of `vocab_size`."""
     args = ModelArgs(
-        **{**TINY_CONFIG, "vocab_size": 49152},
+        **{**TINY_CONFIG, "vocab_size": vocab_size},
         rope_theta=100000.0,
         max_position_embeddings=8192,
         tie_word_embeddings=True,
@@ -54,10 +40,30 @@ def _tiny_tokenized_llama():
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory, smollm2_dir) -> Path:
-    """2-layer, hidden-64 Llama (random, seed 0) with SmolLM2's real tokenizer (vocab 49152)."""
+def small_tokenizer_dir(tmp_path_factory, smollm2_dir) -> Path:
+    """SmolLM2's tokenizer cut to 512 ids, ChatML without a default system message (helpers)."""
+    out = tmp_path_factory.mktemp("small_tokenizer")
+    small_tokenizer_files(smollm2_dir, out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, small_tokenizer_dir) -> Path:
+    """2-layer, hidden-64 Llama (random, seed 0) with the 512-token cut of SmolLM2's tokenizer:
+    scripts run on it in a fraction of the time the 49,152-row output layer took."""
     out = tmp_path_factory.mktemp("tiny_llama")
     model = _tiny_tokenized_llama()
+    save_hf_checkpoint(model, out, model.args.to_hf_config())
+    copy_tokenizer_files(small_tokenizer_dir, out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_real_vocab_dir(tmp_path_factory, smollm2_dir) -> Path:
+    """The same tiny Llama with SmolLM2's real tokenizer (vocab 49,152): for the tests about that
+    tokenizer, or whose other model (a SmolLM2 teacher) must share it."""
+    out = tmp_path_factory.mktemp("tiny_llama_real_vocab")
+    model = _tiny_tokenized_llama(49152)
     save_hf_checkpoint(model, out, model.args.to_hf_config())
     copy_tokenizer_files(smollm2_dir, out)
     return out
@@ -114,8 +120,8 @@ def ray_session():
 
 
 @pytest.fixture(scope="session")
-def even_model_dir(tmp_path_factory, smollm2_dir) -> Path:
-    """A tiny random Llama (SmolLM2 tokenizer) whose embedding's first coordinate is +0.1 for even
+def even_model_dir(tmp_path_factory, small_tokenizer_dir) -> Path:
+    """A tiny random Llama (the small tokenizer) whose embedding's first coordinate is +0.1 for even
     and -0.1 for odd token ids: "emit even ids" is then one direction of the hidden state, which
     a few GRPO steps can learn (starting near 50%)."""
     out = tmp_path_factory.mktemp("even_llama")
@@ -125,7 +131,7 @@ def even_model_dir(tmp_path_factory, smollm2_dir) -> Path:
         even = torch.arange(args.vocab_size) % 2 == 0
         model.model.embed_tokens.weight[:, 0] = torch.where(even, 0.1, -0.1)
     save_hf_checkpoint(model, out, args.to_hf_config())
-    copy_tokenizer_files(smollm2_dir, out)
+    copy_tokenizer_files(small_tokenizer_dir, out)
     return out
 
 
@@ -136,21 +142,3 @@ def chain_sum_64(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("data") / "chain_sum64.jsonl"
     path.write_text("\n".join(rows) + "\n")
     return path
-
-
-def even_token_reward(completion_ids, **kwargs) -> float:
-    """Share of even token ids in the completion (learnable by the even_model_dir model)."""
-    return sum(t % 2 == 0 for t in completion_ids) / max(len(completion_ids), 1)
-
-
-def run_grpo(script, model_dir, data, out_dir, *overrides) -> list[dict]:
-    """A GRPO script's main() on the tiny reward: 2 prompts x 4 completions of <= 6 tokens per
-    step, fp32, lr 1e-2, no final save, fresh start; `overrides` (flags) come last and win."""
-    args = [
-        "--model", str(model_dir), "--dataset", str(data), "--out_dir", str(out_dir),
-        "--dtype", "fp32", "--num_generations", "4", "--prompts_per_step", "2",
-        "--max_new_tokens", "6", "--micro_batch_size", "8", "--lr", "1e-2", "--warmup_steps", "0",
-        "--reward_weights", "1.0", "--save_final_model", "false", "--resume", "none",
-        *overrides,
-    ]  # fmt: skip
-    return script.main(args, reward_funcs=[even_token_reward])

@@ -86,7 +86,7 @@ class ModelVariant:
 
 
 def vocab_256(base: Path, dst: Path) -> Path:
-    """The tiny model cut to vocab_size=256 while keeping SmolLM2's 49152-token tokenizer."""
+    """The tiny model cut to vocab_size=256 while keeping its 512-token tokenizer."""
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(base, dst)
@@ -106,7 +106,7 @@ def teacher_with_other_tokenizer(base: Path, dst: Path) -> Path:
     shutil.copytree(base, teacher)
     tok = json.loads((teacher / "tokenizer.json").read_text())
     tok["added_tokens"].append({
-        "id": 49152, "content": "<|teacher_only|>", "single_word": False, "lstrip": False,
+        "id": len(tok["model"]["vocab"]), "content": "<|teacher_only|>", "single_word": False, "lstrip": False,
         "rstrip": False, "normalized": False, "special": True,
     })  # fmt: skip
     (teacher / "tokenizer.json").write_text(json.dumps(tok))
@@ -352,7 +352,7 @@ CASES = [
     script("micro-batch-beyond-dataset", ["--micro_batch_size", "16"],
            r"8 training examples give no full micro-batch of 16", r"--micro_batch_size"),
     # --- train.py model directory, tokenizer, checkpoint -----------------------------------------
-    script("vocab-mismatch", [], r"tokenizer", r"49152", r"vocab_size=256", r"{model}",
+    script("vocab-mismatch", [], r"tokenizer", r"512", r"vocab_size=256", r"{model}",
            model=vocab_256),
     script("checkpoint-missing-key", [],
            r"{model}/model\.safetensors",
@@ -482,7 +482,7 @@ CASES = [
              ["new", "--algo", "sft", "--gpus", "2", "--engine-gpus", "1", "--out", "{tmp}/o"],
              r"rollout engines exist only for --algo grpo", r"--engine-gpus 1: rollout engines", r"drop it"),
     script("kd-tokenizer-mismatch", ["--teacher", "{model}-teacher"],
-           r"tokenizer mismatch: teacher {model}-teacher/tokenizer\.json \(49153 tokens\)",
-           r"student {model}/tokenizer\.json \(49152 tokens\)", r"<\|teacher_only\|>",
+           r"tokenizer mismatch: teacher {model}-teacher/tokenizer\.json \(513 tokens\)",
+           r"student {model}/tokenizer\.json \(512 tokens\)", r"<\|teacher_only\|>",
            model=teacher_with_other_tokenizer, recipe="kd_smollm2"),
 ]  # fmt: skip

@@ -23,8 +23,7 @@ import pytest
 import torch
 
 from runtime import shard_for_context_parallel
-from runtime.testing import full_tensor, spawn
-from tests.distributed.test_tensor_parallel import _examples, tiny_dirs  # noqa: F401 (fixture)
+from tests.helpers import full_tensor, odd_length_rows, spawn
 
 LR = 0.5  # large enough that 3 steps move the weights well past the fp32 noise
 STEPS = 3
@@ -64,7 +63,7 @@ def run_case(script_path: str, model_dir: str, dp_replicate: int, cp: int, tp: i
     """3 SGD steps of the script under this plan; losses, grad norms and full parameters."""
     import torch.distributed as dist
 
-    from tests.conftest import import_script
+    from tests.helpers import import_script
 
     script = import_script(Path(script_path), f"cp_script_{Path(script_path).parent.name}")
     cfg = script.Config(
@@ -76,7 +75,7 @@ def run_case(script_path: str, model_dir: str, dp_replicate: int, cp: int, tp: i
     dist_info, mesh = script.setup_distributed(cfg)
     dp = mesh["dp"]
     cp_rank = mesh["cp"].get_local_rank() if cp > 1 else 0
-    rows = _examples(256)[dp.get_local_rank() :: dp.size()]  # this dp rank's share of 8 rows
+    rows = odd_length_rows(256)[dp.get_local_rank() :: dp.size()]  # this dp rank's share of 8 rows
     micro_batches = [
         script.collate(rows[i : i + 2], pad_token_id=0, pad_to_multiple_of=2 * cp * tp)
         for i in range(0, len(rows), 2)
@@ -98,9 +97,9 @@ def run_case(script_path: str, model_dir: str, dp_replicate: int, cp: int, tp: i
         losses.append(m["loss"])
         norms.append(m["grad_norm"])
         assert m["num_supervised"] == sum(
-            sum(t != -100 for t in r["labels"]) for r in _examples(256)
+            sum(t != -100 for t in r["labels"]) for r in odd_length_rows(256)
         ), "the supervised-token count must cover every token once (dp x cp)"
-        assert m["num_tokens"] == sum(len(r["input_ids"]) for r in _examples(256))
+        assert m["num_tokens"] == sum(len(r["input_ids"]) for r in odd_length_rows(256))
     params = {n: full_tensor(p.detach()).clone() for n, p in model.named_parameters()}
     del model, opt, sched
     gc.collect()
@@ -130,7 +129,7 @@ def cp_scripts(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def reference(cp_scripts, tiny_dirs) -> dict:  # noqa: F811 (the imported fixture)
+def reference(cp_scripts, tiny_dirs) -> dict:
     cases = [("plain", m, (1, 1)) for m in tiny_dirs]
     ((ref,),) = [spawn(_worker, 1, args=(cp_scripts, tiny_dirs, cases))]
     return {(s, m): r for (s, m, _), r in ref.items()}
@@ -150,7 +149,7 @@ def _check(results: dict, reference: dict) -> None:
             )
 
 
-def test_cp2_equals_one_process(cp_scripts, tiny_dirs, reference):  # noqa: F811
+def test_cp2_equals_one_process(cp_scripts, tiny_dirs, reference):
     """CP over 2 ranks (dp_shard=1): each rank holds 2 of the 4 chunks of every row."""
     cases = [(s, m, (1, 2)) for s in ("plain", "ac_lce") for m in tiny_dirs]
     results = spawn(_worker, 2, args=(cp_scripts, tiny_dirs, cases))
@@ -160,7 +159,7 @@ def test_cp2_equals_one_process(cp_scripts, tiny_dirs, reference):  # noqa: F811
     assert first[-1] < first[0], "the 3 steps must train (loss goes down)"
 
 
-def test_cp_with_fsdp_hsdp_tp_and_cp4_four_ranks_equal_one(cp_scripts, tiny_dirs, reference):  # noqa: F811
+def test_cp_with_fsdp_hsdp_tp_and_cp4_four_ranks_equal_one(cp_scripts, tiny_dirs, reference):
     """CP 2 x FSDP 2 (dp_shard=2, cp=2), HSDP x CP (dp_replicate=2, cp=2), CP 2 x TP 2 and CP 4,
     on 4 ranks (a subset of the script x model pairs: 4 processes share 2 cores)."""
     cases = [
@@ -177,7 +176,7 @@ def test_cp_with_fsdp_hsdp_tp_and_cp4_four_ranks_equal_one(cp_scripts, tiny_dirs
 
 def test_script_validate_names_the_cp_numbers(monkeypatch):
     """The emitted example's own validate(): world size and max_seq_len against 2*cp."""
-    from tests.conftest import EXAMPLES, import_script
+    from tests.helpers import EXAMPLES, import_script
 
     script = import_script(EXAMPLES / "sft_smollm2_cp2" / "train.py", "sft_smollm2_cp2_train")
     monkeypatch.setenv("WORLD_SIZE", "2")

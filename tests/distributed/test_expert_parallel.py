@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from runtime.testing import TINY_CONFIG, full_tensor, spawn
+from tests.helpers import SMALL_VOCAB, TINY_CONFIG, full_tensor, import_script, spawn
 
 MOE = dict(
     TINY_CONFIG,
@@ -147,7 +147,7 @@ def test_expert_parallel_two_ranks_equal_one_process(tmp_path):
         torch.testing.assert_close(ep2[key], one[key], atol=1e-5, rtol=1e-4, msg=key)
 
 
-def test_emitted_script_with_ep_matches_one_process(smollm2_dir, small_dataset, tmp_path):
+def test_emitted_script_with_ep_matches_one_process(small_tokenizer_dir, small_dataset, tmp_path):
     """`scaffold new --model <tiny Qwen3-MoE dir> --gpus 2 --ep 2`: the script run by torchrun on 2
     gloo ranks (experts split 2 + 2) logs the losses of the same script in 1 process (--ep 1,
     global batch 4 both ways) and saves the same HF weights."""
@@ -160,12 +160,12 @@ def test_emitted_script_with_ep_matches_one_process(smollm2_dir, small_dataset, 
     from generator.spec import Spec
     from runtime import ModelArgs, build_model, copy_tokenizer_files, save_hf_checkpoint
 
-    args = ModelArgs(**{**MOE, "vocab_size": 49152}, max_position_embeddings=4096)
+    args = ModelArgs(**{**MOE, "vocab_size": SMALL_VOCAB}, max_position_embeddings=4096)
     model = build_model(args, device="cpu")
     model.init_weights(generator=torch.Generator().manual_seed(0))
     model_dir = tmp_path / "tiny_moe"
     save_hf_checkpoint(model, model_dir, args.to_hf_config())
-    copy_tokenizer_files(smollm2_dir, model_dir)
+    copy_tokenizer_files(small_tokenizer_dir, model_dir)
     script = tmp_path / "train.py"
     script.write_text(render(Spec(model=str(model_dir), gpus=2, ep=2, out=str(tmp_path))))
 
@@ -176,12 +176,15 @@ def test_emitted_script_with_ep_matches_one_process(smollm2_dir, small_dataset, 
             "--max_seq_len", "64", "--val_fraction", "0", "--eval_every_steps", "0",
             "--sample_max_new_tokens", "0", *extra,
         ]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run(
-            [sys.executable, *launcher, str(script), *argv],
-            env=env, capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        if launcher:
+            env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            proc = subprocess.run(
+                [sys.executable, *launcher, str(script), *argv],
+                env=env, capture_output=True, text=True, timeout=600,
+            )  # fmt: skip
+            assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        else:  # the 1-process reference: the script's main() here
+            import_script(script, "ep_reference_train").main(argv)
         rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         return {r["step"]: r["loss"] for r in rows if "loss" in r}
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from runtime.testing import TINY_CONFIG, spawn
+from tests.helpers import SMALL_VOCAB, TINY_CONFIG, spawn
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -23,7 +23,7 @@ def _train(rank, world_size, script_name, model_dir, data_path, out_dir, overrid
     from torch.distributed.tensor import DTensor
 
     from runtime import Tokenizer
-    from tests.conftest import import_script
+    from tests.helpers import import_script
 
     script = import_script(REPO / "examples" / script_name / "train.py", f"{script_name}_dist")
     cfg = script.Config(
@@ -64,17 +64,17 @@ def _train(rank, world_size, script_name, model_dir, data_path, out_dir, overrid
 
 
 @pytest.fixture(scope="module")
-def shardable_model_dir(tmp_path_factory, smollm2_dir):
+def shardable_model_dir(tmp_path_factory, small_tokenizer_dir):
     """A 2-layer Llama whose every projection's NF4 blocks split evenly over 2 ranks (hidden 256)."""
     from runtime import ModelArgs, build_model, copy_tokenizer_files, save_hf_checkpoint
 
     out = tmp_path_factory.mktemp("tiny_256")
-    dims = dict(hidden_size=256, intermediate_size=512, head_dim=64, vocab_size=49152)
+    dims = dict(hidden_size=256, intermediate_size=512, head_dim=64, vocab_size=SMALL_VOCAB)
     args = ModelArgs(**{**TINY_CONFIG, **dims}, rope_theta=1e5, tie_word_embeddings=True)
     model = build_model(args, device="cpu")
     model.init_weights(generator=torch.Generator().manual_seed(0))
     save_hf_checkpoint(model, out, args.to_hf_config())
-    copy_tokenizer_files(smollm2_dir, out)
+    copy_tokenizer_files(small_tokenizer_dir, out)
     return out
 
 
@@ -125,19 +125,19 @@ def test_ranks_equal_one(
 
 
 @pytest.fixture(scope="module")
-def teacher_dir(tmp_path_factory, smollm2_dir):
+def teacher_dir(tmp_path_factory, small_tokenizer_dir):
     """A teacher for the tiny student: the same tiny Llama shape and tokenizer, other weights
     (seed 1), so the KL term is far from 0."""
     from runtime import ModelArgs, build_model, copy_tokenizer_files, save_hf_checkpoint
 
     out = tmp_path_factory.mktemp("tiny_teacher")
     args = ModelArgs(
-        **{**TINY_CONFIG, "vocab_size": 49152}, rope_theta=1e5, tie_word_embeddings=True
+        **{**TINY_CONFIG, "vocab_size": SMALL_VOCAB}, rope_theta=1e5, tie_word_embeddings=True
     )
     model = build_model(args, device="cpu")
     model.init_weights(generator=torch.Generator().manual_seed(1))
     save_hf_checkpoint(model, out, args.to_hf_config())
-    copy_tokenizer_files(smollm2_dir, out)
+    copy_tokenizer_files(small_tokenizer_dir, out)
     return out
 
 

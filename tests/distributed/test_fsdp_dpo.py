@@ -9,14 +9,14 @@ from pathlib import Path
 
 import torch
 
-from runtime.testing import spawn
+from tests.helpers import spawn
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _step(rank, world_size, model_dir, data_path):
     from runtime import Tokenizer
-    from tests.conftest import import_script
+    from tests.helpers import import_script
 
     script = import_script(REPO / "examples" / "dpo_smollm2" / "train.py", "dpo_train_dist")
     cfg = script.Config(

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import torch
 
-from runtime.testing import full_tensor, spawn
+from tests.helpers import full_tensor, spawn
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _grads(rank, world_size, model_dir, data_path):
     from runtime import Tokenizer
-    from tests.conftest import import_script
+    from tests.helpers import import_script
 
     script = import_script(REPO / "examples" / "sft_smollm2" / "train.py", "sft_train_dist")
     cfg = script.Config(

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.recipes.test_grpo import REPO
-from tests.recipes.test_sft import run_script
+from tests.helpers import REPO, run_script
 
 DRIVER = """
 import sys
 sys.path.insert(0, {repo!r})
 from pathlib import Path
-from tests.conftest import even_token_reward, import_script
+from tests.helpers import even_token_reward, import_script
 
 
 if __name__ == "__main__":

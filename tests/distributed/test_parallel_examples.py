@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.testing import safetensors_keys
-from tests.recipes.test_sft import REPO, run_script
+from tests.helpers import REPO, run_script, safetensors_keys
 
 COMMON = [
     "--dtype", "fp32", "--warmup_steps", "0", "--min_lr_ratio", "1.0", "--lr", "1e-3", "--max_seq_len", "64",

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from runtime.testing import full_tensor, spawn
+from tests.helpers import full_tensor, spawn
 
 REPO = Path(__file__).resolve().parents[2]
 SFT = REPO / "examples" / "sft_smollm2" / "train.py"
@@ -34,7 +34,7 @@ def _args(model_dir, data, out, micro_batch_size: int) -> list[str]:
 
 
 def _train(rank, world_size, argv):
-    from tests.conftest import import_script
+    from tests.helpers import import_script
 
     return import_script(SFT, "sft_reshard").main(argv)
 
@@ -45,7 +45,7 @@ def _load_then_resume(rank, world_size, checkpoint, argv):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     from runtime import load_train_state
-    from tests.conftest import import_script
+    from tests.helpers import import_script
 
     script = import_script(SFT, "sft_reshard")
     cfg = script.parse_config(script.Config, argv)

@@ -17,28 +17,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.testing import TINY_CONFIG, full_tensor, spawn
+from tests.helpers import full_tensor, odd_length_rows, spawn
 
 LR = 0.5  # large enough that 3 steps move the weights well past the fp32 noise
 STEPS = 3
-
-
-def _examples(vocab_size: int) -> list[dict]:
-    """8 rows of odd lengths (so TP pads them), the first 3 positions unsupervised (a prompt)."""
-    g = torch.Generator().manual_seed(0)
-    rows = []
-    for i, n in enumerate([13, 15, 11, 16, 9, 15, 14, 7]):
-        ids = torch.randint(0, vocab_size, (n,), generator=g).tolist()
-        labels = [-100, -100, -100] + ids[4:] + [-100]
-        rows.append({"id": i, "input_ids": ids, "labels": labels})
-    return rows
 
 
 def run_case(script_path: str, model_dir: str, dp_replicate: int, tp: int) -> dict:
     """3 SGD steps of the script under this plan; losses, grad norms and full parameters."""
     import torch.distributed as dist
 
-    from tests.conftest import import_script
+    from tests.helpers import import_script
 
     script = import_script(Path(script_path), f"tp_script_{Path(script_path).parent.name}")
     cfg = script.Config(
@@ -48,7 +37,7 @@ def run_case(script_path: str, model_dir: str, dp_replicate: int, tp: int) -> di
     script.validate(cfg)
     dist_info, mesh = script.setup_distributed(cfg)
     dp = mesh["dp"]
-    rows = _examples(256)[dp.get_local_rank() :: dp.size()]  # this dp rank's share of 8 rows
+    rows = odd_length_rows(256)[dp.get_local_rank() :: dp.size()]  # this dp rank's share of 8 rows
     micro_batches = [
         script.collate(rows[i : i + 2], pad_token_id=0, pad_to_multiple_of=tp)
         for i in range(0, len(rows), 2)
@@ -69,7 +58,7 @@ def run_case(script_path: str, model_dir: str, dp_replicate: int, tp: int) -> di
         losses.append(m["loss"])
         norms.append(m["grad_norm"])
         assert m["num_supervised"] == sum(
-            sum(t != -100 for t in r["labels"]) for r in _examples(256)
+            sum(t != -100 for t in r["labels"]) for r in odd_length_rows(256)
         ), "the supervised-token count must be over the dp ranks only"
     params = {n: full_tensor(p.detach()).clone() for n, p in model.named_parameters()}
     del model, opt, sched
@@ -99,31 +88,6 @@ def tp_scripts(tmp_path_factory) -> dict[str, str]:
         spec = Spec(algo="sft", model="qwen3-0.6b", gpus=4, tp=2, tricks=tricks, out=str(d))
         (d / "train.py").write_text(render(spec))
         out[name] = str(d / "train.py")
-    return out
-
-
-@pytest.fixture(scope="module")
-def tiny_dirs(tmp_path_factory) -> dict[str, str]:
-    """Tiny random checkpoints: a tied Llama and an untied Qwen3 with attention biases."""
-    from runtime import ModelArgs, build_model, save_hf_checkpoint
-
-    variants = {
-        "llama_tied": dict(model_type="llama", tie_word_embeddings=True),
-        "qwen3_untied": dict(model_type="qwen3", tie_word_embeddings=False, attention_bias=True),
-    }
-    out = {}
-    for name, extra in variants.items():
-        d = tmp_path_factory.mktemp(name)
-        args = ModelArgs(**TINY_CONFIG, max_position_embeddings=64, **extra)
-        model = build_model(args, device="cpu")
-        model.init_weights(generator=torch.Generator().manual_seed(0))
-        if args.attention_bias:  # non-zero biases, so their sharding is checked too
-            with torch.no_grad():
-                for n, p in model.named_parameters():
-                    if n.endswith("bias"):
-                        p.normal_(0, 0.02, generator=torch.Generator().manual_seed(1))
-        save_hf_checkpoint(model, d, args.to_hf_config())
-        out[name] = str(d)
     return out
 
 

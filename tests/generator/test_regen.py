@@ -398,7 +398,7 @@ HOSTILE = [
 
 @pytest.mark.parametrize("dataset", HOSTILE, ids=range(len(HOSTILE)))
 def test_hostile_dataset_renders_as_a_literal(dataset, tmp_path):
-    from tests.conftest import import_script
+    from tests.helpers import import_script
 
     spec = Spec(dataset=dataset, out="o")
     text = _cached_render(spec)

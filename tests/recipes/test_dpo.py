@@ -15,7 +15,7 @@ import torch
 
 from generator.assets import ensure_dataset
 from runtime import Tokenizer, to_preference
-from tests.conftest import import_script
+from tests.helpers import import_script
 
 REPO = Path(__file__).resolve().parents[2]
 TRL_METRICS = (
@@ -37,10 +37,11 @@ def dpo_lora_script():
 
 
 @pytest.fixture(scope="module")
-def short_pairs(tmp_path_factory, smollm2_dir) -> Path:
-    """The first 4 real dpo_en_demo pairs whose prompt + reply both fit in 128 tokens."""
+def short_pairs(tmp_path_factory, tiny_model_dir) -> Path:
+    """The first 4 real dpo_en_demo pairs whose prompt + reply both fit in 192 tokens of the tiny
+    model's 512-token tokenizer (about 2x the real tokenizer's counts)."""
     rows = json.loads(ensure_dataset("dpo_en_demo.json").read_text())
-    tokenizer = Tokenizer.from_dir(smollm2_dir)
+    tokenizer = Tokenizer.from_dir(tiny_model_dir)
     kept = []
     for i, row in enumerate(rows):
         pref = to_preference(row, i, "dpo_en_demo.json")
@@ -48,7 +49,7 @@ def short_pairs(tmp_path_factory, smollm2_dir) -> Path:
             len(tokenizer.encode(tokenizer.apply_chat_template(pref["prompt"] + pref[k])))
             for k in ("chosen", "rejected")
         ]
-        if max(lengths) <= 128:
+        if max(lengths) <= 192:
             kept.append(row)
     assert len(kept) >= 4, f"only {len(kept)} short pairs"
     path = tmp_path_factory.mktemp("pairs") / "short_pairs.json"

@@ -17,7 +17,7 @@ import torch
 from runtime import Tokenizer
 from runtime.grpo import collate_rollouts, completion_logprobs
 from runtime.rollout import make_reward_workers
-from tests.conftest import even_token_reward, import_script, run_grpo
+from tests.helpers import even_token_reward, import_script, run_grpo
 
 REPO = Path(__file__).resolve().parents[2]
 

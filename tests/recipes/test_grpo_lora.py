@@ -28,8 +28,7 @@ from runtime import (
 )
 from runtime.grpo import collate_rollouts, completion_logprobs
 from runtime.lora import is_adapter_param
-from runtime.testing import spawn
-from tests.conftest import even_token_reward, import_script, run_grpo
+from tests.helpers import SMALL_VOCAB, even_token_reward, import_script, run_grpo, spawn
 
 REPO = Path(__file__).resolve().parents[2]
 # fixed sequences the trainer and the engine both score: (prompt ids, completion ids)
@@ -54,7 +53,7 @@ def _groups(cfg, version: int = 0) -> list[list[Rollout]]:
     for i, prompt in enumerate([[1, 2, 3, 4, 5], [6, 7, 8]]):
         group = []
         for j in range(cfg.num_generations):
-            drawn = torch.randint(2, 49150, (3 + j,), generator=g).tolist()
+            drawn = torch.randint(2, SMALL_VOCAB - 2, (3 + j,), generator=g).tolist()
             ids = [t - t % 2 + j % 2 for t in drawn]  # parity of j
             r = even_token_reward(ids)
             group.append(Rollout(prompt, ids, [0.0] * len(ids), r, {"even": r}, version, i))

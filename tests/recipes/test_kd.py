@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from runtime import Tokenizer, cross_entropy_sum
-from tests.conftest import import_script
+from tests.helpers import import_script
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -55,7 +55,7 @@ def test_kd_loss_mixes_ce_and_kl(kd_script, tiny_model_dir, small_dataset, kd_lo
 
 
 def test_tiny_student_distilled_from_smollm2_on_real_data(
-    kd_script, tiny_model_dir, smollm2_dir, small_dataset, tmp_path
+    kd_script, tiny_real_vocab_dir, smollm2_dir, small_dataset, tmp_path
 ):
     """4 real alpaca rows in 2 micro-batches, so each comes back every 2 steps: the student's
     loss (KL to the teacher only, kd_ratio=1) on the same rows falls."""
@@ -64,7 +64,7 @@ def test_tiny_student_distilled_from_smollm2_on_real_data(
     data.write_text(json.dumps(rows))
     out = tmp_path / "out"
     argv = [
-        "--model", str(tiny_model_dir), "--teacher", str(smollm2_dir), "--dataset",
+        "--model", str(tiny_real_vocab_dir), "--teacher", str(smollm2_dir), "--dataset",
         str(data), "--out_dir", str(out), "--device", "cpu", "--dtype", "fp32",
         "--max_seq_len", "64", "--micro_batch_size", "2", "--max_steps", "8",
         "--warmup_steps", "0", "--lr", "1e-2", "--min_lr_ratio", "1.0", "--kd_ratio", "1.0",

@@ -8,44 +8,16 @@ the real SmolLM2-135M-Instruct, with real alpaca rows.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from runtime import IGNORE_INDEX, Tokenizer, load_rows, to_messages
-from runtime.testing import full_tensor
+from tests.helpers import full_tensor, run_script
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "sft_smollm2" / "train.py"
-
-
-def run_script(
-    tmp: Path, args: list[str], nproc: int = 1, timeout: int = 600, script: Path = SCRIPT
-) -> list[dict]:
-    """Run the example script (1 process, or torchrun gloo) and return its metrics.jsonl rows."""
-    out = tmp / f"out_{nproc}"
-    launcher = [sys.executable]
-    if nproc > 1:
-        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"),
-    }
-    proc = subprocess.run(
-        [*launcher, str(script), *args, "--out_dir", str(out)],
-        cwd=tmp,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return rows
 
 
 def test_tokenize_example_masks_prompt_keeps_end_of_turn(sft_script, smollm2_dir, alpaca_path):

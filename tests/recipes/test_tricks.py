@@ -4,7 +4,6 @@ losses as the plain script (the tricks change memory and speed, not the math).""
 from __future__ import annotations
 
 import itertools
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +13,7 @@ from click.testing import CliRunner
 
 from generator.cli import cli
 from generator.features import TRICKS
-from runtime.testing import full_tensor
+from tests.helpers import SMALL_VOCAB, full_tensor, import_script, two_step_losses
 
 REPO = Path(__file__).resolve().parents[2]
 # Every allowed trick set that runs on CPU, without compile (each compile costs ~30 s of inductor
@@ -24,14 +23,24 @@ REPO = Path(__file__).resolve().parents[2]
 MATH = ("packing", "adamw8bit", "adamw4bit")
 EXACT = ("ac", "lce", "optim-in-bwd")
 SWEPT = tuple(t for t in TRICKS if t not in ("compile", "offload"))
-SWEEP = [
-    c
-    for n in range(1, len(SWEPT) + 1)
-    for c in itertools.combinations(SWEPT, n)
-    if not any(other in c for t in c for other in TRICKS[t].conflicts)
+
+
+def _allowed(combo) -> bool:
+    return not any(other in combo for t in combo for other in TRICKS[t].conflicts)
+
+
+# Pairwise coverage: every trick alone, every allowed pair, and every maximal allowed stack (the
+# slots interact pairwise; a maximal stack holds every slot at once). All 47 allowed subsets were
+# swept before; the 3- and 4-trick subsets add no pair that these do not run.
+_ALLOWED = [
+    c for n in range(1, len(SWEPT) + 1) for c in itertools.combinations(SWEPT, n) if _allowed(c)
 ]
-# rows of 256 tokens hold several alpaca documents when packed
-PACKED_LEN = 256
+SWEEP = [c for c in _ALLOWED if len(c) <= 2] + [
+    c for c in _ALLOWED if len(c) > 2 and not any(set(c) < set(d) for d in _ALLOWED)
+]
+# rows of 512 tokens hold several alpaca documents when packed (median 333 tokens of the small
+# tokenizer; it was 256 with the real one, median 163)
+PACKED_LEN = 512
 REFUSED = {
     ("adamw8bit", "adamw4bit"): "--tricks adamw8bit and adamw4bit cannot be combined: both choose "
     "the optimizer",
@@ -45,41 +54,12 @@ def _render(tricks, out: Path) -> Path:
     return out / "train.py"
 
 
-def _args(out: Path, model_dir: Path, data: Path, max_seq_len: int) -> list[str]:
-    return ["--model", str(model_dir), "--dataset", str(data), "--dtype", "fp32", "--max_steps", "2",
-            "--warmup_steps", "0", "--lr", "1e-3", "--micro_batch_size", "2",
-            "--max_seq_len", str(max_seq_len),
-            "--gradient_accumulation_steps", "2", "--val_fraction", "0", "--sample_max_new_tokens", "0",
-            "--out_dir", str(out)]  # fmt: skip
-
-
-def _read_losses(out: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def _losses(
-    script: Path, out: Path, model_dir: Path, data: Path, max_seq_len: int = 64
-) -> list[float]:
-    """Run an emitted script in a fresh process (compile: its caches and config stay out of ours)."""
-    proc = subprocess.run(
-        [sys.executable, str(script), *_args(out, model_dir, data, max_seq_len)],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return _read_losses(out)
-
-
 def _losses_in_process(tricks, tmp: Path, model_dir: Path, data: Path) -> list[float]:
     """Render `tricks`, import the script and run its main() here: 2 steps, gradient accumulation
     2, clipping on (a fresh interpreter per set would cost ~4 s of imports each)."""
-    from tests.conftest import import_script
-
-    script = import_script(
-        _render(tricks, tmp / "run"), "sweep_" + "_".join(tricks).replace("-", "_")
-    )
     max_seq_len = PACKED_LEN if "packing" in tricks else 64
-    script.main(_args(tmp / "out", model_dir, data, max_seq_len))
-    return _read_losses(tmp / "out")
+    script = _render(tricks, tmp / "run")
+    return two_step_losses(script, tmp / "out", model_dir, data, max_seq_len)
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +74,7 @@ def references(tmp_path_factory, tiny_model_dir, small_dataset):
             if key:
                 cache[key] = _losses_in_process(key, tmp, tiny_model_dir, small_dataset)
             else:  # the committed plain example, as users get it
-                cache[key] = _losses(
+                cache[key] = two_step_losses(
                     REPO / "examples" / "sft_smollm2" / "train.py", tmp / "out", tiny_model_dir,
                     small_dataset,
                 )  # fmt: skip
@@ -134,8 +114,6 @@ def test_activation_checkpointing_saves_less(tiny_model_dir):
     """With "ac" the forward keeps only block inputs for backward: fewer saved activation bytes."""
     import torch
 
-    from tests.conftest import import_script
-
     script = import_script(
         REPO / "examples" / "sft_smollm2_memory" / "train.py", "sft_memory_train"
     )
@@ -161,8 +139,8 @@ def test_activation_checkpointing_saves_less(tiny_model_dir):
             layer.register_forward_hook(lambda *a, inside=inside: inside.__setitem__(0, False))
 
         batch = {
-            "input_ids": torch.randint(0, 1000, (2, 64)),
-            "labels": torch.randint(0, 1000, (2, 64)),
+            "input_ids": torch.randint(0, SMALL_VOCAB, (2, 64)),
+            "labels": torch.randint(0, SMALL_VOCAB, (2, 64)),
         }
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = script.sft_loss(model, batch, cfg)
@@ -179,7 +157,9 @@ def test_compile_with_the_full_stack_matches_packed_script(
     graphs) give the packed script's losses (inductor's reordered sums: 1e-5)."""
     tricks = ("packing", "ac", "compile", "lce", "optim-in-bwd")
     script = _render(tricks, tmp_path / "run")
-    losses = _losses(script, tmp_path / "out", tiny_model_dir, small_dataset, PACKED_LEN)
+    losses = two_step_losses(
+        script, tmp_path / "out", tiny_model_dir, small_dataset, PACKED_LEN, fresh_process=True
+    )
     assert losses == pytest.approx(packed_baseline, abs=1e-5), (losses, packed_baseline)
 
 
@@ -226,8 +206,6 @@ def test_packed_token_losses_and_grads_equal_unpacked(
     gradients are equal, and packing needs fewer rows of the same length."""
     import torch
 
-    from tests.conftest import import_script
-
     packed = import_script(_render(("packing",), tmp_path / "run"), "sft_packed_train")
     cfg, device, tokenizer, packs, model = _script_setup(
         packed, tiny_model_dir, small_dataset, max_seq_len=PACKED_LEN
@@ -267,8 +245,6 @@ def test_compile_never_recompiles_and_matches_eager(
     the compile script's default) compile once in step 1, never again, and give the eager
     script's losses on the same batches."""
     from torch._dynamo.utils import counters
-
-    from tests.conftest import import_script
 
     compiled = import_script(_render(("compile",), tmp_path / "run"), "sft_compiled_train")
     cfg, device, tokenizer, train_set, model = _script_setup(

@@ -17,7 +17,7 @@ from runtime.checkpoint import (
     save_hf_checkpoint,
 )
 from runtime.models.llama import ModelArgs, build_model
-from runtime.testing import TINY_CONFIG, safetensors_keys
+from tests.helpers import TINY_CONFIG, safetensors_keys
 
 transformers = pytest.importorskip("transformers")
 

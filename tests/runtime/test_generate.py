@@ -8,7 +8,7 @@ import torch
 from runtime.checkpoint import load_hf_checkpoint, read_hf_config
 from runtime.generate import generate, sample_next_token
 from runtime.models.llama import ModelArgs, build_model
-from runtime.testing import TINY_CONFIG
+from tests.helpers import TINY_CONFIG
 
 # STYLE §9 tiny config.
 TINY = dict(

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from runtime.models.llama import KVCache, ModelArgs, build_model
-from runtime.testing import TINY_CONFIG
+from tests.helpers import TINY_CONFIG
 
 transformers = pytest.importorskip("transformers")
 

@@ -23,7 +23,7 @@ from runtime.lora import (
     save_adapter,
 )
 from runtime.models.llama import ModelArgs, build_model
-from runtime.testing import TINY_CONFIG
+from tests.helpers import TINY_CONFIG
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

@@ -10,7 +10,7 @@ import torch
 import runtime.offload as offload
 from runtime import ModelArgs, build_model
 from runtime.loss import cross_entropy_sum
-from runtime.testing import TINY_CONFIG
+from tests.helpers import TINY_CONFIG
 
 
 def _model():

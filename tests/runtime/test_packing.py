@@ -18,7 +18,7 @@ from runtime.packing import (
     packed_position_ids,
     packing_efficiency,
 )
-from runtime.testing import TINY_CONFIG
+from tests.helpers import TINY_CONFIG
 
 
 def _doc(n: int, start: int = 1) -> dict:

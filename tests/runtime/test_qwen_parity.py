@@ -13,7 +13,7 @@ from runtime.checkpoint import load_hf_checkpoint, read_hf_config, save_hf_check
 from runtime.generate import generate
 from runtime.models.llama import KVCache, ModelArgs, build_model
 from runtime.models.moe import SparseMoeBlock, load_balancing_loss, route_top_k
-from runtime.testing import TINY_CONFIG, safetensors_keys
+from tests.helpers import TINY_CONFIG, safetensors_keys
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.qwen3_moe import modeling_qwen3_moe  # noqa: E402

@@ -17,8 +17,8 @@ from runtime import (
     resolve_resume,
     save_train_state,
 )
-from runtime.testing import TINY_CONFIG
 from runtime.train_state import COMPLETE_MARKER, checkpoint_dirs
+from tests.helpers import TINY_CONFIG
 
 
 def make(seed: int = 0, max_steps: int = 10, lr: float = 1e-3, optimizer_cls=torch.optim.AdamW):
@@ -202,7 +202,7 @@ def _save_with_failing_rank1(rank, world_size, root):
 
 
 def test_a_write_failure_on_one_rank_stops_every_rank(tmp_path):
-    from runtime.testing import spawn
+    from tests.helpers import spawn
 
     messages = spawn(_save_with_failing_rank1, world_size=2, args=(tmp_path,))
     assert all("step_000002 failed (No space left on device)" in m for m in messages), messages

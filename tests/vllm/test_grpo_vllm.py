@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from runtime import ModelArgs, build_model, copy_tokenizer_files, save_hf_checkpoint
-from runtime.testing import TINY_CONFIG
+from tests.helpers import TINY_CONFIG
 
 pytestmark = pytest.mark.vllm
 REPO = Path(__file__).resolve().parents[2]
@@ -34,7 +34,7 @@ DRIVER = r"""
 import json, sys
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
-from tests.conftest import even_token_reward, import_script
+from tests.helpers import even_token_reward, import_script
 
 
 if __name__ == "__main__":  # vLLM spawns its engine core: the script must be importable

@@ -12,7 +12,7 @@ import torch
 
 from runtime import ModelArgs, build_model, generate, load_hf_checkpoint, save_hf_checkpoint
 from runtime.rollout_vllm import VLLMEngine
-from runtime.testing import TINY_CONFIG
+from tests.helpers import TINY_CONFIG
 
 pytestmark = pytest.mark.vllm
 

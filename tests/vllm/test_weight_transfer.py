@@ -13,7 +13,7 @@ import torch
 
 from runtime import HFWeightSource, ModelArgs, build_model, save_hf_checkpoint
 from runtime.rollout import RolloutPipeline, make_engine_actor
-from runtime.testing import TINY_CONFIG
+from tests.helpers import TINY_CONFIG
 
 pytestmark = pytest.mark.vllm
 ray = pytest.importorskip("ray")

@@ -1,0 +1,33 @@
+"""Fixtures of the parallel-plan tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import TINY_CONFIG
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory) -> dict[str, str]:
+    """Tiny random checkpoints: a tied Llama and an untied Qwen3 with attention biases."""
+    from runtime import ModelArgs, build_model, save_hf_checkpoint
+
+    variants = {
+        "llama_tied": dict(model_type="llama", tie_word_embeddings=True),
+        "qwen3_untied": dict(model_type="qwen3", tie_word_embeddings=False, attention_bias=True),
+    }
+    out = {}
+    for name, extra in variants.items():
+        d = tmp_path_factory.mktemp(name)
+        args = ModelArgs(**TINY_CONFIG, max_position_embeddings=64, **extra)
+        model = build_model(args, device="cpu")
+        model.init_weights(generator=torch.Generator().manual_seed(0))
+        if args.attention_bias:  # non-zero biases, so their sharding is checked too
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    if n.endswith("bias"):
+                        p.normal_(0, 0.02, generator=torch.Generator().manual_seed(1))
+        save_hf_checkpoint(model, d, args.to_hf_config())
+        out[name] = str(d)
+    return out

@@ -1,0 +1,254 @@
+"""Shared test helpers (no fixtures: those are in conftest.py). Test modules import from here,
+never from each other.
+
+- `spawn`: run a function on N local processes with a gloo (or NCCL) group.
+- `TINY_CONFIG`, `full_tensor`, `safetensors_keys`: tiny random configs and tensor/checkpoint views.
+- `import_script`, `run_script`: an emitted train.py imported as a module, or launched as
+  `python` / `torchrun`.
+- `small_tokenizer_files`: SmolLM2's tokenizer cut to its first few hundred ids (the same bytes,
+  merges, special tokens and chat template), so tiny test models need no 49,152-row output layer.
+- `even_token_reward`, `run_grpo`: the learnable GRPO reward and a short GRPO run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))  # never a hard-coded port: parallel test runs must not collide
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, backend: str, fn, args, queue) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        buffer = io.BytesIO()  # plain bytes: shared-memory tensors die with this process
+        torch.save(result, buffer)
+        queue.put((rank, "ok", buffer.getvalue()))
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def spawn(fn, world_size: int = 2, backend: str = "gloo", args: tuple = ()) -> list:
+    """Run `fn(rank, world_size, *args)` on `world_size` processes; return results in rank order.
+
+    `fn` must be picklable (a module-level function). Raises RuntimeError with every failing
+    rank's traceback.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, queue))
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    errors = [f"rank {r}:\n{msg}" for r, status, msg in results if status == "error"]
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    ordered = sorted(results, key=lambda t: t[0])
+    return [torch.load(io.BytesIO(res), weights_only=False) for _, _, res in ordered]
+
+
+# The tiny random config of parity tests (HF config names): 2 layers, hidden 64, 4 heads, 2 KV
+# heads, head_dim 16, intermediate 128, vocab 256. Tests add what they vary.
+TINY_CONFIG = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+)
+
+
+def safetensors_keys(model_dir) -> set[str]:
+    """Every tensor name stored in the `*.safetensors` files of `model_dir` (single or sharded)."""
+    from safetensors import safe_open
+
+    keys: set[str] = set()
+    for path in Path(model_dir).glob("*.safetensors"):
+        with safe_open(path, framework="pt") as f:
+            keys |= set(f.keys())
+    return keys
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: gathered if `t` is an FSDP2/TP DTensor (a collective), else `t` itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def import_script(path: Path, name: str):
+    """Import an emitted train.py as a module (importing must have no side effects)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_script(
+    tmp: Path,
+    args: list[str],
+    nproc: int = 1,
+    timeout: int = 600,
+    script: Path = EXAMPLES / "sft_smollm2" / "train.py",
+) -> list[dict]:
+    """Launch a script with `python` (nproc 1) or torchrun (gloo) in `tmp`, writing into
+    `tmp/out_{nproc}`; return its metrics.jsonl rows. For what needs a real process boundary."""
+    out = tmp / f"out_{nproc}"
+    launcher = [sys.executable]
+    if nproc > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"),
+    }
+    proc = subprocess.run(
+        [*launcher, str(script), *args, "--out_dir", str(out)],
+        cwd=tmp,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return read_metrics(out)
+
+
+def read_metrics(out_dir: Path) -> list[dict]:
+    """The rows of `out_dir/metrics.jsonl`, in order."""
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+# ChatML as SmolLM2 writes it, without SmolLM2's default system message (about 40 tokens of the
+# small vocabulary, which would leave 64-token rows no reply to learn).
+SMALL_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] "
+    "+ '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SMALL_VOCAB = 512
+
+
+def small_tokenizer_files(src: Path, out: Path, vocab_size: int = SMALL_VOCAB) -> None:
+    """Write SmolLM2's tokenizer (from `src`) cut to its first `vocab_size` ids into `out`, with
+    `SMALL_CHAT_TEMPLATE`.
+
+    SmolLM2's byte-level BPE numbers its tokens in merge order (17 special tokens, the 256 byte
+    symbols from id 17, then merge k makes id 252 + k up to 49,151), so the first `vocab_size`
+    ids with the first `vocab_size - 252` merges are a complete tokenizer: every text still
+    encodes (bytes at worst), the special tokens keep their ids (`<|im_end|>` = eos = pad = 2),
+    and tokenizer_config.json and generation_config.json are copied unchanged. Alpaca rows take
+    about 2x the tokens at 512 (median 333 vs 163 with the real tokenizer and template); at
+    max_seq_len 96 every one of the first 40 keeps a reply token.
+    """
+    data = json.loads((src / "tokenizer.json").read_text())
+    model = data["model"]
+    merges = model["merges"][: vocab_size - 252]
+    vocab = {tok: i for tok, i in model["vocab"].items() if i < vocab_size}
+    # the rule above, checked: every kept merge's result is a kept token
+    assert all("".join(m if isinstance(m, list) else m.split(" ")) in vocab for m in merges)
+    data["model"] = {**model, "vocab": vocab, "merges": merges}
+    data["added_tokens"] = [t for t in data["added_tokens"] if t["id"] < vocab_size]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tokenizer.json").write_text(json.dumps(data, ensure_ascii=False))
+    (out / "chat_template.jinja").write_text(SMALL_CHAT_TEMPLATE)
+    for name in ("tokenizer_config.json", "generation_config.json"):
+        (out / name).write_bytes((src / name).read_bytes())
+
+
+def even_token_reward(completion_ids, **kwargs) -> float:
+    """Share of even token ids in the completion (learnable by the even_model_dir model)."""
+    return sum(t % 2 == 0 for t in completion_ids) / max(len(completion_ids), 1)
+
+
+def run_grpo(script, model_dir, data, out_dir, *overrides) -> list[dict]:
+    """A GRPO script's main() on the tiny reward: 2 prompts x 4 completions of <= 6 tokens per
+    step, fp32, lr 1e-2, no final save, fresh start; `overrides` (flags) come last and win."""
+    args = [
+        "--model", str(model_dir), "--dataset", str(data), "--out_dir", str(out_dir),
+        "--dtype", "fp32", "--num_generations", "4", "--prompts_per_step", "2",
+        "--max_new_tokens", "6", "--micro_batch_size", "8", "--lr", "1e-2", "--warmup_steps", "0",
+        "--reward_weights", "1.0", "--save_final_model", "false", "--resume", "none",
+        *overrides,
+    ]  # fmt: skip
+    return script.main(args, reward_funcs=[even_token_reward])
+
+
+def odd_length_rows(vocab_size: int) -> list[dict]:
+    """8 SFT rows of odd lengths (so TP and CP pad them), the first 3 positions unsupervised
+    (a prompt): {"id", "input_ids", "labels"} with pre-shifted labels."""
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for i, n in enumerate([13, 15, 11, 16, 9, 15, 14, 7]):
+        ids = torch.randint(0, vocab_size, (n,), generator=g).tolist()
+        labels = [-100, -100, -100] + ids[4:] + [-100]
+        rows.append({"id": i, "input_ids": ids, "labels": labels})
+    return rows
+
+
+def two_step_args(out: Path, model_dir: Path, data: Path, max_seq_len: int = 64) -> list[str]:
+    """Flags of the trick-parity runs: 2 steps of 2 micro-batches of 2 rows, fp32, lr 1e-3,
+    clipping on (the script's default max_grad_norm), no validation or sample."""
+    return ["--model", str(model_dir), "--dataset", str(data), "--dtype", "fp32", "--max_steps", "2",
+            "--warmup_steps", "0", "--lr", "1e-3", "--micro_batch_size", "2",
+            "--max_seq_len", str(max_seq_len),
+            "--gradient_accumulation_steps", "2", "--val_fraction", "0", "--sample_max_new_tokens", "0",
+            "--out_dir", str(out)]  # fmt: skip
+
+
+def two_step_losses(
+    script: Path,
+    out: Path,
+    model_dir: Path,
+    data: Path,
+    max_seq_len: int = 64,
+    fresh_process: bool = False,
+) -> list[float]:
+    """The 2 losses of `two_step_args` for an emitted script: its main() in this process, or a
+    fresh `python` process (compile: inductor's caches and config stay out of ours)."""
+    args = two_step_args(out, model_dir, data, max_seq_len)
+    if fresh_process:
+        proc = subprocess.run(
+            [sys.executable, str(script), *args], capture_output=True, text=True, timeout=600
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    else:
+        name = "script_" + "".join(c if c.isalnum() else "_" for c in str(script))
+        import_script(script, name).main(args)
+    return [row["loss"] for row in read_metrics(out)]
