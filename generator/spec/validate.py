@@ -1,0 +1,395 @@
+"""Validation of a Spec: every option and combination checked in Python before any template is
+rendered (templates only arrange text), with errors that name the option, the value and the
+valid choices; and the GPU layout rules the validators and the planner share.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from generator.catalog import MODELS
+from generator.features import (
+    ALGOS,
+    PEFT_ALGOS,
+    PEFT_METHODS,
+    TRICKS,
+)
+from generator.spec.core import DTYPES, ROLLOUT_ALGOS, Spec, SpecError
+
+
+def validate_spec(spec: Spec) -> None:
+    """Raise SpecError naming the option, the bad value and the valid choices."""
+    if spec.algo not in ALGOS:
+        raise SpecError(f"unknown algorithm {spec.algo!r}; valid: {', '.join(ALGOS)}")
+    if spec.peft not in PEFT_METHODS:
+        raise SpecError(f"--peft {spec.peft!r}; valid: {', '.join(PEFT_METHODS)}")
+    if spec.teacher and spec.algo != "kd":
+        raise SpecError(f"--teacher {spec.teacher} is for --algo kd (distillation); drop it")
+    if spec.teacher and spec.teacher not in MODELS:
+        if not (Path(spec.teacher).expanduser() / "config.json").is_file():
+            raise SpecError(
+                f"--teacher {spec.teacher!r}: neither a catalog model (`scaffold list models`) nor "
+                "a local Hugging Face directory with config.json"
+            )
+    if spec.peft != Spec.peft and spec.algo not in PEFT_ALGOS:
+        raise SpecError(
+            f"--peft {spec.peft} needs an adapter algorithm (--algo {' or '.join(PEFT_ALGOS)}); "
+            f"--algo {spec.algo} trains all parameters"
+        )
+    if spec.model not in MODELS and not (Path(spec.model).expanduser() / "config.json").is_file():
+        raise SpecError(
+            f"unknown model {spec.model!r}; valid: {', '.join(MODELS)}, "
+            "or a local Hugging Face directory containing config.json"
+        )
+    unknown = [t for t in spec.tricks if t not in TRICKS]
+    if unknown:
+        raise SpecError(f"unknown trick(s) {unknown}; valid: {', '.join(TRICKS) or 'none yet'}")
+    allowed = ALGOS[spec.algo].tricks
+    refused = [t for t in spec.tricks if allowed is not None and t not in allowed]
+    if refused:
+        raise SpecError(
+            f"--algo {spec.algo} does not take --tricks {','.join(refused)} (those tricks rewrite "
+            f"the SFT cross-entropy or optimizer step, which {spec.algo} replaces with its own); "
+            f"valid for {spec.algo}: {', '.join(allowed)} (`scaffold list algos`)"
+        )
+    if len(set(spec.tricks)) != len(spec.tricks):
+        raise SpecError(f"--tricks lists a trick twice: {list(spec.tricks)}")
+    for t in spec.tricks:
+        for other, why in TRICKS[t].conflicts.items():
+            if other in spec.tricks:
+                keep_t = ",".join(x for x in spec.tricks if x != other)
+                keep_other = ",".join(x for x in spec.tricks if x != t)
+                raise SpecError(
+                    f"--tricks {t} and {other} cannot be combined: {why}; drop one of them: "
+                    f"--tricks {keep_t} or --tricks {keep_other}"
+                )
+        for need in TRICKS[t].requires:
+            if need not in spec.tricks:
+                raise SpecError(
+                    f"--tricks {t} needs {need}; add it: --tricks {','.join([*spec.tricks, need])}"
+                )
+    if spec.dtype not in DTYPES:
+        raise SpecError(f"--dtype {spec.dtype!r}; valid: {', '.join(DTYPES)}")
+    if spec.gpus < 1 or spec.nodes < 1:
+        raise SpecError(f"--gpus {spec.gpus} and --nodes {spec.nodes} must both be >= 1")
+    if spec.ep != 1:
+        _validate_ep(spec)
+    if not spec.dataset.strip():
+        raise SpecError(
+            "--dataset is empty; give a .json/.jsonl/.parquet path or a Hugging Face dataset name"
+        )
+    _validate_parallel(spec)
+    _validate_engines(spec)
+
+
+# What tensor parallel has been made right for: the SFT skeleton's full-parameter model. The
+# refusals say why (a feature whose modules the TP plan does not cover, or an untested pairing).
+_TP_ALGOS = ("sft",)
+# HSDP (--dp-replicate) is only a 2-D FSDP mesh: every algorithm on the SFT skeleton takes it (LoRA's
+# frozen NF4 base and KD's whole teacher included; tests/distributed/test_fsdp_adapters_kd.py).
+_HSDP_ALGOS = tuple(name for name, algo in ALGOS.items() if algo.skeleton == "sft")
+_TP_REFUSED_TRICKS = {
+    "compile": "per-block torch.compile of DTensor (tensor-parallel) blocks is not tested here",
+}
+
+
+def model_config(spec: Spec) -> dict:
+    """The HF config.json fields of --model (catalog entry or local directory)."""
+    entry = MODELS.get(spec.model)
+    if entry:
+        return entry.config
+    from runtime.checkpoint import read_hf_config
+
+    try:
+        return read_hf_config(Path(spec.model).expanduser())
+    except (ValueError, OSError) as e:
+        raise SpecError(f"--model {spec.model}: {e}") from e
+
+
+def _tricks_flag(tricks) -> str:
+    """`--tricks a,b`, or `no --tricks` when none are left."""
+    kept = ",".join(tricks)
+    return f"--tricks {kept}" if kept else "no --tricks"
+
+
+def _validate_parallel(spec: Spec) -> None:
+    """The parallel plan: degrees multiply to the world size, TP fits the model and one node."""
+    degrees = {"tp": spec.tp, "cp": spec.cp, "dp_replicate": spec.dp_replicate}
+    for name, value in degrees.items():
+        if value < 1:
+            raise SpecError(f"--{name.replace('_', '-')} {value}: must be >= 1")
+    world = spec.gpus * spec.nodes
+    others = spec.tp * spec.cp * spec.dp_replicate
+    if world % others:
+        valid = [d for d in range(1, world + 1) if world % d == 0]
+        raise SpecError(
+            f"--gpus {spec.gpus} x --nodes {spec.nodes} = {world} process{'es' * (world != 1)} "
+            f"is not divisible by dp_replicate*cp*tp = {spec.dp_replicate}*{spec.cp}*{spec.tp} = {others} "
+            f"(dp_shard = world / that must be a whole number >= 1); choose degrees whose product "
+            f"divides {world}: one of {valid}"
+        )
+    if spec.tp > spec.gpus:
+        raise SpecError(
+            f"--tp {spec.tp} > --gpus {spec.gpus} (per node): tensor parallel all-gathers and "
+            "reduce-scatters activations in every block, which needs the intra-node links "
+            f"(NVLink); keep tp <= {spec.gpus} and scale across nodes with data parallel"
+        )
+    if (spec.tp > 1 or spec.cp > 1) and spec.algo not in _TP_ALGOS:
+        raise SpecError(
+            f"--algo {spec.algo} with --tp {spec.tp} --cp {spec.cp}: tensor and context parallel "
+            f"are wired into full-parameter SFT only (--algo {', '.join(_TP_ALGOS)}); use --tp 1 "
+            "--cp 1 (FSDP over all GPUs, or HSDP with --dp-replicate"
+            f"{' for --algo ' + ', '.join(_HSDP_ALGOS) if spec.algo not in _HSDP_ALGOS else ''})"
+        )
+    if spec.dp_replicate > 1 and spec.algo not in _HSDP_ALGOS:
+        raise SpecError(
+            f"--algo {spec.algo} with --dp-replicate {spec.dp_replicate}: HSDP is wired into the "
+            f"SFT skeleton (--algo {', '.join(_HSDP_ALGOS)}); use --dp-replicate 1 (FSDP over all "
+            "GPUs)"
+        )
+    if spec.cp > 1:
+        _validate_cp(spec, world)
+    if spec.tp > 1:
+        refused = [t for t in spec.tricks if t in _TP_REFUSED_TRICKS]
+        if refused:
+            raise SpecError(
+                f"--tricks {refused[0]} with --tp {spec.tp}: {_TP_REFUSED_TRICKS[refused[0]]}; "
+                f"drop it ({_tricks_flag(t for t in spec.tricks if t not in refused)}) "
+                "or use --tp 1"
+            )
+        from runtime.parallel import check_tp_degree  # imports torch: only when TP is asked for
+
+        config = model_config(spec)
+        try:
+            check_tp_degree(
+                spec.tp,
+                config["num_attention_heads"],
+                config.get("num_key_value_heads", config["num_attention_heads"]),
+                config["vocab_size"],
+                config.get("model_type", "llama"),
+            )
+        except ValueError as e:
+            raise SpecError(f"--model {spec.model} --tp {spec.tp}: {e}") from e
+
+
+# bf16 weights per engine GPU at most when --engine-tp is chosen automatically: room for vLLM's KV
+# cache on an 80 GB card (and most of a 141 GB one)
+ENGINE_WEIGHT_GIB_PER_GPU = 40.0
+
+
+def trainer_gpus(spec: Spec) -> int:
+    """Trainer processes per node: the GPUs the rollout engines do not take."""
+    return spec.gpus - spec.engine_gpus
+
+
+def engine_tp_choices(config: dict, engine_gpus: int) -> list[int]:
+    """vLLM tensor_parallel_size values for an engine on `engine_gpus` GPUs: each divides the
+    engine GPUs and the attention heads, and divides or is a multiple of the KV heads (vLLM
+    replicates KV heads when tp exceeds them)."""
+    heads = config["num_attention_heads"]
+    kv = config.get("num_key_value_heads", heads)
+    return [
+        t
+        for t in range(1, max(engine_gpus, 1) + 1)
+        if max(engine_gpus, 1) % t == 0 and heads % t == 0 and (kv % t == 0 or t % kv == 0)
+    ]
+
+
+def resolve_engine_layout(
+    spec: Spec, engine_gpus: int | None, engine_tp: int | None
+) -> tuple[int, int]:
+    """(engine_gpus, engine_tp) of a GRPO spec, choosing what was not given (None).
+
+    engine_gpus: half of each node's GPUs (none at 1 GPU: the engines share it). engine_tp: the
+    smallest valid tensor_parallel_size that puts at most ENGINE_WEIGHT_GIB_PER_GPU of bf16
+    weights on each engine GPU (the largest valid one if none does). Other algorithms: (0, 1).
+    """
+    if spec.algo not in ROLLOUT_ALGOS:
+        return (engine_gpus or 0, engine_tp or 1)
+    if engine_gpus is None:
+        engine_gpus = spec.gpus // 2
+    if engine_tp is None:
+        engine_tp = 1
+        if engine_gpus > 0 and (spec.model in MODELS or Path(spec.model).expanduser().is_dir()):
+            from runtime.models.llama import ModelArgs
+
+            config = model_config(spec)
+            weight_gib = 2 * ModelArgs.from_hf_config(config).num_params() / 2**30
+            choices = engine_tp_choices(config, engine_gpus)
+            fitting = [t for t in choices if weight_gib / t <= ENGINE_WEIGHT_GIB_PER_GPU]
+            engine_tp = fitting[0] if fitting else choices[-1]
+    return engine_gpus, engine_tp
+
+
+def engine_weight_note(spec: Spec) -> str:
+    """A warning when each engine GPU would hold more than ENGINE_WEIGHT_GIB_PER_GPU of bf16
+    weights (an explicit --engine-gpus / --engine-tp, or no valid tensor_parallel_size that
+    small), else ""."""
+    if spec.algo not in ROLLOUT_ALGOS:
+        return ""
+    from runtime.models.llama import ModelArgs
+
+    weight_gib = 2 * ModelArgs.from_hf_config(model_config(spec)).num_params() / 2**30
+    per_gpu = weight_gib / spec.engine_tp
+    if per_gpu <= ENGINE_WEIGHT_GIB_PER_GPU:
+        return ""
+    where = (
+        f"each of the {spec.engine_gpus} engine GPU(s) per node"
+        if spec.engine_gpus
+        else "the GPU the engines share with the trainer"
+    )
+    return (
+        f"note: {where} holds {per_gpu:.1f} GiB of bf16 weights (engine_tp {spec.engine_tp}), "
+        f"more than {ENGINE_WEIGHT_GIB_PER_GPU:g} GiB, leaving little room for vLLM's KV cache on "
+        "an 80 GB card; "
+        + (
+            "a larger --engine-tp (on --engine-gpus divisible by it) spreads them"
+            if spec.engine_gpus
+            else "give the engines GPUs of their own (--engine-gpus) with --engine-tp"
+        )
+    )
+
+
+def _validate_engines(spec: Spec) -> None:
+    """--engine-gpus / --engine-tp: GRPO only; the trainer keeps at least one GPU per node."""
+    if spec.algo not in ROLLOUT_ALGOS:
+        given = [f"--engine-gpus {spec.engine_gpus}"] * (spec.engine_gpus != 0)
+        given += [f"--engine-tp {spec.engine_tp}"] * (spec.engine_tp != 1)
+        if given:
+            raise SpecError(
+                f"{' '.join(given)}: rollout engines exist only for --algo "
+                f"{', '.join(ROLLOUT_ALGOS)}; drop {'it' if len(given) == 1 else 'both'}"
+            )
+        return
+    if not 0 <= spec.engine_gpus < spec.gpus:
+        raise SpecError(
+            f"--engine-gpus {spec.engine_gpus} with --gpus {spec.gpus}: the engines take GPUs "
+            f"from each node and the trainer needs at least one; choose 0..{spec.gpus - 1} "
+            "(0 = the engines share the trainer's GPUs)"
+        )
+    if spec.engine_tp < 1:
+        raise SpecError(f"--engine-tp {spec.engine_tp}: must be >= 1")
+    if spec.engine_gpus == 0 and spec.engine_tp != 1:
+        raise SpecError(
+            f"--engine-tp {spec.engine_tp} with --engine-gpus 0: engines that share the "
+            "trainer's GPUs run on one GPU each; give them GPUs of their own (--engine-gpus) "
+            "or use --engine-tp 1"
+        )
+    if spec.engine_gpus:
+        config = model_config(spec)
+        choices = engine_tp_choices(config, spec.engine_gpus)
+        if spec.engine_tp not in choices:
+            raise SpecError(
+                f"--engine-tp {spec.engine_tp} with --engine-gpus {spec.engine_gpus} and "
+                f"--model {spec.model} ({config['num_attention_heads']} attention heads, "
+                f"{config.get('num_key_value_heads', config['num_attention_heads'])} KV heads): "
+                "tensor_parallel_size must divide the engine GPUs and the heads; choose one "
+                f"of {choices}"
+            )
+
+
+# Context parallel (runtime.context_parallel) is tested for full SFT, alone and with FSDP, HSDP,
+# TP, lce and ac; these pairings are refused, each with the reason.
+_CP_REFUSED_TRICKS = {
+    "packing": "packed rows need a block-causal document mask, and the context-parallel "
+    "attention is plain causal over whole rows",
+    "compile": "per-block torch.compile of the K/V all-gather attention is not tested here",
+    "offload": "activation offloading (CUDA) with the context-parallel attention is not tested",
+}
+
+
+def _validate_cp(spec: Spec, world: int) -> None:
+    """--cp: SFT's dense models; rows split into 2*cp equal chunks (times tp under TP)."""
+    refused = [t for t in spec.tricks if t in _CP_REFUSED_TRICKS]
+    if refused:
+        raise SpecError(
+            f"--tricks {refused[0]} with --cp {spec.cp}: {_CP_REFUSED_TRICKS[refused[0]]}; drop "
+            f"it ({_tricks_flag(t for t in spec.tricks if t not in refused)}) or use --cp 1"
+        )
+    config = model_config(spec)
+    if config.get("model_type", "llama") in MOE_FAMILIES:
+        raise SpecError(
+            f"--cp {spec.cp} with --model {spec.model} ({config['model_type']}): context parallel "
+            "is tested on dense models only (the MoE router and its load-balancing loss see "
+            "each rank's tokens); use --cp 1"
+        )
+    entry = MODELS.get(spec.model)
+    max_seq_len = (
+        entry.default_max_seq_len if entry else min(2048, config["max_position_embeddings"])
+    )
+    # 2*cp chunks per row, each split again over tp by sequence parallel
+    if max_seq_len % (2 * spec.cp * spec.tp):
+        valid = [
+            c
+            for c in range(1, world + 1)
+            if world % (c * spec.tp) == 0 and max_seq_len % (2 * c * spec.tp) == 0
+        ]
+        chunks = f"2*cp*tp={2 * spec.cp * spec.tp}" if spec.tp > 1 else f"2*cp={2 * spec.cp}"
+        raise SpecError(
+            f"--cp {spec.cp}: max_seq_len={max_seq_len} (the default of --model {spec.model}) is "
+            f"not divisible by {chunks}; context parallel cuts every row into 2*cp equal chunks"
+            f"{' (and sequence parallel each into tp)' if spec.tp > 1 else ''}; choose --cp in "
+            f"{valid}"
+        )
+
+
+MOE_FAMILIES = ("qwen3_moe",)  # model families with experts (`--ep` shards them)
+EP_TRICKS_REFUSED = {
+    "optim-in-bwd": "it steps each parameter inside backward, before the expert-parallel "
+    "gradient norm over all ranks' experts exists",
+}
+
+
+def _validate_ep(spec: Spec) -> None:
+    """--ep: MoE model, experts divisible, ep = every rank (the first restriction: each expert on
+    exactly one rank, the other parameters FSDP-sharded over the same ranks)."""
+    world = spec.gpus * spec.nodes
+    if spec.ep < 1:
+        raise SpecError(f"--ep {spec.ep} must be >= 1 (1 = no expert parallelism)")
+    if spec.algo != "sft":
+        raise SpecError(
+            f"--ep {spec.ep} is available for --algo sft only (got --algo {spec.algo}); use --ep 1"
+        )
+    entry = MODELS.get(spec.model)
+    if entry:
+        family, num_experts = entry.family, entry.config.get("num_experts", 0)
+    else:
+        try:
+            config = json.loads((Path(spec.model).expanduser() / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise SpecError(f"--model {spec.model}: cannot read config.json ({e})") from e
+        family, num_experts = config.get("model_type"), config.get("num_experts", 0)
+    if family not in MOE_FAMILIES:
+        moe = [name for name, e in MODELS.items() if e.family in MOE_FAMILIES]
+        raise SpecError(
+            f"--ep {spec.ep} shards experts, but --model {spec.model} ({family}) has none; use "
+            f"--ep 1, or a mixture-of-experts model ({', '.join(MOE_FAMILIES)} family: "
+            f"{', '.join(moe)} or a local directory of that family)"
+        )
+    if num_experts % spec.ep:
+        valid = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
+        raise SpecError(
+            f"--ep {spec.ep} does not divide num_experts={num_experts} of {spec.model}; "
+            f"valid --ep: {', '.join(map(str, valid))}"
+        )
+    if spec.ep != world:
+        raise SpecError(
+            f"--ep {spec.ep} must equal the number of ranks, --gpus {spec.gpus} x --nodes "
+            f"{spec.nodes} = {world}: each expert lives on exactly one rank and the other "
+            f"parameters are FSDP-sharded over the same ranks; set --ep {world} or change --gpus"
+        )
+    others = {n: getattr(spec, n) for n in ("tp", "cp", "dp_replicate") if getattr(spec, n) != 1}
+    if others:
+        name, value = next(iter(others.items()))
+        raise SpecError(
+            f"--ep {spec.ep} with --{name.replace('_', '-')} {value}: expert parallel spans every "
+            f"rank as the FSDP shard dim (ep = dp_shard), so it takes no other parallel dim yet; "
+            f"use --{name.replace('_', '-')} 1"
+        )
+    refused = [t for t in spec.tricks if t in EP_TRICKS_REFUSED]
+    if refused:
+        raise SpecError(
+            f"--ep {spec.ep} and --tricks {refused[0]} cannot be combined: "
+            f"{EP_TRICKS_REFUSED[refused[0]]}; drop one of them"
+        )
