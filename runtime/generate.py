@@ -148,30 +148,14 @@ def generate_with_logprobs(
     Raises:
         ValueError: empty prompts or out-of-range sampling settings.
     """
-    return _decode(
-        model,
-        prompts,
-        max_new_tokens,
-        temperature,
-        top_p,
-        stop_token_ids,
-        pad_token_id,
-        generator,
-        with_logprobs=True,
-    )
+    sampling = (max_new_tokens, temperature, top_p, stop_token_ids, pad_token_id, generator)
+    return _decode(model, prompts, *sampling, with_logprobs=True)
 
 
 def _decode(
-    model,
-    prompts,
-    max_new_tokens,
-    temperature,
-    top_p,
-    stop_token_ids,
-    pad_token_id,
-    generator,
+    model, prompts, max_new_tokens, temperature, top_p, stop_token_ids, pad_token_id, generator,
     with_logprobs: bool = False,
-) -> list[tuple[list[int], list[float]]]:
+) -> list[tuple[list[int], list[float]]]:  # fmt: skip
     """The KV-cache decoding loop of both entry points: per prompt (tokens, log-probs or [])."""
     _validate(prompts, max_new_tokens, temperature, top_p)
     if max_new_tokens == 0:
