@@ -53,7 +53,6 @@ TOKENIZER_FILES = (
     "added_tokens.json",
 )
 # Tied output head -> the tensor it shares; tied checkpoints store only the right-hand key.
-# A tied model's head is its embedding: HF leaves the head out of the file (key -> the key it copies).
 TIED_KEYS = {"lm_head.weight": "model.embed_tokens.weight"}
 # Old HF checkpoints stored RoPE buffers; ours are recomputed, so these keys are skipped.
 _IGNORED_KEY_SUFFIXES = ("rotary_emb.inv_freq",)
