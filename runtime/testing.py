@@ -65,7 +65,7 @@ def spawn(fn, world_size: int = 2, backend: str = "gloo", args: tuple = ()) -> l
     return [torch.load(io.BytesIO(res), weights_only=False) for _, _, res in ordered]
 
 
-# STYLE.md §9's tiny random config for parity tests (HF config names): 2 layers, hidden 64, 4 heads,
+# The tiny random config for parity tests (HF config names): 2 layers, hidden 64, 4 heads,
 # 2 KV heads, head_dim 16, intermediate 128, vocab 256. Tests add what they vary.
 TINY_CONFIG = dict(
     vocab_size=256,
