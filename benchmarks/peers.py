@@ -6,7 +6,7 @@ would pull a multi-GB CUDA build, and pinning it first keeps pip from replacing 
 
 The library versions shared with the main environment (transformers, datasets, tokenizers,
 safetensors) are pinned to the main stack's resolved versions, so that a TRL run differs from the
-main environment only by the peer's own packages (trl, accelerate, psutil). See shared/STACK.md.
+main environment only by the peer's own packages (trl, accelerate, psutil).
 
 Importing this module has no side effects; call `ensure_venv(name)` to build a venv.
 
@@ -45,7 +45,7 @@ PEER_REQUIREMENTS: dict[str, list[list[str]]] = {
     ],
     "torchtune": [
         [TORCH_PIN],
-        # torchao > 0.15 breaks torchtune 0.6.1's import (shared/STACK.md). torchtune's own
+        # torchao > 0.15 breaks torchtune 0.6.1's import (docs/DESIGN.md). torchtune's own
         # requirements already list datasets, sentencepiece, tiktoken, blobfile, omegaconf, psutil
         # and torchdata; `tokenizers` is needed by its HuggingFaceBaseTokenizer.
         ["torchtune==0.6.1", "torchao==0.15.0", "tokenizers==0.23.3", "jinja2"],

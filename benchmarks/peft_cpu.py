@@ -5,7 +5,7 @@ Each variant is rendered with `scaffold new --algo {sft,lora,qlora}` and run unm
 (`python train.py ...`) twice, each time in a fresh process:
 1. glibc's default malloc: peak RSS of the process (`os.wait4` rusage), tokens/s.
 2. `GLIBC_TUNABLES=glibc.malloc.mmap_threshold=131072`, so freed tensors go back to the OS and RSS
-   follows what is really alive (STACK.md: default-malloc RSS hides most savings): peak RSS.
+   follows what is really alive (docs/DESIGN.md: default-malloc RSS hides most savings): peak RSS.
 Peak RSS includes loading (QLoRA quantizes the base tensor by tensor while loading), the Python
 heap, libraries and the tokenized dataset. tokens/s counts real (non-pad) tokens of steps 2..N
 from metrics.jsonl (step 1 includes one-time warm-up). LoRA/QLoRA run with --save_merged false

@@ -1,7 +1,7 @@
 """`scaffold plan` for Llama 3.3 70B on 8 x H200 (141 GB), with and without the memory tricks,
 beside the published torchtune anchor; writes the `plan` section of benchmarks/RESULTS.md.
 
-Each variant is one fake-tensor simulation of the emitted SFT script (generator/plan.py): the
+Each variant is one fake-tensor simulation of the emitted SFT script (generator/plan_harness.py): the
 model build and two training steps of rank 0 of a fake 8-rank process group, PyTorch's
 MemTracker counting the bytes. Nothing is allocated, so this runs on a CPU-only machine; the
 time per variant is printed (it is the Python cost of dispatching every op of an 80-layer step).

@@ -84,7 +84,7 @@ LR = 2e-5
 MM_SIZE = 2048
 # glibc keeps freed heap memory (chunks below its dynamic mmap threshold, up to 32 MiB) and RSS
 # shows it; with a fixed 128 KiB threshold big tensors are mmapped and returned on free, so RSS
-# follows live memory (STACK.md). Every tool gets the same setting in the second memory pass.
+# follows live memory (docs/DESIGN.md). Every tool gets the same setting in the second memory pass.
 TUNED_MALLOC = "glibc.malloc.mmap_threshold=131072"
 
 

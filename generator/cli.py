@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -16,20 +15,21 @@ import click
 from generator import __version__
 from generator.catalog import MODELS
 from generator.features import ALGOS, PEFT_ALGOS, PEFT_METHODS, TRICKS
+from generator.options import spec_from_options, spec_options
 from generator.plan import GPU_MEMORY_GIB, parse_gpu_memory
+from generator.rundir import (
+    SCRIPT,
+    SPEC_FILE,
+    find_run_dirs,
+    rendered_files,
+    write_run_dir,
+)
 from generator.spec import (
     ScaffoldError,
     Spec,
     engine_weight_note,
-    resolve_engine_layout,
     trainer_gpus,
 )
-
-SPEC_FILE = Path(".scaffold") / "spec.json"
-BASE_FILE = Path(".scaffold") / "train.py.base"
-# pristine render of each launch file (`launch/slurm.sbatch` -> `.scaffold/launch/slurm.sbatch`):
-# the merge base for `scaffold regen`, as BASE_FILE is for train.py
-LAUNCH_BASE_DIR = Path(".scaffold")
 
 
 def _friendly(fn):
@@ -60,47 +60,7 @@ def cli():
 
 
 @cli.command()
-@click.option(
-    "--algo", default="sft", show_default=True, help=f"Training algorithm: {', '.join(ALGOS)}."
-)
-@click.option(
-    "--peft",
-    default="lora",
-    show_default=True,
-    help=f"Adapter type for --algo {'/'.join(PEFT_ALGOS)}: {', '.join(PEFT_METHODS)}.",
-)
-@click.option(
-    "--model",
-    default="smollm2-135m",
-    show_default=True,
-    help="Catalog name (see `scaffold list models`) or a local Hugging Face directory.",
-)
-@click.option(
-    "--tricks", default="", help=f"Comma-separated memory/speed tricks: {', '.join(TRICKS)}."
-)
-@click.option("--gpus", default=1, show_default=True, type=int, help="Processes (GPUs) per node.")
-@click.option("--nodes", default=1, show_default=True, type=int, help="Number of nodes.")
-@click.option(
-    "--tp",
-    default=1,
-    show_default=True,
-    type=int,
-    help="Tensor-parallel degree (+ sequence and loss parallel), within one node.",
-)
-@click.option(
-    "--cp",
-    default=1,
-    show_default=True,
-    type=int,
-    help="Context-parallel degree: rows split into 2*cp chunks, K/V all-gathered in attention.",
-)
-@click.option(
-    "--dp-replicate",
-    default=1,
-    show_default=True,
-    type=int,
-    help="HSDP replica groups; FSDP shards over the rest: gpus*nodes / (dp_replicate*cp*tp).",
-)
+@spec_options
 @click.option(
     "--ep",
     default=1,
@@ -108,26 +68,6 @@ def cli():
     type=int,
     help="Expert-parallel degree for MoE models (qwen3_moe): each rank holds num_experts/ep "
     "experts; must equal --gpus x --nodes.",
-)
-@click.option(
-    "--engine-gpus",
-    default=None,
-    type=int,
-    help="--algo grpo: GPUs per node for the rollout engines; the trainer runs on the other "
-    "--gpus minus these [default: half of --gpus; 0 at --gpus 1: the engines share its GPU].",
-)
-@click.option(
-    "--engine-tp",
-    default=None,
-    type=int,
-    help="--algo grpo: GPUs per vLLM engine (tensor_parallel_size) [default: the fewest that "
-    "hold at most 40 GiB of bf16 weights each].",
-)
-@click.option(
-    "--dtype",
-    default="bf16",
-    show_default=True,
-    help="bf16 (bf16 compute, fp32 master weights and optimizer state) or fp32.",
 )
 @click.option(
     "--dataset",
@@ -179,7 +119,7 @@ def new(
         engine_gpus, engine_tp, teacher,
     )  # fmt: skip
     out_dir = Path(out)
-    script = out_dir / "train.py"
+    script = out_dir / SCRIPT
     if script.exists() and not force:
         raise ScaffoldError(
             f"{script} exists; use `scaffold regen {out}` to update it keeping your edits, "
@@ -187,7 +127,7 @@ def new(
         )
     text = render(spec)
     launch = render_launch(spec)
-    write_render(out_dir, spec, text, launch)
+    write_run_dir(out_dir, spec, text, launch)
     launch_dir = out_dir / "launch"
     if spec.nodes > 1:
         run = f"sbatch {launch_dir / 'slurm.sbatch'}   (or: {launch_dir / 'torchrun_multinode.sh'})"
@@ -240,31 +180,7 @@ def _plan_summary(spec: Spec, gpu: tuple[str, float] | None) -> None:
 
 
 @cli.command()
-@click.option(
-    "--algo", default="sft", show_default=True, help=f"Training algorithm: {', '.join(ALGOS)}."
-)
-@click.option("--peft", default="lora", show_default=True, help="Adapter type (lora, dora).")
-@click.option("--model", default="smollm2-135m", show_default=True, help="Catalog name or HF dir.")
-@click.option("--tricks", default="", help=f"Comma-separated tricks: {', '.join(TRICKS)}.")
-@click.option("--gpus", default=1, show_default=True, type=int, help="Processes (GPUs) per node.")
-@click.option("--nodes", default=1, show_default=True, type=int, help="Number of nodes.")
-@click.option("--tp", default=1, show_default=True, type=int, help="Tensor-parallel degree.")
-@click.option("--cp", default=1, show_default=True, type=int, help="Context-parallel degree.")
-@click.option("--dp-replicate", default=1, show_default=True, type=int, help="HSDP replicas.")
-@click.option("--dtype", default="bf16", show_default=True, help="bf16 or fp32.")
-@click.option(
-    "--engine-gpus",
-    default=None,
-    type=int,
-    help="--algo grpo: GPUs per node for the rollout engines (not the trainer's) [default: as "
-    "`scaffold new`].",
-)
-@click.option(
-    "--engine-tp",
-    default=None,
-    type=int,
-    help="--algo grpo: GPUs per vLLM engine [default: as `scaffold new`].",
-)
+@spec_options
 @click.option(
     "--micro-batch-size",
     type=int,
@@ -346,54 +262,6 @@ def plan(
     if suggest and not plan_fits(result, gpu_gib):
         s = plan_suggest(result, gpu_gib, mbs, seq, progress)
         click.echo(format_suggestion(s, spec))
-
-
-def spec_from_options(
-    algo, peft, model, tricks, gpus, nodes, tp, cp, dp_replicate, ep, dtype, dataset=None, out=None,
-    engine_gpus=None, engine_tp=None, teacher="",
-) -> Spec:  # fmt: skip
-    """The Spec of `scaffold new` / `scaffold plan` options: --tricks split on commas, --dataset
-    defaulting to the algorithm's demo set, GRPO's engine GPUs chosen when not given."""
-    spec = Spec(
-        algo=algo,
-        peft=peft,
-        model=model,
-        tricks=tuple(t.strip() for t in tricks.split(",") if t.strip()),
-        gpus=gpus,
-        nodes=nodes,
-        tp=tp,
-        cp=cp,
-        dp_replicate=dp_replicate,
-        ep=ep,
-        dtype=dtype,
-        dataset=dataset or (ALGOS[algo].dataset if algo in ALGOS else Spec.dataset),
-        out=out,
-        teacher=teacher,
-    )
-    if algo not in ALGOS or gpus < 1:  # validate_spec names the bad option
-        return spec
-    engine_gpus, engine_tp = resolve_engine_layout(spec, engine_gpus, engine_tp)
-    return replace(spec, engine_gpus=engine_gpus, engine_tp=engine_tp)
-
-
-def write_render(out_dir: Path, spec: Spec, text: str, launch: dict[str, str]) -> None:
-    """Write train.py and the launch files, plus the spec and the pristine renders that
-    `scaffold regen` merges against."""
-    try:
-        (out_dir / ".scaffold").mkdir(parents=True, exist_ok=True)
-        (out_dir / "train.py").write_text(text)
-        for name, content in launch.items():
-            for path in (out_dir / name, out_dir / LAUNCH_BASE_DIR / name):
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(content)
-            (out_dir / name).chmod(0o755)  # ./launch/torchrun.sh works as well as bash ...
-        (out_dir / SPEC_FILE).write_text(spec.to_json())
-        (out_dir / BASE_FILE).write_text(text)
-    except OSError as e:
-        raise ScaffoldError(
-            f"--out {out_dir}: cannot write there ({e.strerror or e}: {e.filename}); "
-            "choose a writable directory"
-        ) from e
 
 
 @cli.command("list")
@@ -483,7 +351,7 @@ def regen(paths, settings, to_version, check):
             )
         _regen_check(paths)
         return
-    from generator.regen import SCRIPT, ConflictError, apply, plan
+    from generator.regen import ConflictError, apply, plan
 
     if len(paths) != 1:
         raise ScaffoldError(
@@ -518,19 +386,13 @@ def regen(paths, settings, to_version, check):
 def _regen_check(paths) -> None:
     from generator.render import render, render_launch
 
-    dirs = sorted(
-        {p.parent.parent for path in paths for p in Path(path).glob("**/.scaffold/spec.json")}
-    )
+    dirs = find_run_dirs(paths)
     if not dirs:
-        raise ScaffoldError(f"no .scaffold/spec.json under {', '.join(paths)}")
+        raise ScaffoldError(f"no {SPEC_FILE} under {', '.join(paths)}")
     drifted = []
     for d in dirs:
         spec = Spec.from_json((d / SPEC_FILE).read_text(), source=str(d / SPEC_FILE))
-        text = render(spec)
-        fresh = {"train.py": text, str(BASE_FILE): text}
-        for name, content in render_launch(spec).items():
-            fresh[name] = fresh[str(LAUNCH_BASE_DIR / name)] = content
-        for name, content in fresh.items():
+        for name, content in rendered_files(render(spec), render_launch(spec)).items():
             path = d / name
             if not path.is_file() or path.read_text() != content:
                 drifted.append(str(path))
@@ -566,7 +428,7 @@ def diff_(directory, settings, specs):
       scaffold diff runs/demo --set tricks=ac
       scaffold diff --spec a/.scaffold/spec.json --spec b/.scaffold/spec.json
     """
-    from generator.regen import SCRIPT, plan, unified_diff
+    from generator.regen import plan, unified_diff
 
     if specs:
         if directory or settings or len(specs) != 2:

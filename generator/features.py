@@ -2,7 +2,7 @@
 combinations are refused.
 
 Adding a trick or an algorithm = one `templates/features/<name>.py.jinja` (macros named after the
-slots it fills, see `generator.spec.SLOTS`) plus one entry here. The skeleton
+slots it fills, see `generator.render.SLOTS`) plus one entry here. The skeleton
 (`templates/recipes/sft.py.jinja`) calls the slots of the algorithm's template first, then those of
 the enabled tricks in the order of `TRICKS`. An algorithm without a template is the skeleton's
 defaults (full-parameter SFT).
@@ -127,7 +127,7 @@ TRICKS: dict[str, Trick] = {
             "packing",
             "pack documents into max_seq_len rows; per-document positions, block-causal attention",
         ),
-        # ac before compile before FSDP (STYLE.md §2, section 4): the model_setup slot runs in
+        # ac before compile before FSDP (docs/DESIGN.md, the script's sections): the model_setup slot runs in
         # registry order
         Trick(
             "ac",
@@ -190,7 +190,7 @@ TRICKS: dict[str, Trick] = {
 
 
 # Parallel-plan templates, rendered when the spec asks for them (after the algorithm's template,
-# before the tricks: TP and CP -> activation checkpointing -> compile -> FSDP, STYLE.md §2 section 4).
+# before the tricks: TP and CP -> activation checkpointing -> compile -> FSDP, docs/DESIGN.md).
 # file stem -> predicate on the Spec. HSDP (dp_replicate) is the skeleton's own FSDP mesh choice.
 PARALLEL_FEATURES = {
     "tensor_parallel": lambda spec: spec.tp > 1,

@@ -30,7 +30,7 @@ from pathlib import Path
 import merge3
 
 from generator import __version__
-from generator.cli import BASE_FILE, LAUNCH_BASE_DIR, SPEC_FILE
+from generator.rundir import BASE_FILE, LAUNCH_BASE_DIR, ORIG, SCRIPT, SPEC_FILE
 from generator.spec import (
     ROLLOUT_ALGOS,
     ScaffoldError,
@@ -40,8 +40,6 @@ from generator.spec import (
     validate_spec,
 )
 
-SCRIPT = "train.py"
-ORIG = "train.py.orig"
 SETTABLE = (
     "algo",
     "dataset",

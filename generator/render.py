@@ -11,7 +11,7 @@ from pathlib import Path
 
 import jinja2
 
-from generator.spec import ScaffoldError, Spec, build_answers
+from generator.spec import ScaffoldError, Spec, SpecError, build_answers
 
 SKELETONS = "recipes/{}.py.jinja"  # per algorithm (generator.features); features fill its slots
 # Launch files written next to train.py (path relative to the output directory -> template).
@@ -79,12 +79,58 @@ def docstring_text(value: str) -> str:
 
 
 # Answers printed inside the header docstring; they can hold user text (paths, dataset names).
+# The named places in a skeleton that feature templates fill, each a macro of that name (e.g.
+# helpers: module-level functions a feature adds, after the Model section).
+# Additive slots collect every enabled feature's lines; override slots (loss, optimizer,
+# backward_and_step, ...) replace the skeleton's default body, so at most one feature may fill
+# each; `model_inputs` is single too: it defines the one `model_kwargs` dict.
+SLOTS = (
+    "title", "imports", "config_fields", "validate", "model_setup", "fsdp_kwargs", "after_shard",
+    "load_weights", "helpers", "loss_setup", "model_inputs", "loss", "optimizer_cls", "optimizer",
+    "datasets", "collate", "backward_and_step", "startup_print", "save", "docstring_notes",
+)  # fmt: skip
+OVERRIDE_SLOTS = (
+    "title", "load_weights", "model_inputs", "loss", "optimizer_cls", "optimizer",
+    "backward_and_step", "save",
+)  # fmt: skip
+
+
+def feature_slots(templates: list[str]) -> dict[str, list[str]]:
+    """For each slot, the feature templates (in order) that define a macro of that name."""
+    filled = {slot: [] for slot in SLOTS}
+    for name in templates:
+        module = environment().get_template(f"features/{name}.py.jinja").module
+        for slot in SLOTS:
+            if hasattr(module, slot):
+                filled[slot].append(name)
+    for slot in OVERRIDE_SLOTS:
+        if len(filled[slot]) > 1:
+            raise SpecError(
+                f"features {filled[slot]} both replace the {slot!r} section; choose one"
+            )
+    return filled
+
+
+def template_answers(spec: Spec) -> dict:
+    """`build_answers(spec)` plus what the feature templates themselves decide: `slots` (per slot,
+    the features that fill it) and `forward_args` (the model call's arguments).
+
+    Raises:
+        SpecError: invalid spec, or two features that replace the same section.
+    """
+    answers = build_answers(spec)
+    slots = feature_slots(answers["features"])
+    # A `model_inputs` slot defines `model_kwargs` (extra model arguments: positions, masks).
+    forward_args = 'batch["input_ids"]' + (", **model_kwargs" if slots["model_inputs"] else "")
+    return {**answers, "slots": slots, "forward_args": forward_args}
+
+
 _DOCSTRING_ANSWERS = ("command", "model_name", "family")
 
 
 def render_raw(spec: Spec) -> str:
     """Jinja output before any post-processing (for debugging templates)."""
-    answers = build_answers(spec)
+    answers = template_answers(spec)
     answers.update({k: docstring_text(answers[k]) for k in _DOCSTRING_ANSWERS})
     return environment().get_template(SKELETONS.format(answers["skeleton"])).render(a=answers)
 
@@ -117,7 +163,7 @@ def render_launch(spec: Spec) -> dict[str, str]:
         SpecError: invalid spec (from `build_answers`).
         RenderError: template residue in a rendered file.
     """
-    answers = build_answers(spec)
+    answers = template_answers(spec)
     env = environment()
     files = {}
     for path, template in LAUNCH_FILES.items():

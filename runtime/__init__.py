@@ -4,7 +4,6 @@ Public API = the names below; scripts import only these, so any change shows in 
 """
 
 from runtime.checkpoint import (
-    ComputedTensor,
     checkpoint_dtype,
     copy_tokenizer_files,
     load_hf_checkpoint,
@@ -26,6 +25,8 @@ from runtime.data import (
     to_messages,
     to_preference,
 )
+from runtime.dtensors import ComputedTensor
+from runtime.expert_parallel import apply_expert_parallel
 from runtime.generate import generate
 from runtime.grpo import (
     collate_rollouts,
@@ -62,7 +63,7 @@ from runtime.metrics import (
     transformer_flops_per_token,
 )
 from runtime.models.llama import CausalLM, KVCache, LlamaForCausalLM, ModelArgs, build_model
-from runtime.models.moe import apply_expert_parallel, load_balancing_loss
+from runtime.models.moe import load_balancing_loss
 from runtime.offload import offload_activations
 from runtime.optim import cosine_schedule_with_warmup
 from runtime.optim_in_backward import setup_optimizer_in_backward

@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -29,10 +27,16 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, distribute_tensor
 
-from runtime.models.moe import expert_parallel_save_tensors, experts_held_elsewhere
+from runtime.dtensors import (
+    ComputedTensor,
+    copy_into,
+    gather_for_save,
+    global_rank,
+    reshard_fsdp,
+    save_dtype,
+)
+from runtime.models.moe import SparseMoeBlock
 
 SAFETENSORS_NAME = "model.safetensors"
 SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"
@@ -49,7 +53,7 @@ TOKENIZER_FILES = (
     "added_tokens.json",
 )
 # Tied output head -> the tensor it shares; tied checkpoints store only the right-hand key.
-_TIED_KEYS = {"lm_head.weight": "model.embed_tokens.weight"}
+TIED_KEYS = {"lm_head.weight": "model.embed_tokens.weight"}
 # Old HF checkpoints stored RoPE buffers; ours are recomputed, so these keys are skipped.
 _IGNORED_KEY_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -93,18 +97,8 @@ def _open_safetensors(path: Path):
         yield f
 
 
-def _reshard_fsdp(model: nn.Module) -> None:
-    """Register every FSDP2 module's sharded DTensor parameters again (a local op, no comms).
-
-    After a forward the root keeps its parameters unsharded: they are then plain tensors in
-    all-gather buffers that FSDP may free or overwrite, so never read or write those.
-    """
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
-
-
-def _is_tied(model: nn.Module) -> bool:
+def is_tied(model: nn.Module) -> bool:
+    """Whether `model.args.tie_word_embeddings` is set (the head shares the embedding)."""
     args = getattr(model, "args", None)
     return bool(getattr(args, "tie_word_embeddings", False))
 
@@ -142,6 +136,17 @@ def _file_shapes(key_to_file: dict[str, Path]) -> dict[str, tuple[int, ...]]:
 _SAFETENSORS_FLOAT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
+def checkpoint_shapes(model_dir: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """{HF key: shape} of every tensor in a safetensors checkpoint, read from the file headers
+    (no tensor data is read).
+
+    Raises:
+        FileNotFoundError: no safetensors checkpoint in model_dir, or a shard the index lists.
+        ValueError: an index or file that is not valid safetensors (naming it).
+    """
+    return _file_shapes(_checkpoint_index(Path(model_dir))[0])
+
+
 def checkpoint_dtype(model_dir: str | os.PathLike) -> torch.dtype:
     """The dtype most floating tensors of a safetensors checkpoint are stored in (headers only),
     e.g. to write a merged export as the base model was shipped.
@@ -172,8 +177,8 @@ def _plan_load(model, key_to_file, source, strict, exclude=()) -> dict[str, str]
     file_keys = {k for k in key_to_file if not k.endswith(_IGNORED_KEY_SUFFIXES)}
     file_keys -= experts_held_elsewhere(model)  # expert parallel: other ranks load those
     plan = {n: n for n in params if n in file_keys}
-    for name, src in _TIED_KEYS.items():
-        if name in params and name not in file_keys and src in file_keys and _is_tied(model):
+    for name, src in TIED_KEYS.items():
+        if name in params and name not in file_keys and src in file_keys and is_tied(model):
             plan[name] = src  # tie broken (e.g. by to_empty): fill the head from the embedding
     missing = sorted(set(params) - set(plan))
     unexpected = sorted(file_keys - set(params) - aliases)
@@ -208,24 +213,6 @@ def _preview(items: list[str], limit: int = 6) -> str:
     return f"{items[:limit]} and {len(items) - limit} more"
 
 
-@torch.no_grad()
-def _copy_into(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy a full tensor into a parameter in place (a DTensor keeps only its local shard)."""
-    local = param._local_tensor if isinstance(param, DTensor) else param
-    if type(local).__name__ == "NF4Tensor":  # QLoRA base weight: quantize, keep this rank's shard
-        from runtime.lora import copy_into_nf4_
-
-        copy_into_nf4_(param, full)
-        return
-    full = full.to(dtype=param.dtype)
-    if isinstance(param, DTensor):
-        # src_data_rank=None: every rank holds the full tensor, so just slice, no communication.
-        shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-        param.to_local().copy_(shard.to_local())
-    else:
-        param.copy_(full)
-
-
 def load_hf_checkpoint(
     model: nn.Module,
     model_dir: str | os.PathLike,
@@ -237,7 +224,7 @@ def load_hf_checkpoint(
     Works for plain and FSDP2 (`fully_shard`, DTensor) parameters, after `to_empty` for models
     built on meta. Casts to each parameter's dtype. Tied models: files without `lm_head.weight`
     are fine (the head is the embedding's Parameter, or is filled from it). NF4 parameters
-    (QLoRA) are quantized from the file's tensor one at a time (`runtime.lora.copy_into_nf4_`), so
+    (QLoRA) are quantized from the file's tensor one at a time (`runtime.dtensors.copy_into_nf4`), so
     the full-precision model never exists in memory.
 
     Args:
@@ -253,7 +240,7 @@ def load_hf_checkpoint(
         RuntimeError: a parameter is still on the meta device afterwards.
     """
     key_to_file, source = _checkpoint_index(Path(model_dir))
-    _reshard_fsdp(model)
+    reshard_fsdp(model)
     plan = _plan_load(model, key_to_file, source, strict, set(exclude))
     params = dict(model.named_parameters())
     by_file: dict[Path, list[str]] = {}
@@ -262,7 +249,7 @@ def load_hf_checkpoint(
     for path, names in sorted(by_file.items()):
         with _open_safetensors(path) as f:
             for name in names:
-                _copy_into(params[name], f.get_tensor(plan[name]))  # one tensor at a time
+                copy_into(params[name], f.get_tensor(plan[name]))  # one tensor at a time
     on_meta = [n for n, p in model.named_parameters() if p.is_meta and n not in exclude]
     if on_meta:
         raise RuntimeError(
@@ -272,37 +259,15 @@ def load_hf_checkpoint(
         )
 
 
-@dataclass(frozen=True)
-class ComputedTensor:
-    """A tensor `save_hf_checkpoint` computes only when it writes its shard (e.g. a merged LoRA
-    weight), so at most one such full tensor exists at a time.
-
-    `compute()` is called on every rank (it may run collectives, e.g. `full_tensor()`) and returns
-    the full tensor of `shape` and `dtype`.
-    """
-
-    shape: torch.Size
-    dtype: torch.dtype
-    compute: Callable[[], torch.Tensor]
-
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    def is_floating_point(self) -> bool:
-        return self.dtype.is_floating_point
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _tensors_to_save(model: nn.Module, hf_config: dict) -> dict[str, torch.Tensor]:
-    """Parameters and persistent buffers to write (a tied head is left out, as HF does)."""
+def tensors_to_save(model: nn.Module, hf_config: dict) -> dict[str, torch.Tensor]:
+    """{HF key: tensor} that `save_hf_checkpoint` writes by default: parameters and persistent
+    buffers (a tied head is left out, as HF does); under expert parallel every rank's experts as
+    `ComputedTensor`s broadcast from their owners (see `expert_parallel_save_tensors`)."""
     tensors = dict(model.named_parameters())
     persistent = set(model.state_dict().keys())
     tensors.update({n: b for n, b in model.named_buffers() if n in persistent})
     if hf_config.get("tie_word_embeddings", False):
-        for name in _TIED_KEYS:
+        for name in TIED_KEYS:
             tensors.pop(name, None)
     local_experts, all_experts = expert_parallel_save_tensors(model)
     if all_experts:  # expert parallel: every rank's experts, broadcast from their owners
@@ -311,35 +276,75 @@ def _tensors_to_save(model: nn.Module, hf_config: dict) -> dict[str, torch.Tenso
     return tensors
 
 
+def expert_parallel_save_tensors(model: nn.Module) -> tuple[set[str], dict]:
+    """For `save_hf_checkpoint`: every expert of every expert-parallel block, gathered.
+
+    Returns:
+        (names of this rank's local expert parameters, {HF key: ComputedTensor} for all E
+        experts of each block in key order). `compute()` broadcasts the weight from the rank that
+        holds it to the whole ep group (a collective, one tensor at a time).
+    """
+    local: set[str] = set()
+    out: dict = {}
+    for prefix, block in model.named_modules():
+        if not isinstance(block, SparseMoeBlock) or block.ep_group is None:
+            continue
+        n_local = block.num_experts // block.ep_size
+        mine = {int(e): expert for e, expert in block.experts.items()}
+        template = next(iter(mine.values()))
+        local.update(
+            f"{prefix}.experts.{e}.{n}" for e, x in mine.items() for n, _ in x.named_parameters()
+        )
+        for e in range(block.num_experts):
+            for name, ref in template.named_parameters():
+                held = dict(mine[e].named_parameters())[name] if e in mine else None
+                src = e // n_local
+                out[f"{prefix}.experts.{e}.{name}"] = ComputedTensor(
+                    ref.shape,
+                    ref.dtype,
+                    _broadcast_from(held, ref, block.ep_group, src),
+                )
+    return local, out
+
+
+def _broadcast_from(held, ref: torch.Tensor, group, src: int):
+    def compute() -> torch.Tensor:
+        buf = held.detach().clone() if held is not None else torch.empty_like(ref)
+        dist.broadcast(buf, group=group, group_src=src)
+        return buf
+
+    return compute
+
+
+def experts_held_elsewhere(model: nn.Module) -> set[str]:
+    """HF keys of the expert weights that other ranks hold (expert parallel): a checkpoint's
+    keys this rank's model does not load, without them counting as unexpected."""
+    keys: set[str] = set()
+    for prefix, block in model.named_modules():
+        if isinstance(block, SparseMoeBlock) and block.ep_group is not None:
+            mine = {int(e) for e in block.experts}
+            names = [n for n, _ in next(iter(block.experts.values())).named_parameters()]
+            keys.update(
+                f"{prefix}.experts.{e}.{n}"
+                for e in range(block.num_experts)
+                if e not in mine
+                for n in names
+            )
+    return keys
+
+
 def _plan_shards(tensors, dtype, max_shard_bytes) -> list[list[str]]:
     """Greedily group tensor names into shards of at most max_shard_bytes (a bigger tensor alone)."""
     shards: list[list[str]] = [[]]
     size = 0
     for name, t in tensors.items():
-        nbytes = t.numel() * _save_dtype(t, dtype).itemsize
+        nbytes = t.numel() * save_dtype(t, dtype).itemsize
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
             size = 0
         shards[-1].append(name)
         size += nbytes
     return shards
-
-
-def _save_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
-    return dtype if dtype is not None and t.is_floating_point() else t.dtype
-
-
-def _gather(t: torch.Tensor, dtype: torch.dtype | None, is_writer: bool) -> torch.Tensor | None:
-    """Full tensor on CPU (rank 0) or None (other ranks); collective for DTensors."""
-    if isinstance(t, ComputedTensor):
-        full = t.compute()
-    else:
-        full = t.full_tensor() if isinstance(t, DTensor) else t
-    if not is_writer:
-        return None
-    # copy=True: never alias a live parameter (safetensors refuses shared storage, and the
-    # caller may keep training while we write).
-    return full.detach().to(device="cpu", dtype=_save_dtype(t, dtype), copy=True).contiguous()
 
 
 def save_hf_checkpoint(
@@ -378,9 +383,9 @@ def save_hf_checkpoint(
             exists half-written.
     """
     out_dir = Path(out_dir)
-    is_writer = _rank() == 0
-    _reshard_fsdp(model)
-    tensors = _tensors_to_save(model, hf_config) if tensors is None else tensors
+    is_writer = global_rank() == 0
+    reshard_fsdp(model)
+    tensors = tensors_to_save(model, hf_config) if tensors is None else tensors
     shards = _plan_shards(tensors, dtype, max_shard_bytes)
     tmp = None
     existed = out_dir.exists()
@@ -391,7 +396,7 @@ def save_hf_checkpoint(
         weight_map: dict[str, str] = {}
         for i, names in enumerate(shards):
             fname = SAFETENSORS_NAME if len(shards) == 1 else _shard_name(i, len(shards))
-            block = {n: _gather(tensors[n], dtype, is_writer) for n in names}
+            block = {n: gather_for_save(tensors[n], dtype, is_writer) for n in names}
             if is_writer:
                 save_file(block, tmp / fname, metadata={"format": "pt"})
                 weight_map.update(dict.fromkeys(names, fname))
@@ -437,14 +442,14 @@ def _shard_name(i: int, n: int) -> str:
 
 def _write_metadata(tmp, tensors, weight_map, hf_config, dtype, sharded) -> None:
     """config.json (with the saved dtype) and, when sharded, the HF index json."""
-    float_dtypes = {_save_dtype(t, dtype) for t in tensors.values() if t.is_floating_point()}
+    float_dtypes = {save_dtype(t, dtype) for t in tensors.values() if t.is_floating_point()}
     config = dict(hf_config)
     if len(float_dtypes) == 1:
         name = str(float_dtypes.pop()).removeprefix("torch.")
         config["dtype"] = config["torch_dtype"] = name  # 5.x and 4.x field names
     (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if sharded:
-        total = sum(t.numel() * _save_dtype(t, dtype).itemsize for t in tensors.values())
+        total = sum(t.numel() * save_dtype(t, dtype).itemsize for t in tensors.values())
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (tmp / SAFETENSORS_INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
 

@@ -29,6 +29,8 @@ import torch.nn.functional as F
 from torch.distributed._functional_collectives import all_gather_single_autograd
 from torch.nn.attention.bias import causal_lower_right
 
+from runtime.models.llama import LlamaAttention
+
 __all__ = [
     "CP_SEQUENCE_KEYS",
     "apply_context_parallel",
@@ -139,12 +141,11 @@ def context_parallel_attention(
 def apply_context_parallel(model: torch.nn.Module, cp_group: dist.ProcessGroup) -> None:
     """Make every attention layer of `model` attend over the cp ranks' K/V.
 
-    Sets `cp_group` on each `LlamaAttention` (None, the default, is the unchanged single-rank
-    path). Feed the model `shard_for_context_parallel` batches with their global position_ids;
+    Sets `cp_group` and `cp_attention` (= `context_parallel_attention`) on each `LlamaAttention`
+    (cp_group None, the default, is the unchanged single-rank path). Feed the model `shard_for_context_parallel` batches with their global position_ids;
     an explicit attention mask or a KV cache is refused by the attention layer under cp.
     """
-    from runtime.models.llama import LlamaAttention
-
     for module in model.modules():
         if isinstance(module, LlamaAttention):
             module.cp_group = cp_group
+            module.cp_attention = context_parallel_attention

@@ -118,9 +118,48 @@ def generate(
     Raises:
         ValueError: empty prompts or out-of-range sampling settings.
     """
+    rows = _decode(
+        model, prompts, max_new_tokens, temperature, top_p, stop_token_ids, pad_token_id, generator
+    )
+    return [tokens for tokens, _ in rows]
+
+
+@torch.no_grad()
+@torch.compiler.set_stance("force_eager")  # as `generate`
+def generate_with_logprobs(
+    model: nn.Module,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    stop_token_ids: Sequence[int],
+    pad_token_id: int,
+    generator: torch.Generator | None = None,
+) -> list[tuple[list[int], list[float]]]:
+    """`generate`, also returning each sampled token's log-prob under softmax(logits /
+    temperature) (temperature 0: under softmax(logits)); the RL rollouts' CPU engine.
+
+    The log-prob is of the full tempered distribution, before top-p truncation (vLLM's
+    `logprobs` convention), so it is comparable with the trainer's `completion_logprobs`.
+
+    Returns:
+        per prompt: (completion ids, stop token kept; log-probs [C] as floats).
+
+    Raises:
+        ValueError: empty prompts or out-of-range sampling settings.
+    """
+    sampling = (max_new_tokens, temperature, top_p, stop_token_ids, pad_token_id, generator)
+    return _decode(model, prompts, *sampling, with_logprobs=True)
+
+
+def _decode(
+    model, prompts, max_new_tokens, temperature, top_p, stop_token_ids, pad_token_id, generator,
+    with_logprobs: bool = False,
+) -> list[tuple[list[int], list[float]]]:  # fmt: skip
+    """The KV-cache decoding loop of both entry points: per prompt (tokens, log-probs or [])."""
     _validate(prompts, max_new_tokens, temperature, top_p)
     if max_new_tokens == 0:
-        return [[] for _ in prompts]
+        return [([], []) for _ in prompts]
     weight = model.model.embed_tokens.weight  # a DTensor under FSDP2: same device and dtype
     input_ids, valid = _left_pad(prompts, pad_token_id, weight.device)
     B, P = input_ids.shape
@@ -132,17 +171,30 @@ def generate(
     next_pos = position_ids[:, -1:] + 1  # [B, 1]
     stop = torch.tensor(list(stop_token_ids), dtype=torch.long, device=weight.device)
     finished = torch.zeros(B, dtype=torch.bool, device=weight.device)
-    out = []
+    tokens, logps = [], []
     for step in range(max_new_tokens):
-        token = sample_next_token(logits[:, -1], temperature, top_p, generator)  # [B]
-        out.append(token)
+        # fp32 before sampling: the same token either way (sampling upcasts itself), and the
+        # log-probs need it
+        last = logits[:, -1].float()  # [B, V]
+        token = sample_next_token(last, temperature, top_p, generator)  # [B]
+        if with_logprobs:
+            scaled = last / temperature if temperature > 0 else last
+            logps.append(torch.log_softmax(scaled, dim=-1).gather(1, token[:, None]).squeeze(1))
+        tokens.append(token)
         finished |= torch.isin(token, stop)
         if bool(finished.all()) or step == max_new_tokens - 1:
             break
         mask = key_valid[:, None, None, : cache.seq_len + 1]  # [B, S_kv] -> [B, 1, 1, S_kv]
         logits = model(token[:, None], position_ids=next_pos, attention_mask=mask, kv_cache=cache)
         next_pos = next_pos + 1
-    return _trim(torch.stack(out, dim=1).tolist(), set(stop_token_ids))
+    rows = torch.stack(tokens, dim=1).tolist()
+    row_logps = torch.stack(logps, dim=1).tolist() if with_logprobs else [[] for _ in rows]
+    stop_set = set(stop_token_ids)
+    out = []
+    for row, row_logp in zip(rows, row_logps, strict=True):
+        end = next((i + 1 for i, t in enumerate(row) if t in stop_set), len(row))
+        out.append((row[:end], row_logp[:end]))
+    return out
 
 
 def _new_cache(args, batch_size: int, max_seq_len: int, dtype, device) -> KVCache:
@@ -156,12 +208,3 @@ def _new_cache(args, batch_size: int, max_seq_len: int, dtype, device) -> KVCach
         dtype,
         device,
     )
-
-
-def _trim(rows: list[list[int]], stop: set[int]) -> list[list[int]]:
-    """Cut each row after its first stop token (kept)."""
-    trimmed = []
-    for row in rows:
-        end = next((i + 1 for i, t in enumerate(row) if t in stop), len(row))
-        trimmed.append(row[:end])
-    return trimmed

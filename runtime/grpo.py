@@ -3,7 +3,7 @@ advantages, the rollout batch layout (prompt + completion rows, pre-shifted labe
 completion log-probs under softmax(logits / temperature).
 
 The GRPO loss itself (clipped surrogate, KL, importance weights, normalisation) lives in the
-emitted script, where a researcher edits it (ARCHITECTURE.md); this module holds the parts that
+emitted script, where a researcher edits it (docs/DESIGN.md, script and runtime); this module holds the parts that
 must be exactly the same in the trainer and in the engines' `score`.
 
 Shape legend: N prompts, G completions per prompt (num_generations), M = N * G rollouts,

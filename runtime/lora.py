@@ -60,6 +60,9 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from runtime.checkpoint import tensors_to_save
+from runtime.dtensors import ComputedTensor, copy_into, global_rank, reshard_fsdp
+
 # HF module names a LoRA adapter may target (the decoder's linear layers and the output head).
 LORA_TARGET_MODULES = (
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head",
@@ -121,32 +124,6 @@ def to_nf4_param(weight: torch.Tensor, name: str = "weight") -> nn.Parameter:
     scaler_block = _nf4_scaler_block_size(weight.numel(), name)
     nf4 = to_nf4(weight.detach().contiguous(), NF4_BLOCK_SIZE, scaler_block)
     return nn.Parameter(nf4, requires_grad=False)
-
-
-@torch.no_grad()
-def copy_into_nf4_(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Quantize a full-precision [D_out, D_in] tensor into an NF4 parameter in place (this rank's
-    shard for an FSDP2 DTensor). Called by `load_hf_checkpoint` for NF4 parameters.
-
-    The whole tensor is quantized once, then sharded by rows, so every rank holds exactly the
-    shard a 1-process run would hold (the double quantization's mean is over the whole tensor).
-    After `to_empty`, torchao leaves the replicated inner tensors (`scaler_mean`, the NF4 lookup
-    table) on meta, so they are re-bound here on the tensor FSDP reads (`_local_tensor`).
-    """
-    local = param._local_tensor if isinstance(param, DTensor) else param
-    from torchao.quantization import to_nf4
-
-    full = full.to(device=local.device, dtype=local.dtype)
-    q = to_nf4(full.contiguous(), local.block_size, local.scaler_block_size)
-    if isinstance(param, DTensor):  # rows split over the Shard(0) mesh dim (HSDP: replicated
-        mesh = param.device_mesh  # over "dp_replicate", sharded over "dp_shard")
-        for dim, placement in enumerate(param.placements):
-            if placement.is_shard():
-                q = torch.chunk(q, mesh.size(dim), dim=0)[mesh.get_local_rank(dim)]
-    for attr in ("quantized_scalers", "quantization_factor", "quantized_data"):
-        getattr(local, attr).copy_(getattr(q, attr))
-    local.scaler_mean = q.scaler_mean.clone()
-    local.nf4 = q.nf4.clone()
 
 
 def dequantize_nf4(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -276,15 +253,13 @@ class LoRALinear(nn.Module):
         init is the same on every device, process count and rank. Reads the base weight (for
         DoRA): call after the base weights are loaded. Collective under FSDP2 (DoRA gathers W).
         """
-        from runtime.checkpoint import _copy_into
-
         A = torch.empty(self.rank, self.in_features)  # [r, D_in]
         nn.init.kaiming_uniform_(A, a=math.sqrt(5), generator=generator)
-        _copy_into(self.lora_A.weight, A)
-        _copy_into(self.lora_B.weight, torch.zeros(self.out_features, self.rank))
+        copy_into(self.lora_A.weight, A)
+        copy_into(self.lora_B.weight, torch.zeros(self.out_features, self.rank))
         if self.use_dora:
             weight = _full(self.weight).float()
-            _copy_into(self.lora_magnitude_vector, torch.linalg.norm(weight, dim=1))
+            copy_into(self.lora_magnitude_vector, torch.linalg.norm(weight, dim=1))
 
     @torch.no_grad()
     def delta_weight(self) -> torch.Tensor:
@@ -445,10 +420,6 @@ def nf4_params_fsdp_cannot_shard(model: nn.Module, shard_world_size: int) -> set
 # --- PEFT layout -------------------------------------------------------------------------------
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 def adapter_config(model: nn.Module, base_model_name_or_path: str) -> dict:
     """The PEFT `adapter_config.json` contents describing `model`'s adapters.
 
@@ -492,12 +463,10 @@ def save_adapter(
     loads it. Call on every rank: DTensor adapters are gathered (`full_tensor`, a collective);
     rank 0 writes, into a temporary directory renamed into place file by file.
     """
-    from runtime.checkpoint import _reshard_fsdp
-
     out_dir = Path(out_dir)
-    is_writer = _rank() == 0
+    is_writer = global_rank() == 0
     config = adapter_config(model, base_model_name_or_path)
-    _reshard_fsdp(model)
+    reshard_fsdp(model)
     tensors = {}
     for name, param in model.named_parameters():
         if is_adapter_param(name):
@@ -532,8 +501,6 @@ def load_adapter(model: nn.Module, adapter_dir: str | os.PathLike) -> None:
         ValueError: missing / unexpected keys or shape mismatches (all listed, naming the file),
             or a config that disagrees with the model's adapters.
     """
-    from runtime.checkpoint import _copy_into, _reshard_fsdp
-
     adapter_dir = Path(adapter_dir)
     config_path, weights_path = (
         adapter_dir / ADAPTER_CONFIG_NAME,
@@ -554,7 +521,7 @@ def load_adapter(model: nn.Module, adapter_dir: str | os.PathLike) -> None:
     ]
     if wrong:
         raise ValueError(f"{config_path} does not match the model's adapters: {', '.join(wrong)}")
-    _reshard_fsdp(model)
+    reshard_fsdp(model)
     params = {n: p for n, p in model.named_parameters() if is_adapter_param(n)}
     with safe_open(weights_path, framework="pt", device="cpu") as f:
         keys = {k.removeprefix(PEFT_KEY_PREFIX): k for k in f.keys()}
@@ -573,7 +540,7 @@ def load_adapter(model: nn.Module, adapter_dir: str | os.PathLike) -> None:
                 "lora_target_modules, lora_rank and use_dora against the saved adapter_config.json"
             )
         for name, param in params.items():
-            _copy_into(param, f.get_tensor(keys[name]))
+            copy_into(param, f.get_tensor(keys[name]))
 
 
 def merged_hf_tensors(model: nn.Module, hf_config: dict) -> dict:
@@ -581,10 +548,8 @@ def merged_hf_tensors(model: nn.Module, hf_config: dict) -> dict:
     under HF names, every LoRALinear weight replaced by its merged weight (computed when written,
     one at a time), no adapter tensors. A model whose saved file equals the plain model with
     `W <- merged_weight()`, loadable by any HF reader."""
-    from runtime.checkpoint import ComputedTensor, _tensors_to_save
-
     tensors = {
-        n: t for n, t in _tensors_to_save(model, hf_config).items() if not is_adapter_param(n)
+        n: t for n, t in tensors_to_save(model, hf_config).items() if not is_adapter_param(n)
     }
     for name, module in lora_modules(model):
         dtype = module.lora_A.weight.dtype

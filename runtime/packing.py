@@ -2,7 +2,7 @@
 that restart per document and attention that never crosses a document boundary.
 
 Padding a batch to its longest example wastes the rest of every row (31% of positions on the
-alpaca demo at 256 tokens, STACK.md); packing fills the rows with more documents instead. The
+alpaca demo at 256 tokens, docs/DESIGN.md#facts-the-code-relies-on); packing fills the rows with more documents instead. The
 math stays that of the unpacked batch: each document sees only itself (block-causal attention),
 its RoPE positions start at 0, and its labels are its own pre-shifted labels, so the last token of
 a document never predicts the first token of the next one. Loss normalisation is untouched (the

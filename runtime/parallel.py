@@ -299,7 +299,7 @@ def destroy_distributed() -> None:
     """Tear down cleanly: collect garbage, barrier, destroy the group.
 
     Without the gc + barrier, 10-30% of gloo runs abort at exit ("terminate called without an
-    active exception") while FSDP buffers are freed after the group is gone (measured, STACK.md).
+    active exception") while FSDP buffers are freed after the group is gone (measured: docs/DESIGN.md#facts-the-code-relies-on).
     Delete the model and optimizer before calling this.
     """
     gc.collect()

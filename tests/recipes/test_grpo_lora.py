@@ -191,7 +191,7 @@ def _merged_state(rank, world_size, model_dir: str) -> dict:
     (the same full values on every rank, each keeping its shard), gathered merged as
     sync_weights does (every rank takes part, only rank 0 keeps the tensors), and as the
     collective transfer's source yields them on rank 0 (every rank iterates it)."""
-    from runtime.checkpoint import _copy_into
+    from runtime.dtensors import copy_into as _copy_into
 
     path = REPO / "examples" / "grpo_lora_smollm2" / "train.py"
     s = import_script(path, "grpo_lora_smollm2_dist")

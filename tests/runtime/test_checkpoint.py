@@ -21,7 +21,7 @@ from tests.helpers import TINY_CONFIG, safetensors_keys
 
 transformers = pytest.importorskip("transformers")
 
-# STYLE §9 tiny config.
+# The tiny config (tests/helpers.py TINY_CONFIG).
 TINY = dict(
     **TINY_CONFIG,
     rms_norm_eps=1e-5,

@@ -10,7 +10,7 @@ from runtime.generate import generate, sample_next_token
 from runtime.models.llama import ModelArgs, build_model
 from tests.helpers import TINY_CONFIG
 
-# STYLE §9 tiny config.
+# The tiny config (tests/helpers.py TINY_CONFIG).
 TINY = dict(
     **TINY_CONFIG,
     rms_norm_eps=1e-5,

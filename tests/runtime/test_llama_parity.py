@@ -10,7 +10,7 @@ from tests.helpers import TINY_CONFIG
 
 transformers = pytest.importorskip("transformers")
 
-# STYLE §9 tiny config: 2 layers, hidden 64, 4 heads, 2 KV heads, Dh 16, I 128, vocab 256.
+# The tiny config (tests/helpers.py TINY_CONFIG): 2 layers, hidden 64, 4 heads, 2 KV heads, Dh 16, I 128, vocab 256.
 TINY = dict(
     **TINY_CONFIG,
     rms_norm_eps=1e-5,

@@ -127,7 +127,7 @@ def test_saved_adapter_loads_in_peft_with_equal_logits(use_dora, tmp_path):
 
 def _base_tensors(model):
     """The base model's HF tensors only (what a base checkpoint holds)."""
-    from runtime.checkpoint import _tensors_to_save
+    from runtime.checkpoint import tensors_to_save as _tensors_to_save
 
     hf = _tensors_to_save(model, model.args.to_hf_config())
     return {n: t for n, t in hf.items() if not is_adapter_param(n)}

@@ -18,7 +18,7 @@ from tests.helpers import TINY_CONFIG, safetensors_keys
 transformers = pytest.importorskip("transformers")
 from transformers.models.qwen3_moe import modeling_qwen3_moe  # noqa: E402
 
-# STYLE §9 tiny config; MoE: 4 experts, top-2, expert width 32.
+# The tiny config (tests/helpers.py TINY_CONFIG); MoE: 4 experts, top-2, expert width 32.
 TINY = dict(
     **TINY_CONFIG,
     rms_norm_eps=1e-6,

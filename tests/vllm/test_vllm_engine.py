@@ -22,7 +22,7 @@ pytestmark = pytest.mark.vllm
 LOGPROB_ATOL = 1e-4
 INIT_STD = 0.2  # peaky next-token distributions: greedy argmax margins far above fp32 noise
 MAX_MODEL_LEN = 64
-# STYLE.md's tiny config, but head_dim 32: vLLM's CPU attention kernels support head sizes
+# The tiny config (tests/helpers.py TINY_CONFIG), but head_dim 32: vLLM's CPU attention kernels support head sizes
 # {32, 64, 80, ...} only (head_dim 16 fails at the first forward: "Unsupported CPU attention").
 ARGS = ModelArgs(
     **{**TINY_CONFIG, "hidden_size": 128, "head_dim": 32}, max_position_embeddings=MAX_MODEL_LEN

@@ -1,109 +1,21 @@
-"""The spec (what the user asked for) and the answers (every value the templates print).
-
-All validation happens here, in Python, before any template is rendered; templates only arrange text.
+"""Validation of a Spec: every option and combination checked in Python before any template is
+rendered (templates only arrange text), with errors that name the option, the value and the
+valid choices; and the GPU layout rules the validators and the planner share.
 """
 
 from __future__ import annotations
 
 import json
-import shlex
-from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from generator import __version__
 from generator.catalog import MODELS
 from generator.features import (
     ALGOS,
-    PARALLEL_FEATURES,
     PEFT_ALGOS,
     PEFT_METHODS,
-    REF_MODE_HELP,
-    REF_MODES,
     TRICKS,
 )
-
-DTYPES = ("bf16", "fp32")
-
-
-class ScaffoldError(Exception):
-    """Base of every error the generator reports to the user (the CLI prints it as one line)."""
-
-
-class SpecError(ScaffoldError, ValueError):
-    """An invalid option or combination of options."""
-
-
-@dataclass(frozen=True)
-class Spec:
-    """What `scaffold new` was asked for. Saved as `.scaffold/spec.json` next to the script."""
-
-    algo: str = "sft"
-    peft: str = "lora"  # adapter type for algo lora/qlora: lora or dora
-    model: str = "smollm2-135m"  # catalog name or a local Hugging Face directory
-    tricks: tuple[str, ...] = ()
-    gpus: int = 1  # processes per node
-    nodes: int = 1
-    tp: int = 1  # tensor-parallel degree (within a node)
-    cp: int = 1  # context-parallel degree
-    dp_replicate: int = 1  # HSDP replica groups; dp_shard = gpus * nodes / (dp_replicate * cp * tp)
-    ep: int = 1  # expert-parallel degree (MoE models): experts sharded over ep ranks
-    # GRPO's rollout engines: GPUs per node they get (the trainer takes the other gpus -
-    # engine_gpus; 0 = the engines share the trainer's GPUs, or run on CPU) and GPUs per engine
-    # (vLLM tensor_parallel_size)
-    engine_gpus: int = 0
-    engine_tp: int = 1
-    dtype: str = "bf16"
-    dataset: str = "alpaca_en_demo.json"
-    out: str = "."
-    teacher: str = ""  # algo kd: the teacher, catalog name or local HF dir ("" = the model itself)
-
-    def to_json(self) -> str:
-        return json.dumps({"generator_version": __version__, "spec": asdict(self)}, indent=2) + "\n"
-
-    @classmethod
-    def from_json(cls, text: str, source: str = "spec.json") -> Spec:
-        try:
-            data = json.loads(text)["spec"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise SpecError(
-                f"{source}: not a scaffold spec ({e}); re-create it with `scaffold new`"
-            ) from e
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise SpecError(f"{source}: unknown spec keys {unknown}; valid keys: {sorted(known)}")
-        if "tricks" in data:
-            data["tricks"] = tuple(data["tricks"])
-        return cls(**data)  # fields missing in older spec.json files (e.g. peft) take defaults
-
-    def layout_options(self) -> list[str]:
-        """The parallel-layout fields a command line must spell out: those off their defaults,
-        and GRPO's engine layout whenever a node has more than 1 GPU (the CLI then chooses it,
-        so leaving it out would mean a possibly different layout)."""
-        default = Spec()
-        names = ["gpus", "nodes", "tp", "cp", "dp_replicate", "ep"]
-        changed = [n for n in names if getattr(self, n) != getattr(default, n)]
-        if self.algo in ROLLOUT_ALGOS and (
-            self.gpus > 1 or (self.engine_gpus, self.engine_tp) != (0, 1)
-        ):
-            changed += ["engine_gpus", "engine_tp"]
-        return changed
-
-    def command(self) -> str:
-        """The canonical `scaffold new` command that reproduces this spec (printed in the header)."""
-        default = Spec()
-        parts = ["scaffold", "new", "--algo", self.algo, "--model", self.model]
-        if self.peft != default.peft:
-            parts += ["--peft", self.peft]
-        if self.tricks:
-            parts += ["--tricks", ",".join(self.tricks)]
-        names = [
-            n for n in ("dtype", "dataset", "teacher") if getattr(self, n) != getattr(default, n)
-        ]
-        for name in (*self.layout_options(), *names):
-            parts += [f"--{name.replace('_', '-')}", str(getattr(self, name))]
-        parts += ["--out", self.out]
-        return shlex.join(parts)
+from generator.spec.core import DTYPES, ROLLOUT_ALGOS, Spec, SpecError
 
 
 def validate_spec(spec: Spec) -> None:
@@ -261,8 +173,6 @@ def _validate_parallel(spec: Spec) -> None:
             raise SpecError(f"--model {spec.model} --tp {spec.tp}: {e}") from e
 
 
-# algorithms with rollout engines (--engine-gpus, --engine-tp): the GRPO skeleton's
-ROLLOUT_ALGOS = tuple(name for name, algo in ALGOS.items() if algo.skeleton == "grpo")
 # bf16 weights per engine GPU at most when --engine-tp is chosen automatically: room for vLLM's KV
 # cache on an 80 GB card (and most of a 141 GB one)
 ENGINE_WEIGHT_GIB_PER_GPU = 40.0
@@ -273,7 +183,7 @@ def trainer_gpus(spec: Spec) -> int:
     return spec.gpus - spec.engine_gpus
 
 
-def _engine_tp_choices(config: dict, engine_gpus: int) -> list[int]:
+def engine_tp_choices(config: dict, engine_gpus: int) -> list[int]:
     """vLLM tensor_parallel_size values for an engine on `engine_gpus` GPUs: each divides the
     engine GPUs and the attention heads, and divides or is a multiple of the KV heads (vLLM
     replicates KV heads when tp exceeds them)."""
@@ -306,7 +216,7 @@ def resolve_engine_layout(
 
             config = model_config(spec)
             weight_gib = 2 * ModelArgs.from_hf_config(config).num_params() / 2**30
-            choices = _engine_tp_choices(config, engine_gpus)
+            choices = engine_tp_choices(config, engine_gpus)
             fitting = [t for t in choices if weight_gib / t <= ENGINE_WEIGHT_GIB_PER_GPU]
             engine_tp = fitting[0] if fitting else choices[-1]
     return engine_gpus, engine_tp
@@ -368,7 +278,7 @@ def _validate_engines(spec: Spec) -> None:
         )
     if spec.engine_gpus:
         config = model_config(spec)
-        choices = _engine_tp_choices(config, spec.engine_gpus)
+        choices = engine_tp_choices(config, spec.engine_gpus)
         if spec.engine_tp not in choices:
             raise SpecError(
                 f"--engine-tp {spec.engine_tp} with --engine-gpus {spec.engine_gpus} and "
@@ -483,158 +393,3 @@ def _validate_ep(spec: Spec) -> None:
             f"--ep {spec.ep} and --tricks {refused[0]} cannot be combined: "
             f"{EP_TRICKS_REFUSED[refused[0]]}; drop one of them"
         )
-
-
-def _local_model_answers(path: Path) -> dict:
-    """Answers for `--model DIR`: its config.json (model_type llama, qwen2, qwen3 or qwen3_moe)
-    selects the family; an unsupported or broken config is a SpecError naming the file."""
-    from runtime.checkpoint import read_hf_config
-    from runtime.models.llama import ModelArgs
-
-    config_path = path / "config.json"
-    try:  # read_hf_config's errors name config.json (invalid JSON, not an object)
-        args = ModelArgs.from_hf_config(read_hf_config(path), source=str(config_path))
-    except (ValueError, OSError) as e:
-        raise SpecError(f"--model {path}: {e}") from e
-    return {
-        "model_name": path.name,
-        "model_path": str(path.resolve()),
-        "hf_repo_id": "",
-        "family": args.model_type,
-        "max_seq_len": min(2048, args.max_position_embeddings),
-        "lr": 2e-5,
-        "micro_batch_size": 4,
-    }
-
-
-# helpers: module-level functions a feature adds (after the Model section).
-# Additive slots collect every enabled feature's lines; override slots (loss, optimizer,
-# backward_and_step, ...) replace the skeleton's default body, so at most one feature may fill
-# each; `model_inputs` is single too: it defines the one `model_kwargs` dict.
-SLOTS = (
-    "title", "imports", "config_fields", "validate", "model_setup", "fsdp_kwargs", "after_shard",
-    "load_weights", "helpers", "loss_setup", "model_inputs", "loss", "optimizer_cls", "optimizer",
-    "datasets", "collate", "backward_and_step", "startup_print", "save", "docstring_notes",
-)  # fmt: skip
-OVERRIDE_SLOTS = (
-    "title", "load_weights", "model_inputs", "loss", "optimizer_cls", "optimizer",
-    "backward_and_step", "save",
-)  # fmt: skip
-
-
-def feature_slots(templates: list[str]) -> dict[str, list[str]]:
-    """For each slot, the feature templates (in order) that define a macro of that name."""
-    from generator.render import environment
-
-    filled = {slot: [] for slot in SLOTS}
-    for name in templates:
-        module = environment().get_template(f"features/{name}.py.jinja").module
-        for slot in SLOTS:
-            if hasattr(module, slot):
-                filled[slot].append(name)
-    for slot in OVERRIDE_SLOTS:
-        if len(filled[slot]) > 1:
-            raise SpecError(
-                f"features {filled[slot]} both replace the {slot!r} section; choose one"
-            )
-    return filled
-
-
-def _collate_args(spec: Spec) -> str:
-    """collate's padding: rows split over tp (sequence parallel) and into 2*cp chunks (cp)."""
-    if spec.cp > 1:
-        return ", pad_to_multiple_of=2 * cfg.cp" + (" * cfg.tp" if spec.tp > 1 else "")
-    return ", pad_to_multiple_of=cfg.tp" if spec.tp > 1 else ""
-
-
-def build_answers(spec: Spec) -> dict:
-    """Every value the templates print, computed once (after `validate_spec`)."""
-    validate_spec(spec)
-    entry = MODELS.get(spec.model)
-    if entry:
-        model = {
-            "model_name": entry.name,
-            "model_path": entry.name,
-            "hf_repo_id": entry.hf_repo_id,
-            "family": entry.family,
-            "max_seq_len": entry.default_max_seq_len,
-            "lr": entry.default_lr,
-            "micro_batch_size": entry.default_micro_batch_size,
-        }
-    else:
-        model = _local_model_answers(Path(spec.model).expanduser())
-    # kd's teacher: a catalog name keeps its Hub id; a directory its absolute path; none = the model
-    if spec.teacher in MODELS:
-        model["teacher_path"], model["teacher_hf_repo_id"] = (
-            spec.teacher,
-            MODELS[spec.teacher].hf_repo_id,
-        )
-    elif spec.teacher:
-        model["teacher_path"] = str(Path(spec.teacher).expanduser().resolve())
-        model["teacher_hf_repo_id"] = ""
-    else:
-        model["teacher_path"], model["teacher_hf_repo_id"] = (
-            model["model_path"],
-            model["hf_repo_id"],
-        )
-    # The algorithm's template first (it adds the adapters before tricks wrap the blocks), then the
-    # tricks in registry order, not CLI order.
-    algo = ALGOS[spec.algo]
-    ordered_tricks = [name for name in TRICKS if name in spec.tricks]
-    features = [algo.template] if algo.template else []
-    # the parallel plan next: TP before activation checkpointing, compile and FSDP (torchtitan)
-    features += [name for name, on in PARALLEL_FEATURES.items() if on(spec)]
-    features += [TRICKS[name].template for name in ordered_tricks]
-    if algo.lr is not None:
-        model["lr"] = algo.lr
-    slots = feature_slots(features)
-    # A `model_inputs` slot defines `model_kwargs` (extra model arguments: positions, masks).
-    forward_args = 'batch["input_ids"]' + (", **model_kwargs" if slots["model_inputs"] else "")
-    ref_modes = REF_MODES.get(spec.algo, ())
-    return {
-        **model,
-        "algo": spec.algo,
-        "peft": spec.peft,
-        "dataset": spec.dataset,
-        "dtype": spec.dtype,
-        "gpus": spec.gpus,
-        "nodes": spec.nodes,
-        "ep": spec.ep,
-        "world_size": trainer_gpus(spec) * spec.nodes,
-        # GRPO: the trainer's processes per node, and the rollout engines' GPU layout
-        "trainer_gpus": trainer_gpus(spec),
-        "engine_gpus": spec.engine_gpus,
-        "engine_tp": spec.engine_tp,
-        "num_engines": max(1, spec.nodes * spec.engine_gpus // spec.engine_tp),
-        "tp": spec.tp,
-        "cp": spec.cp,
-        "dp_replicate": spec.dp_replicate,
-        # extra build_mesh arguments and collate padding of the parallel features
-        "mesh_args": (", cp=cfg.cp" if spec.cp > 1 else "")
-        + (", tp=cfg.tp" if spec.tp > 1 else ""),
-        "collate_args": _collate_args(spec),
-        # FSDP's shard dim: under cp the cp ranks hold weight shards too (torchtitan's dp_shard_cp)
-        "fsdp_shard_dim": "dp_shard_cp" if spec.cp > 1 else "dp_shard",
-        # decoding feeds 1 token per step, which sequence / context parallel cannot split
-        "sample_max_new_tokens": 0 if spec.tp > 1 or spec.cp > 1 else 48,
-        "gradient_accumulation_steps": 1,
-        "warmup_steps": 10,
-        "max_steps": 100,
-        "eval_every_steps": 25,
-        "skeleton": algo.skeleton,
-        "adapters": algo.template == "lora",
-        "ref_modes": list(ref_modes),
-        "ref_modes_literal": repr(tuple(ref_modes)),
-        "ref_mode": ref_modes[0] if ref_modes else "",
-        "ref_mode_help": {m: REF_MODE_HELP[m] for m in ref_modes},
-        # GRPO's default generator engine: the runtime's KV-cache sampler for one process (CPU
-        # or a single GPU), vLLM (one GPU per engine actor) for multi-GPU specs
-        "engine": "vllm" if spec.gpus * spec.nodes > 1 else "runtime",
-        "features": features,
-        "slots": slots,
-        "forward_args": forward_args,
-        # compiled blocks are specialised to one shape (dynamic=False): pad every batch to it
-        "pad_to_max_seq_len": "compile" in spec.tricks,
-        "version": __version__,
-        "command": spec.command(),
-    }

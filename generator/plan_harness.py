@@ -1,0 +1,858 @@
+"""The fake-tensor harness of `scaffold plan`: runs an emitted script's training step under
+`FakeTensorMode` and reports rank 0's peak memory by category.
+
+This is the only planner code that reaches into private torch APIs (`torch._subclasses`,
+DTensor's sharding propagation, `torch.distributed._tools`, the fake process group), so it is the
+only file a torch upgrade should have to touch. The verdict and the report are in
+`generator.plan_report`, the search for a change that fits in `generator.plan`.
+
+The planner renders the script of a Spec into a temporary directory, imports it, and runs the
+script's own functions (`setup_distributed`, `build_sft_model`, `build_optimizer`, `train_step`;
+for GRPO `build_policy` and its rollout `train_step`) for two optimizer steps under
+`FakeTensorMode` (tensors carry shapes and dtypes, no memory), with a fake process group of the
+trainer's world size (`trainer_gpus(spec) * nodes`: `gpus * nodes`, less GRPO's engine GPUs;
+backend "fake", so collectives are no-ops) and PyTorch's `MemTracker` counting every tensor by
+category. The answer is therefore the memory of what the script does (its FSDP2 wrapping, its
+1-process fp32 exception, the tricks' code), not of a formula. Only rank 0 is simulated: FSDP2
+shards evenly, so every rank holds the same bytes up to rounding (and rank 0 gets the largest
+share of GRPO's rollouts).
+
+What is simulated, and what is not:
+- Device: tensors live on a fake CPU device (FSDP2's CUDA path creates CUDA streams and
+  events, which need a CUDA build and device; its CPU path runs anywhere). The bytes per tensor
+  are the same on a GPU; not modelled: stream-ordered reuse of FSDP's all-gather buffers, the CUDA
+  context and NCCL buffers (about 0.5-1 GiB), caching-allocator fragmentation, cuBLAS workspaces.
+  The verdict therefore keeps `plan_report.HEADROOM` of the GPU's memory free.
+- The synthetic batch: micro_batch_size rows of max_seq_len tokens, every position supervised
+  (the largest logits a batch of that size can produce), gradient_accumulation_steps = 1.
+- GRPO: the trainer's step on synthetic rollouts, built as the script's loop builds them:
+  prompts_per_step * num_generations `Rollout`s of max_prompt_len prompt and max_new_tokens
+  completion tokens (the longest rows the script trains on; the script's Config defaults, or
+  --max-seq-len = prompt + completion with the prompt length kept), rank 0's share of them over
+  the trainer ranks, and the frozen reference when kl_coef > 0 (`--kl-coef`; the Config's
+  default 0 loads none). --algo grpo-lora runs the same step on its own script: `build_policy`
+  adds the adapters of the Config's defaults (LoRA rank 8 on q/k/v/o/gate/up/down; --peft dora
+  adds DoRA's magnitudes) on meta and freezes the base before fully_shard, so gradients and AdamW
+  state are the adapters' only; its KL reference (kl_coef > 0) is the policy with the adapters
+  off (`adapters_disabled`, one more no-grad forward per micro-batch), no second model, as its
+  main() does. Micro-batches from the second on repeat the second's memory exactly,
+  so at most SIMULATED_MICRO_BATCHES run per step. The rollout engines (vLLM or the runtime's
+  sampler, on Ray) are not simulated: their memory is a computed estimate (`engine_estimate`),
+  reported beside the trainer's, and added to the trainer's when they share its GPU (grpo-lora's
+  engines hold the merged plain model: the same estimate). Nor is the weight sync after each
+  step (`gather_hf_state_dict`; grpo-lora's `gather_merged_hf_state_dict` computes each merged
+  weight W + lora_scale * B A in fp32): on the GPU it adds one full parameter (merged: and its
+  temporaries) at a time after the gradients are freed, below the step's peak. With
+  `--weight_transfer object-store` rank 0 keeps the gathered bf16 weights in host memory for the
+  push, which the plan does not count; the collective transfer (vLLM's default) keeps none.
+- Data-dependent branches take the path of a healthy step: `torch.isfinite(grad_norm)` is True
+  (the optimizer steps), a boolean mask selects every position (GRPO's label mask: the
+  completion tokens, as many as its rows have), and a number read on the host (the step's
+  `.item()` / `.tolist()` metrics) is 0, so the script's train_step runs unchanged.
+- DTensor's sharding propagation gets a fake mode of its own (as on real tensors), so its
+  global-shape metadata tensors are not counted (`_separate_propagation_fake_mode`).
+- Weights are not loaded (`load_hf_checkpoint` is skipped: it copies into the already sharded
+  parameters and frees each source tensor at once).
+- Not simulated (the plan says so instead of printing a number): --tricks compile (inductor
+  fuses temporaries, which fake tensors cannot model), offload (pinned host copies on a side
+  stream), --algo qlora (NF4 quantization happens inside the checkpoint load), kd (the teacher is
+  loaded from disk), dpo and dpo-lora (their own skeleton, not yet driven by the planner).
+
+Reference: torchtitan `scripts/estimate/estimation.py` (FakeTensorMode + fake process group +
+FSDPMemTracker around one training step); PyTorch `torch.distributed._tools.mem_tracker`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from generator.features import ALGOS, PEFT_ALGOS
+from generator.spec import ScaffoldError, Spec, model_config, trainer_gpus, validate_spec
+
+GIB = 2**30
+# GRPO: micro-batches per step the plan runs. The second and every later one hold the same
+# memory (same shapes; the gradients exist and accumulate in place), so running more changes no
+# byte of the peak, only the time (a 70B rank with 16 micro-batches per step: 2 instead of 16).
+SIMULATED_MICRO_BATCHES = 2
+# Algorithms of the GRPO skeleton the planner has been checked on against real gloo runs
+GRPO_SIMULATED = ("grpo", "grpo-lora")
+UNSIMULATED_TRICKS = {
+    "compile": "inductor fuses temporaries, which fake tensors cannot model",
+    "offload": "activations move to pinned host memory on a side stream, outside the simulation",
+}
+UNSIMULATED_ALGOS = {
+    "qlora": "NF4 quantization of the base happens inside the checkpoint load, which the plan skips",
+    "kd": "the teacher is loaded from disk while the model is built",
+    "dpo": "the DPO skeleton is not driven by the planner yet",
+    "dpo-lora": "the DPO skeleton is not driven by the planner yet",
+}
+# MemTracker category -> row of the report
+ROWS = {
+    "parameters": ("Parameter", "Buffer"),
+    "gradients": ("Gradient",),
+    "optimizer state": ("Optstate",),
+    "activations": ("Activation",),
+    "temporaries": ("Temp", "Other"),
+}
+
+
+class PlanError(ScaffoldError, ValueError):
+    """A bad `scaffold plan` option, or a configuration the planner cannot simulate."""
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """Rank 0's memory at the peak of two simulated optimizer steps (bytes)."""
+
+    spec: Spec
+    micro_batch_size: int
+    max_seq_len: int
+    world_size: int
+    categories: dict  # row of ROWS -> bytes at the peak
+    peak: int  # bytes, all categories, at the peak
+    logits: int  # bytes of the largest lm_head output ([B, S, V] or [T, V]); 0 under lce
+    seconds: float  # wall time of the simulation
+    # GRPO: the step's rollouts and the engines' numbers (`measure_grpo_step`); None otherwise
+    rollout: dict | None = None
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "spec": asdict(self.spec)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> PlanResult:
+        spec = dict(data["spec"], tricks=tuple(data["spec"]["tricks"]))
+        return cls(**{**data, "spec": Spec(**spec)})
+
+
+def is_grpo(spec: Spec) -> bool:
+    """The spec renders the GRPO skeleton (rollouts, engines, `build_policy`)."""
+    return ALGOS[spec.algo].skeleton == "grpo"
+
+
+def has_adapters(spec: Spec) -> bool:
+    """The spec trains LoRA/DoRA adapters on a frozen base (grpo-lora in the GRPO skeleton): its
+    `build_policy` takes no `trainable` argument, and its KL reference is the policy itself with
+    the adapters off (`adapters_disabled`), so kl_coef > 0 builds no second model."""
+    return spec.algo in PEFT_ALGOS
+
+
+def check_simulable(
+    spec: Spec, micro_batch_size: int | None, max_seq_len: int | None, kl_coef: float | None = None
+) -> None:
+    """Raise PlanError when the planner cannot give a right number for `spec` (names why).
+
+    micro_batch_size / max_seq_len None: the script's Config defaults (GRPO only).
+    """
+    validate_spec(spec)
+    unsimulated = dict(UNSIMULATED_ALGOS)
+    for name in ALGOS:
+        if ALGOS[name].skeleton == "grpo" and name not in GRPO_SIMULATED:
+            unsimulated[name] = (
+                "the planner's GRPO path is checked against real runs for --algo "
+                f"{', '.join(GRPO_SIMULATED)} only"
+            )
+    if spec.algo in unsimulated:
+        raise PlanError(
+            f"scaffold plan cannot simulate --algo {spec.algo}: {unsimulated[spec.algo]}; "
+            f"it simulates --algo {', '.join(a for a in ALGOS if a not in unsimulated)}"
+        )
+    if kl_coef is not None and (not is_grpo(spec) or not kl_coef >= 0):
+        raise PlanError(
+            f"--kl-coef {kl_coef}: a GRPO option (> 0 adds the KL reference: a frozen model for "
+            "grpo, a no-grad forward with the adapters off for grpo-lora; 0 has none); give it "
+            "with --algo grpo or grpo-lora, as a number >= 0"
+        )
+    assert is_grpo(spec) or None not in (micro_batch_size, max_seq_len), (
+        "only GRPO reads its micro-batch and lengths from the script's Config"
+    )
+    blocked = [t for t in spec.tricks if t in UNSIMULATED_TRICKS]
+    if blocked:
+        why = "; ".join(f"{t}: {UNSIMULATED_TRICKS[t]}" for t in blocked)
+        kept = ",".join(t for t in spec.tricks if t not in UNSIMULATED_TRICKS)
+        them = "it" if len(blocked) == 1 else "them"
+        raise PlanError(
+            f"scaffold plan cannot simulate --tricks {','.join(blocked)} ({why}); plan without "
+            f"{them} ({f'--tricks {kept}' if kept else 'no --tricks'}): the memory without {them} "
+            "is an upper bound"
+        )
+    if model_config(spec).get("num_experts", 0):
+        raise PlanError(
+            f"scaffold plan does not simulate mixture-of-experts models (--model {spec.model}): "
+            "the router decides at run time how many tokens each expert gets (the expert "
+            "batches and all-to-all sizes are data that fake tensors do not have)"
+        )
+    # checked against real gloo runs: FSDP2, TP (+ sequence and loss parallel), TP x FSDP, HSDP, CP
+    if (micro_batch_size is not None and micro_batch_size < 1) or (
+        max_seq_len is not None and max_seq_len < 1
+    ):
+        raise PlanError(
+            f"--micro-batch-size {micro_batch_size} and --max-seq-len {max_seq_len} must be >= 1"
+        )
+
+
+def describe_spec(spec: Spec) -> str:
+    tricks = ",".join(spec.tricks) or "no tricks"
+    degrees = (("tp", spec.tp), ("cp", spec.cp), ("dp_replicate", spec.dp_replicate))
+    mesh = "".join(f", {name} {n}" for name, n in degrees if n > 1)
+    if is_grpo(spec):
+        ranks = trainer_gpus(spec) * spec.nodes
+        engines = (
+            f" + {spec.engine_gpus} engine GPU(s) per node (engine_tp {spec.engine_tp})"
+            if spec.engine_gpus
+            else ", engines on the trainer's GPU(s)"
+        )
+        return f"{spec.model} {spec.algo} {spec.dtype}, {tricks}, {ranks} trainer rank(s){engines}"
+    ranks = spec.gpus * spec.nodes
+    return f"{spec.model} {spec.algo} {spec.dtype}, {tricks}, {ranks} rank(s){mesh}"
+
+
+# --- the simulation (runs in a child process: it owns the fake process group) ---------------
+
+
+def _data_dependent_answers(true_fraction: tuple[int, int] = (1, 1)):
+    """A dispatch mode that answers the questions fake tensors cannot: a boolean mask selects
+    `true_fraction` (numerator, denominator) of its elements (`nonzero`, boolean indexing; all of
+    them by default), every boolean host sync (`if torch.isfinite(x)`) is True, and a number read
+    on the host (`.item()`, `.tolist()`: the step's metrics) is 0. So the script's train_step
+    runs unchanged, host syncs included.
+
+    GRPO passes (max_new_tokens, max_prompt_len + max_new_tokens): its only masks are the label
+    masks of collated rollout rows, whose completion positions are that share of each row.
+    """
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    aten = torch.ops.aten
+
+    fused_in_place_steps = (aten._fused_adamw_.default, aten._fused_adam_.default)
+
+    def all_true_nonzero(mask):  # [N, mask.dim()] int64 indices of the selected elements
+        num, den = true_fraction
+        assert mask.numel() % den == 0, f"a mask of {mask.numel()} elements, rows of {den}"
+        n = mask.numel() // den * num
+        return torch.empty((n, mask.dim()), dtype=torch.long, device=mask.device)
+
+    class DataDependentAnswers(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(t is DTensor for t in types):
+                return NotImplemented  # as MemTracker: let DTensor desugar into local ops first
+            kwargs = kwargs or {}
+            if func in fused_in_place_steps:
+                # the real kernel updates params and states in place (no new memory); fake
+                # tensors run its functional form, whose param-sized outputs would be counted
+                return None
+            if func is aten.nonzero.default:
+                return all_true_nonzero(args[0])
+            if func is aten.index.Tensor:
+                x, indices = args
+                expanded = []
+                for i in indices:
+                    if i is not None and i.dtype is torch.bool:
+                        expanded += all_true_nonzero(i).unbind(1)
+                    else:
+                        expanded.append(i)
+                return func(x, expanded)
+            if func is aten._local_scalar_dense.default:
+                # bool: the healthy-step branch; a number (.item() of a metric, .tolist() of
+                # sample ids): 0, a placeholder the step only reports (nothing is sized by it)
+                return True if args[0].dtype is torch.bool else 0
+            return func(*args, **kwargs)
+
+    return DataDependentAnswers()
+
+
+@contextlib.contextmanager
+def _separate_propagation_fake_mode():
+    """Give DTensor's sharding propagation a fake mode of its own while the step runs.
+
+    DTensor computes each op's output metadata by running the op on global-shape tensors under
+    `detect_fake_mode() or FakeTensorMode()` (torch.distributed.tensor._sharding_prop). On real
+    tensors that is a private fake mode, and MemTracker skips its ops (it counts only ops under
+    the fake mode that was active when it was entered). Under the planner's FakeTensorMode,
+    detect_fake_mode() returns the planner's own mode, so MemTracker counted the global-shape
+    propagation tensors as allocations: inside optimizer.step() (the lazy `zeros_like` state and
+    the fused update of every DTensor parameter) as optimizer state, 3x the real state for
+    SmolLM2-135M (3.01 vs 1.00 GiB). A separate mode restores what a real run does.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.tensor import _sharding_prop
+
+    detect = _sharding_prop.detect_fake_mode
+    propagation_mode = FakeTensorMode()
+    _sharding_prop.detect_fake_mode = lambda *args: propagation_mode
+    try:
+        yield
+    finally:
+        _sharding_prop.detect_fake_mode = detect
+
+
+@contextlib.contextmanager
+def _real_mesh_ops():
+    """Build the meshes FSDP derives while wrapping (`DeviceMesh._concatenate` of the dp and tp
+    meshes for a TP-sharded parameter) on real tensors.
+
+    A DeviceMesh is a small int tensor of ranks plus this rank's coordinates, found with
+    `nonzero`; under the planner's FakeTensorMode that is a data-dependent op on a real tensor
+    and fails. The mesh is process-group metadata, not memory the plan counts.
+    """
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    concatenate = DeviceMesh._concatenate
+
+    def real_concatenate(meshes):
+        with unset_fake_temporarily():
+            return concatenate(meshes)
+
+    DeviceMesh._concatenate = staticmethod(real_concatenate)
+    try:
+        yield
+    finally:
+        DeviceMesh._concatenate = staticmethod(concatenate)
+
+
+@contextlib.contextmanager
+def _causal_bias_outside_modes():
+    """Create context parallel's `CausalBias` masks outside the dispatch modes.
+
+    `causal_lower_right(L, S)` is a tensor subclass that holds two lengths and no data (SDPA
+    materialises or dispatches it per call); creating one under any TorchDispatchMode fails
+    (MemTracker's, on real tensors too, or the FakeTensorMode: "the raw Tensor object is already
+    associated to a python object"). Its own bytes are nil, so nothing the plan counts moves.
+    """
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    import runtime.context_parallel as cp
+
+    make = cp.causal_lower_right
+
+    def real_causal_lower_right(*sizes):
+        with _disable_current_modes():
+            return make(*sizes)
+
+    cp.causal_lower_right = real_causal_lower_right
+    try:
+        yield
+    finally:
+        cp.causal_lower_right = make
+
+
+@contextlib.contextmanager
+def _fake_to_empty():
+    """`Module.to_empty` for a model built on meta under FakeTensorMode.
+
+    The 1-process fp32 script leaves its model unwrapped and calls `model.to_empty(device)`
+    (a model under fully_shard, with DTensor parameters, keeps PyTorch's own `to_empty`).
+    PyTorch swaps fake parameters in place (`torch.utils.swap_tensors`), which refuses a tied
+    parameter (embed_tokens.weight is lm_head.weight). This replacement gives every parameter and
+    buffer an uninitialised tensor of the same shape and dtype on `device`, keeping ties (one new
+    tensor per original): the bytes `to_empty` allocates on a real device.
+    """
+    import torch
+
+    original = torch.nn.Module.to_empty
+
+    def to_empty(module, *, device, recurse=True):
+        from torch.distributed.tensor import DTensor
+
+        if any(isinstance(p, DTensor) for p in module.parameters()):  # FSDP2: its own path works
+            return original(module, device=device, recurse=recurse)
+        new = {}
+        for sub in module.modules() if recurse else [module]:
+            for name, t in [*sub._parameters.items(), *sub._buffers.items()]:
+                if t is None:
+                    continue
+                if id(t) not in new:
+                    empty = torch.empty_like(t, device=device)
+                    is_param = isinstance(t, torch.nn.Parameter)
+                    new[id(t)] = torch.nn.Parameter(empty, t.requires_grad) if is_param else empty
+                table = sub._parameters if name in sub._parameters else sub._buffers
+                table[name] = new[id(t)]
+        return module
+
+    torch.nn.Module.to_empty = to_empty
+    try:
+        yield
+    finally:
+        torch.nn.Module.to_empty = original
+
+
+class _NoHook:
+    """Stands in for a hook handle MemTracker would remove on exit."""
+
+    def remove(self) -> None:
+        pass
+
+
+_NO_HOOK = _NoHook()
+
+
+def _peak_tracker():
+    """PyTorch's MemTracker reduced to the global peak by category.
+
+    MemTracker also keeps per-module snapshots: it deep-copies a snapshot per module state and
+    scans every tracked module on every op (most of its cost: 46 s of CPU for two SmolLM2 steps),
+    and it refuses a module that runs forward twice in one step, which optimizer-in-backward with
+    clipping does (a norm pass, then a step pass). This subclass keeps what decides the peak and
+    its categories (each module's parameters and gradient hooks are registered on its first
+    forward; an activation-checkpoint recompute in backward counts as activations, not
+    temporaries) and drops the per-module statistics. Overrides private hooks of
+    torch.distributed._tools.mem_tracker (PyTorch 2.13).
+    """
+    import weakref
+
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    class PeakTracker(MemTracker):
+        def __init__(self):
+            super().__init__()
+            self._seen = WeakIdKeyDictionary()  # modules whose parameters are registered
+
+        def _pre_fw_hook(self, module, inputs):
+            if module not in self._seen:
+                for param in module.parameters():  # frozen (LoRA's base): no gradient to hook
+                    if not param.requires_grad:
+                        self._param_to_grad_hook_handles.setdefault(param, (_NO_HOOK, _NO_HOOK))
+                self._track_module_params_and_buffers(module, install_grad_hooks=True)
+                self._seen[module] = True
+            elif self._mod_tracker.is_bw and self._ac_mod is None:  # AC recompute starts
+                self._ac_mod = weakref.ref(module)
+                self._in_ac = True
+
+        def _post_fw_hook(self, module, inputs, outputs):
+            if self._mod_tracker.is_bw and self._ac_mod is not None and self._ac_mod() is module:
+                self._ac_mod = None
+                self._in_ac = False
+
+        def _pre_bw_hook(self, module, args):
+            pass
+
+        def _post_bw_hook(self, module, args):
+            pass
+
+    return PeakTracker()
+
+
+def synthetic_batch(micro_batch_size: int, max_seq_len: int, packing: bool) -> dict:
+    """A collated micro-batch of the script's layout: [B, S] int64 ids, every label supervised."""
+    import torch
+
+    B, S = micro_batch_size, max_seq_len
+    batch = {
+        "input_ids": torch.zeros(B, S, dtype=torch.long),
+        "labels": torch.zeros(B, S, dtype=torch.long),  # 0 != IGNORE_INDEX: all supervised
+        "num_tokens": torch.tensor(B * S),
+        "sample_ids": torch.arange(B),
+    }
+    if packing:  # one document per row
+        batch["position_ids"] = torch.arange(S).expand(B, S).contiguous()
+        batch["document_ids"] = torch.zeros(B, S, dtype=torch.long)
+    return batch
+
+
+def import_script(path: Path, name: str):
+    """Import a rendered train.py as a module (importing it has no side effects, docs/DESIGN.md)."""
+    import importlib.util
+
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def _peak_rows(tracker) -> tuple[dict, int]:
+    """({row of ROWS: bytes}, total bytes) of a tracker's peak snapshot (one device)."""
+    (per_device,) = tracker.get_tracker_snapshot("peak").values()
+    by_name = {getattr(k, "value", str(k)): v for k, v in per_device.items()}
+    categories = {row: sum(by_name.get(c, 0) for c in cats) for row, cats in ROWS.items()}
+    return categories, by_name["Total"]
+
+
+@contextlib.contextmanager
+def _simulated_build(script, fake: bool):
+    """Around the model build and the steps: FakeTensorMode with the weight load skipped
+    (fake=True: there are no weights to read, the parameters are fake), or nothing but eager
+    mode (fake=False, real CPU tensors)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    loader = script.load_hf_checkpoint
+    if fake:
+        script.load_hf_checkpoint = lambda *args, **kwargs: None
+    try:
+        with FakeTensorMode() if fake else contextlib.nullcontext():
+            with torch.compiler.set_stance("force_eager"):
+                yield
+    finally:
+        script.load_hf_checkpoint = loader
+
+
+def measure_step(
+    script, model_dir: Path, micro_batch_size: int, max_seq_len: int, spec: Spec, fake: bool
+) -> dict:
+    """Build the script's model and optimizer and run two `train_step`s under `MemTracker`.
+
+    Needs a default process group (fake for the plan, gloo for a real measurement). With
+    fake=True everything runs under FakeTensorMode and the weights are not loaded; with
+    fake=False the same calls run on real CPU tensors (tests compare the two).
+
+    Returns:
+        {"categories": {row: bytes}, "peak": bytes, "logits": bytes} of this rank at the peak.
+    """
+    cfg = script.Config(
+        model=str(model_dir), micro_batch_size=micro_batch_size, max_seq_len=max_seq_len,
+        device="cpu", dtype=spec.dtype,
+    )  # fmt: skip
+    packing = "packing" in spec.tricks
+    script.validate(cfg)
+    dist_info, mesh = script.setup_distributed(cfg)
+    with _simulated_build(script, fake):
+        with _fake_to_empty() if fake else contextlib.nullcontext(), _real_mesh_ops():
+            model = script.build_sft_model(cfg, model_dir, mesh, dist_info.device)
+        optimizer, scheduler = script.build_optimizer(cfg, model)
+        # rows padded as the script's collate pads them: to a multiple of tp (sequence parallel)
+        padded_len = -(-max_seq_len // spec.tp) * spec.tp
+        batch = synthetic_batch(micro_batch_size, padded_len, packing)
+        logits = [0]
+        hook = model.lm_head.register_forward_hook(
+            lambda mod, args, out: logits.__setitem__(0, max(logits[0], out.nbytes))
+        )
+        tracker = _peak_tracker()
+        optimizers = getattr(optimizer, "optimizers", optimizer)  # optimizer-in-backward
+        tracker.track_external(model, optimizers)
+        answers = _data_dependent_answers() if fake else contextlib.nullcontext()
+        propagation = _separate_propagation_fake_mode() if fake else contextlib.nullcontext()
+        dp_group = mesh["dp"].get_group()
+        with propagation, tracker, answers, _causal_bias_outside_modes():
+            for _ in range(2):  # step 1 creates the optimizer state; step 2 holds it
+                script.train_step(
+                    model, optimizer, scheduler, [batch], cfg, dist_info.device, dp_group
+                )
+        hook.remove()
+        categories, peak = _peak_rows(tracker)
+    del model, optimizer, scheduler
+    return {"categories": categories, "peak": peak, "logits": logits[0]}
+
+
+def grpo_config(
+    script, model_dir: Path, spec: Spec, micro_batch_size: int | None, max_seq_len: int | None,
+    kl_coef: float | None,
+):  # fmt: skip
+    """The GRPO script's Config for the plan: its defaults, with the plan's options applied.
+
+    max_seq_len is the row the trainer sees, prompt + completion tokens: the prompt keeps the
+    Config's max_prompt_len and the completion gets the rest (max_new_tokens); None keeps both
+    defaults. micro_batch_size / kl_coef None: the Config's.
+
+    Raises:
+        PlanError: max_seq_len leaves no completion token.
+    """
+    defaults = script.Config()
+    overrides = dict(model=str(model_dir), device="cpu", dtype=spec.dtype)
+    if max_seq_len is not None:
+        if max_seq_len <= defaults.max_prompt_len:
+            raise PlanError(
+                f"--max-seq-len {max_seq_len} with --algo {spec.algo}: it is prompt + completion "
+                f"tokens per rollout and the script's prompts take up to max_prompt_len = "
+                f"{defaults.max_prompt_len}; give more than {defaults.max_prompt_len} (the "
+                f"completion gets the rest; the default is {defaults.max_prompt_len} + "
+                f"{defaults.max_new_tokens})"
+            )
+        overrides["max_new_tokens"] = max_seq_len - defaults.max_prompt_len
+    if micro_batch_size is not None:
+        overrides["micro_batch_size"] = micro_batch_size
+    if kl_coef is not None:
+        overrides["kl_coef"] = kl_coef
+    cfg = script.Config(**overrides)
+    # the trainer does not depend on the engine: validate it as if the engines were the runtime's,
+    # so planning a vLLM spec needs no vllm here (the engine estimate reads cfg.engine)
+    script.validate(replace(cfg, engine="runtime", engine_tensor_parallel_size=1))
+    return cfg
+
+
+def synthetic_rollouts(cfg, rank: int, world_size: int) -> tuple[list, int, int]:
+    """A step's rollouts as the GRPO script's loop hands them to `train_step`.
+
+    prompts_per_step groups of num_generations `Rollout`s, every one max_prompt_len prompt and
+    max_new_tokens completion tokens long (the longest rows the script trains on); this rank's
+    share is every world_size-th from `rank` (the script's `[dp_rank::dp_size]`).
+
+    Returns:
+        (this rank's rollouts, completion tokens of the whole step (the loss divisor),
+        micro-batches per step on every rank (the script's `num_micro`)).
+    """
+    import math
+
+    from runtime import Rollout
+
+    P, C, G = cfg.max_prompt_len, cfg.max_new_tokens, cfg.num_generations
+    total = cfg.prompts_per_step * G
+    flat = [
+        Rollout(
+            prompt_ids=[0] * P,
+            completion_ids=[0] * C,
+            sampler_logprobs=[0.0] * C,
+            reward=0.0,
+            rewards={},
+            policy_version=0,
+            group=i // G,
+        )
+        for i in range(total)
+    ]
+    num_micro = math.ceil(math.ceil(total / world_size) / cfg.micro_batch_size)
+    return flat[rank::world_size], total * C, num_micro
+
+
+def engine_layout(spec: Spec, cfg, model_dir: Path) -> dict:
+    """The GRPO engines' numbers the report computes from (no simulation): from the script's
+    Config (engine, num_engines, GPUs per engine, vLLM's memory share) and the model's config."""
+    from runtime import ModelArgs, read_hf_config
+
+    args = ModelArgs.from_hf_config(read_hf_config(model_dir))
+    dtype_bytes = {"bf16": 2, "fp32": 4}[cfg.dtype]  # the engines sample in cfg.dtype
+    return {
+        "engine": cfg.engine,
+        "num_engines": cfg.num_engines,
+        "engine_tp": cfg.engine_tensor_parallel_size if cfg.engine == "vllm" else 1,
+        "engine_gpus": spec.engine_gpus,
+        "engine_gpu_memory_utilization": cfg.engine_gpu_memory_utilization,
+        "dtype": cfg.dtype,
+        "weight_bytes": args.num_params() * dtype_bytes,
+        # K and V of every layer, per token, all KV heads (an engine's tp splits them)
+        "kv_heads": args.num_key_value_heads,
+        "kv_bytes_per_token": 2 * args.num_hidden_layers * args.num_key_value_heads
+        * args.head_dim * dtype_bytes,
+    }  # fmt: skip
+
+
+def measure_grpo_step(
+    script, model_dir: Path, micro_batch_size: int | None, max_seq_len: int | None, spec: Spec,
+    fake: bool, kl_coef: float | None = None, max_micro_batches: int = SIMULATED_MICRO_BATCHES,
+) -> dict:  # fmt: skip
+    """The GRPO script's `setup_distributed`, `build_policy` (and, for grpo, the frozen
+    reference when kl_coef > 0, as its main() does; grpo-lora's reference is the policy with its
+    adapters off, no second model), `build_optimizer`, and two `train_step`s on synthetic
+    rollouts (`synthetic_rollouts`) under `MemTracker`: this rank's share of the step, in at
+    most `max_micro_batches` micro-batches per step.
+
+    Needs a default process group of the trainer's world size. fake=True: FakeTensorMode, no
+    weights loaded; fake=False: the same calls on real CPU tensors (tests compare the two).
+
+    Args:
+        micro_batch_size, max_seq_len, kl_coef: see `grpo_config` (None = the Config's).
+
+    Returns:
+        {"categories", "peak", "logits"} as `measure_step`, plus the resolved
+        "micro_batch_size" and "max_seq_len" (prompt + completion) and "rollout": the step's
+        numbers and the engines' (`engine_layout`).
+    """
+    import torch
+
+    cfg = grpo_config(script, model_dir, spec, micro_batch_size, max_seq_len, kl_coef)
+    dist_info, mesh = script.setup_distributed(cfg)
+    rank, world = mesh["dp_shard"].get_local_rank(), mesh["dp_shard"].size()
+    share, num_tokens, num_micro = synthetic_rollouts(cfg, rank, world)
+    micro = min(num_micro, max_micro_batches)
+    rollouts = share[: micro * cfg.micro_batch_size]
+    row = cfg.max_prompt_len + cfg.max_new_tokens
+    with _simulated_build(script, fake):
+        with _fake_to_empty() if fake else contextlib.nullcontext(), _real_mesh_ops():
+            model = script.build_policy(cfg, model_dir, mesh, dist_info.device)
+            reference = None
+            # as main(): grpo builds the frozen reference only when kl_coef > 0; grpo-lora never
+            # does (its reference is the policy with the adapters off, inside microbatch_loss)
+            if cfg.kl_coef > 0 and not has_adapters(spec):
+                reference = script.build_policy(
+                    cfg, model_dir, mesh, dist_info.device, trainable=False
+                )
+        optimizer, scheduler = script.build_optimizer(cfg, model)
+        advantages = torch.zeros(len(rollouts))  # [M] fp32, this rank's (main's advantages[r::W])
+        logits = [0]
+        hook = model.lm_head.register_forward_hook(
+            lambda mod, args, out: logits.__setitem__(0, max(logits[0], out.nbytes))
+        )
+        tracker = _peak_tracker()
+        tracker.track_external(model, optimizer, *([reference] if reference else []))
+        # the label masks: max_new_tokens completion positions in each collated row
+        answers = (
+            _data_dependent_answers((cfg.max_new_tokens, row)) if fake else contextlib.nullcontext()
+        )
+        propagation = _separate_propagation_fake_mode() if fake else contextlib.nullcontext()
+        with propagation, tracker, answers:
+            for _ in range(2):  # step 1 creates the optimizer state; step 2 holds it
+                script.train_step(
+                    model, reference, optimizer, scheduler, rollouts, advantages, num_tokens,
+                    micro, cfg, dist_info.device,
+                )  # fmt: skip
+        hook.remove()
+        categories, peak = _peak_rows(tracker)
+    del model, reference, optimizer, scheduler
+    adapters = None
+    if has_adapters(spec):  # grpo-lora: the adapters of the script's Config (its defaults)
+        adapters = {
+            "peft": "dora" if cfg.use_dora else "lora",
+            "lora_rank": cfg.lora_rank,
+            "lora_target_modules": list(cfg.lora_target_modules),
+        }
+    rollout = {
+        "prompt_len": cfg.max_prompt_len,
+        "completion_len": cfg.max_new_tokens,
+        "rollouts_per_step": cfg.prompts_per_step * cfg.num_generations,
+        "prompts_per_step": cfg.prompts_per_step,
+        "num_generations": cfg.num_generations,
+        "rollouts_on_rank": len(share),
+        "micro_batches": num_micro,
+        "simulated_micro_batches": micro,
+        "kl_coef": cfg.kl_coef,
+        "adapters": adapters,
+        **engine_layout(spec, cfg, model_dir),
+    }
+    return {
+        "categories": categories, "peak": peak, "logits": logits[0], "rollout": rollout,
+        "micro_batch_size": cfg.micro_batch_size, "max_seq_len": row,
+    }  # fmt: skip
+
+
+def model_dir_for(spec: Spec, tmp: Path) -> Path:
+    """A directory with the model's config.json only (the plan reads no weights)."""
+    from generator.catalog import MODELS
+
+    entry = MODELS.get(spec.model)
+    if entry is None:
+        return Path(spec.model).expanduser().resolve()
+    model_dir = tmp / "model"
+    model_dir.mkdir(exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(entry.config))
+    return model_dir
+
+
+def _simulate_here(
+    spec: Spec, micro_batch_size: int | None, max_seq_len: int | None, index: int,
+    kl_coef: float | None = None,
+) -> PlanResult:  # fmt: skip
+    """One simulation in this process (which must have no process group yet)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from generator.render import render
+
+    start = time.perf_counter()
+    world = trainer_gpus(spec) * spec.nodes  # GRPO's engine GPUs are not the trainer's
+    with tempfile.TemporaryDirectory(prefix="scaffold-plan-") as tmp:
+        tmp = Path(tmp)
+        (tmp / "train.py").write_text(render(spec))
+        script = import_script(tmp / "train.py", f"scaffold_plan_{index}")
+        model_dir = model_dir_for(spec, tmp)
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world))
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+        try:
+            if is_grpo(spec):
+                measured = measure_grpo_step(
+                    script, model_dir, micro_batch_size, max_seq_len, spec, True, kl_coef
+                )
+            else:
+                measured = measure_step(
+                    script, model_dir, micro_batch_size, max_seq_len, spec, fake=True
+                )
+        finally:
+            dist.destroy_process_group()
+    measured = {"micro_batch_size": micro_batch_size, "max_seq_len": max_seq_len, **measured}
+    return PlanResult(spec=spec, world_size=world, seconds=time.perf_counter() - start, **measured)
+
+
+def simulate(
+    specs: list[Spec], micro_batch_size: int | None, max_seq_len: int | None, progress=None,
+    kl_coef: float | None = None,
+) -> list[PlanResult]:  # fmt: skip
+    """Simulate each spec in one child process (the fake process group and the imported scripts
+    stay out of the caller). `progress(line)` receives one line per spec as it starts.
+
+    GRPO specs: micro_batch_size / max_seq_len (prompt + completion) / kl_coef None take the
+    script's Config defaults (`grpo_config`).
+
+    Raises:
+        PlanError: a spec the planner cannot simulate, or the child failed (its last line).
+    """
+    for spec in specs:
+        check_simulable(spec, micro_batch_size, max_seq_len, kl_coef)
+    request = {
+        "specs": [asdict(s) for s in specs],
+        "micro_batch_size": micro_batch_size,
+        "max_seq_len": max_seq_len,
+        "kl_coef": kl_coef,
+    }
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [_repo_root(), os.environ.get("PYTHONPATH")])),
+    }
+    # stderr to a file: the child's warnings (torchao's import lines) must not fill a pipe
+    with tempfile.TemporaryFile("w+") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "generator.plan_harness"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env,
+        )  # fmt: skip
+        proc.stdin.write(json.dumps(request))
+        proc.stdin.close()
+        results = []
+        for line in proc.stdout:
+            if not line.startswith(_MESSAGE):
+                continue  # anything else the script's code printed
+            msg = json.loads(line[len(_MESSAGE) :])
+            if "start" in msg and progress:
+                progress(msg["start"])
+            if "result" in msg:
+                results.append(PlanResult.from_json(msg["result"]))
+            if "error" in msg:
+                proc.wait()
+                raise PlanError(msg["error"])
+        status = proc.wait()
+        stderr.seek(0)
+        last = (stderr.read().strip().splitlines() or ["no output"])[-1]
+    if status != 0 or len(results) != len(specs):
+        raise PlanError(f"the memory simulation failed: {last} (SCAFFOLD_DEBUG=1 shows more)")
+    return results
+
+
+_MESSAGE = "scaffold-plan: "  # prefix of the child's JSON lines on stdout
+
+
+def _repo_root() -> str:
+    return str(Path(__file__).resolve().parents[1])
+
+
+def _child() -> None:
+    """`python -m generator.plan_harness`: read a request on stdin, print one JSON line per event."""
+    request = json.loads(sys.stdin.read())
+    for index, data in enumerate(request["specs"]):
+        spec = Spec(**dict(data, tricks=tuple(data["tricks"])))
+        print(_MESSAGE + json.dumps({"start": describe_spec(spec)}), flush=True)
+        try:
+            result = _simulate_here(
+                spec, request["micro_batch_size"], request["max_seq_len"], index,
+                request["kl_coef"],
+            )  # fmt: skip
+        except PlanError as e:
+            print(_MESSAGE + json.dumps({"error": str(e)}), flush=True)
+            return
+        except Exception as e:
+            if os.environ.get("SCAFFOLD_DEBUG"):
+                raise
+            msg = f"simulating {describe_spec(spec)} failed: {type(e).__name__}: {e}"
+            print(_MESSAGE + json.dumps({"error": " ".join(msg.split())[:2000]}), flush=True)
+            return
+        print(_MESSAGE + json.dumps({"result": result.to_json()}), flush=True)
+
+
+if __name__ == "__main__":
+    _child()

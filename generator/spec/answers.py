@@ -1,0 +1,135 @@
+"""The answers: every value the templates print, computed once from a validated Spec."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from generator import __version__
+from generator.catalog import MODELS
+from generator.features import (
+    ALGOS,
+    PARALLEL_FEATURES,
+    REF_MODE_HELP,
+    REF_MODES,
+    TRICKS,
+)
+from generator.spec.core import Spec, SpecError
+from generator.spec.validate import trainer_gpus, validate_spec
+
+
+def _local_model_answers(path: Path) -> dict:
+    """Answers for `--model DIR`: its config.json (model_type llama, qwen2, qwen3 or qwen3_moe)
+    selects the family; an unsupported or broken config is a SpecError naming the file."""
+    from runtime.checkpoint import read_hf_config
+    from runtime.models.llama import ModelArgs
+
+    config_path = path / "config.json"
+    try:  # read_hf_config's errors name config.json (invalid JSON, not an object)
+        args = ModelArgs.from_hf_config(read_hf_config(path), source=str(config_path))
+    except (ValueError, OSError) as e:
+        raise SpecError(f"--model {path}: {e}") from e
+    return {
+        "model_name": path.name,
+        "model_path": str(path.resolve()),
+        "hf_repo_id": "",
+        "family": args.model_type,
+        "max_seq_len": min(2048, args.max_position_embeddings),
+        "lr": 2e-5,
+        "micro_batch_size": 4,
+    }
+
+
+def _collate_args(spec: Spec) -> str:
+    """collate's padding: rows split over tp (sequence parallel) and into 2*cp chunks (cp)."""
+    if spec.cp > 1:
+        return ", pad_to_multiple_of=2 * cfg.cp" + (" * cfg.tp" if spec.tp > 1 else "")
+    return ", pad_to_multiple_of=cfg.tp" if spec.tp > 1 else ""
+
+
+def build_answers(spec: Spec) -> dict:
+    """Every value the templates print, computed once (after `validate_spec`)."""
+    validate_spec(spec)
+    entry = MODELS.get(spec.model)
+    if entry:
+        model = {
+            "model_name": entry.name,
+            "model_path": entry.name,
+            "hf_repo_id": entry.hf_repo_id,
+            "family": entry.family,
+            "max_seq_len": entry.default_max_seq_len,
+            "lr": entry.default_lr,
+            "micro_batch_size": entry.default_micro_batch_size,
+        }
+    else:
+        model = _local_model_answers(Path(spec.model).expanduser())
+    # kd's teacher: a catalog name keeps its Hub id; a directory its absolute path; none = the model
+    if spec.teacher in MODELS:
+        model["teacher_path"], model["teacher_hf_repo_id"] = (
+            spec.teacher,
+            MODELS[spec.teacher].hf_repo_id,
+        )
+    elif spec.teacher:
+        model["teacher_path"] = str(Path(spec.teacher).expanduser().resolve())
+        model["teacher_hf_repo_id"] = ""
+    else:
+        model["teacher_path"], model["teacher_hf_repo_id"] = (
+            model["model_path"],
+            model["hf_repo_id"],
+        )
+    # The algorithm's template first (it adds the adapters before tricks wrap the blocks), then the
+    # tricks in registry order, not CLI order.
+    algo = ALGOS[spec.algo]
+    ordered_tricks = [name for name in TRICKS if name in spec.tricks]
+    features = [algo.template] if algo.template else []
+    # the parallel plan next: TP before activation checkpointing, compile and FSDP (torchtitan)
+    features += [name for name, on in PARALLEL_FEATURES.items() if on(spec)]
+    features += [TRICKS[name].template for name in ordered_tricks]
+    if algo.lr is not None:
+        model["lr"] = algo.lr
+    ref_modes = REF_MODES.get(spec.algo, ())
+    return {
+        **model,
+        "algo": spec.algo,
+        "peft": spec.peft,
+        "dataset": spec.dataset,
+        "dtype": spec.dtype,
+        "gpus": spec.gpus,
+        "nodes": spec.nodes,
+        "ep": spec.ep,
+        "world_size": trainer_gpus(spec) * spec.nodes,
+        # GRPO: the trainer's processes per node, and the rollout engines' GPU layout
+        "trainer_gpus": trainer_gpus(spec),
+        "engine_gpus": spec.engine_gpus,
+        "engine_tp": spec.engine_tp,
+        "num_engines": max(1, spec.nodes * spec.engine_gpus // spec.engine_tp),
+        "tp": spec.tp,
+        "cp": spec.cp,
+        "dp_replicate": spec.dp_replicate,
+        # extra build_mesh arguments and collate padding of the parallel features
+        "mesh_args": (", cp=cfg.cp" if spec.cp > 1 else "")
+        + (", tp=cfg.tp" if spec.tp > 1 else ""),
+        "collate_args": _collate_args(spec),
+        # FSDP's shard dim: under cp the cp ranks hold weight shards too (torchtitan's dp_shard_cp)
+        "fsdp_shard_dim": "dp_shard_cp" if spec.cp > 1 else "dp_shard",
+        # decoding feeds 1 token per step, which sequence / context parallel cannot split
+        "sample_max_new_tokens": 0 if spec.tp > 1 or spec.cp > 1 else 48,
+        "gradient_accumulation_steps": 1,
+        "warmup_steps": 10,
+        "max_steps": 100,
+        "eval_every_steps": 25,
+        "skeleton": algo.skeleton,
+        "adapters": algo.template == "lora",
+        "ref_modes": list(ref_modes),
+        "ref_modes_literal": repr(tuple(ref_modes)),
+        "ref_mode": ref_modes[0] if ref_modes else "",
+        "ref_mode_help": {m: REF_MODE_HELP[m] for m in ref_modes},
+        # GRPO's default generator engine: the runtime's KV-cache sampler for one process (CPU
+        # or a single GPU), vLLM (one GPU per engine actor) for multi-GPU specs
+        "engine": "vllm" if spec.gpus * spec.nodes > 1 else "runtime",
+        # the feature templates, in order; generator.render adds the slots each one fills
+        "features": features,
+        # compiled blocks are specialised to one shape (dynamic=False): pad every batch to it
+        "pad_to_max_seq_len": "compile" in spec.tricks,
+        "version": __version__,
+        "command": spec.command(),
+    }
