@@ -1,7 +1,11 @@
 """`scaffold plan`: the fake-tensor simulation of the emitted step agrees with the same step run on
 real tensors (PyTorch's MemTracker on CPU; 1 process and 2 gloo ranks), for the SFT skeleton and
 GRPO's trainer, and the verdict, the GRPO engines' estimate and the suggestions follow from the
-numbers."""
+numbers.
+
+The tiny models here keep the real 49,152-token vocabulary (`tiny_real_vocab_dir`): the output
+layer and the [T, V] logits dominate a real LLM's step memory, and the bounds below (the peak a
+third micro-batch does not move, the rows live at the peak) were set in that regime."""
 
 from __future__ import annotations
 
@@ -65,7 +69,7 @@ def _assert_agrees(sim: PlanResult, real: dict) -> None:
 
 
 def test_one_rank_simulation_matches_real_step(
-    process_group, tiny_model_dir, smollm2_dir, tmp_path
+    process_group, tiny_real_vocab_dir, smollm2_dir, tmp_path
 ):
     """1 rank, bf16 under fully_shard, 1 x 128 tokens: the tiny random model (its peak is the
     [T, V] logits and activations) with and without ac + lce (+ optim-in-bwd, whose per-parameter
@@ -74,11 +78,14 @@ def test_one_rank_simulation_matches_real_step(
     leaves its model unwrapped (no fully_shard): the plan models that too."""
     mbs, seq = 1, 128
     cases = [
-        (Spec(model=str(tiny_model_dir)), tiny_model_dir),
-        (Spec(model=str(tiny_model_dir), dtype="fp32"), tiny_model_dir),  # left unwrapped
-        (Spec(model=str(tiny_model_dir), tricks=("ac", "lce")), tiny_model_dir),
-        (Spec(model=str(tiny_model_dir), tricks=("ac", "lce", "optim-in-bwd")), tiny_model_dir),
-        (Spec(algo="lora", model=str(tiny_model_dir)), tiny_model_dir),  # frozen base
+        (Spec(model=str(tiny_real_vocab_dir)), tiny_real_vocab_dir),
+        (Spec(model=str(tiny_real_vocab_dir), dtype="fp32"), tiny_real_vocab_dir),  # left unwrapped
+        (Spec(model=str(tiny_real_vocab_dir), tricks=("ac", "lce")), tiny_real_vocab_dir),
+        (
+            Spec(model=str(tiny_real_vocab_dir), tricks=("ac", "lce", "optim-in-bwd")),
+            tiny_real_vocab_dir,
+        ),
+        (Spec(algo="lora", model=str(tiny_real_vocab_dir)), tiny_real_vocab_dir),  # frozen base
         (Spec(model=str(smollm2_dir)), smollm2_dir),
     ]
     simulated = simulate([spec for spec, _ in cases], mbs, seq)  # one child process for all
@@ -92,37 +99,37 @@ def test_one_rank_simulation_matches_real_step(
             assert sim.logits == mbs * seq * vocab * (4 if spec.dtype == "fp32" else 2)
 
 
-def test_two_rank_simulation_matches_two_gloo_ranks(tiny_model_dir, tmp_path):
-    spec = Spec(model=str(tiny_model_dir), gpus=2, tricks=("ac",))
+def test_two_rank_simulation_matches_two_gloo_ranks(tiny_real_vocab_dir, tmp_path):
+    spec = Spec(model=str(tiny_real_vocab_dir), gpus=2, tricks=("ac",))
     sim, one_rank = simulate([spec, replace(spec, gpus=1)], 2, 128)
-    args = (json.dumps(asdict(spec)), str(tiny_model_dir), 2, 128, str(tmp_path))
+    args = (json.dumps(asdict(spec)), str(tiny_real_vocab_dir), 2, 128, str(tmp_path))
     real = spawn(_real_rank, world_size=2, args=args)
     assert sim.world_size == 2 and sim.categories["parameters"] < one_rank.categories["parameters"]
     for rank_result in real:
         _assert_agrees(sim, rank_result)
 
 
-def test_tp_cp_and_hsdp_simulations_match_four_gloo_ranks(tiny_model_dir, tmp_path):
+def test_tp_cp_and_hsdp_simulations_match_four_gloo_ranks(tiny_real_vocab_dir, tmp_path):
     """TP 2 x FSDP 2 with lce (sequence parallel, vocab-sharded lm_head and loss), CP 2 x FSDP 2
     with lce (K/V all-gather attention) and HSDP 2 x 2 with ac: the simulated rank is within the
     tolerance of every real gloo rank (when written: TP and HSDP exact, CP 0.04% off)."""
     specs = [
-        Spec(model=str(tiny_model_dir), gpus=4, tp=2, tricks=("lce",)),
-        Spec(model=str(tiny_model_dir), gpus=4, cp=2, tricks=("lce",)),
-        Spec(model=str(tiny_model_dir), gpus=4, dp_replicate=2, tricks=("ac",)),
+        Spec(model=str(tiny_real_vocab_dir), gpus=4, tp=2, tricks=("lce",)),
+        Spec(model=str(tiny_real_vocab_dir), gpus=4, cp=2, tricks=("lce",)),
+        Spec(model=str(tiny_real_vocab_dir), gpus=4, dp_replicate=2, tricks=("ac",)),
     ]
     simulated = simulate(specs, 2, 128)
     for i, (spec, sim) in enumerate(zip(specs, simulated, strict=True)):
-        args = (json.dumps(asdict(spec)), str(tiny_model_dir), 2, 128, str(tmp_path / f"s{i}"))
+        args = (json.dumps(asdict(spec)), str(tiny_real_vocab_dir), 2, 128, str(tmp_path / f"s{i}"))
         for rank_result in spawn(_real_rank, world_size=4, args=args):
             _assert_agrees(sim, rank_result)
 
 
-def test_plan_refuses_what_it_has_not_been_checked_on(tiny_model_dir):
+def test_plan_refuses_what_it_has_not_been_checked_on(tiny_real_vocab_dir):
     for spec, flag in [
         (Spec(model="qwen3-30b-a3b", gpus=8), "mixture-of-experts"),
         (Spec(model="qwen3-30b-a3b", gpus=2, ep=2), "mixture-of-experts"),
-        (Spec(model=str(tiny_model_dir), tricks=("compile",)), "--tricks compile"),
+        (Spec(model=str(tiny_real_vocab_dir), tricks=("compile",)), "--tricks compile"),
     ]:
         with pytest.raises(PlanError, match=f"not simulate {flag}"):
             check_simulable(spec, 1, 128)
@@ -135,10 +142,10 @@ def test_tp_rows_are_padded_like_the_script_pads_them():
     assert result.world_size == 3 and result.peak > 0
 
 
-def test_verdict_and_cheapest_fitting_tricks(tiny_model_dir):
+def test_verdict_and_cheapest_fitting_tricks(tiny_real_vocab_dir):
     """On a GPU just too small for the plain run, the suggestion is lce alone: the cheapest trick,
     and the one that removes the [T, V] logits."""
-    spec = Spec(model=str(tiny_model_dir))
+    spec = Spec(model=str(tiny_real_vocab_dir))
     base, with_lce = simulate([spec, replace(spec, tricks=("lce",))], 2, 128)
     assert with_lce.peak < base.peak
     gpu_gib = (base.peak + with_lce.peak) / 2 / GIB / 0.9  # between the two, after headroom
@@ -161,11 +168,11 @@ def test_candidate_tricks_cheapest_first_and_compatible():
     )
 
 
-def test_cli_plan_prints_rows_and_verdict(tiny_model_dir):
+def test_cli_plan_prints_rows_and_verdict(tiny_real_vocab_dir):
     args = [
         "plan",
         "--model",
-        str(tiny_model_dir),
+        str(tiny_real_vocab_dir),
         "--micro-batch-size",
         "2",
         "--max-seq-len",
@@ -188,17 +195,19 @@ def test_gpu_memory_names_and_bad_values():
             parse_gpu_memory(bad)
 
 
-def test_new_prints_the_plan_summary(tiny_model_dir, tmp_path):
+def test_new_prints_the_plan_summary(tiny_real_vocab_dir, tmp_path):
     """`scaffold new --gpu-memory` simulates the script it wrote; without it, the plan command is
     printed; a spec the planner refuses still gets its script and a line saying why."""
-    model = ["--model", str(tiny_model_dir)]
+    model = ["--model", str(tiny_real_vocab_dir)]
     result = CliRunner().invoke(
         cli, ["new", *model, "--out", str(tmp_path / "a"), "--gpu-memory", "24"]
     )
     assert result.exit_code == 0, result.output
     assert "peak" in result.output and "verdict: fits on 24 GiB" in result.output
     result = CliRunner().invoke(cli, ["new", *model, "--out", str(tmp_path / "b")])
-    assert f"memory per GPU: scaffold plan --algo sft --model {tiny_model_dir}" in result.output
+    assert (
+        f"memory per GPU: scaffold plan --algo sft --model {tiny_real_vocab_dir}" in result.output
+    )
     assert "--gpu-memory h100-80" in result.output
     result = CliRunner().invoke(
         cli, ["new", "--algo", "dpo", *model, "--out", str(tmp_path / "c"), "--gpu-memory", "24"]
@@ -237,44 +246,44 @@ def _real_grpo_rank(rank, world_size, spec_json, model_dir, tmp):
     return _measure_real_grpo(spec, Path(model_dir), Path(tmp) / f"rank{rank}")
 
 
-def test_grpo_trainer_simulation_matches_real_step(process_group, tiny_model_dir, tmp_path):
+def test_grpo_trainer_simulation_matches_real_step(process_group, tiny_real_vocab_dir, tmp_path):
     """--gpus 2 --engine-gpus 1: 1 trainer rank (the engine GPU is not the trainer's). Its
     simulated step on the script's rollouts (64 = 8 prompts x 8, 32 micro-batches of 2) matches
     the same calls on real tensors, plain, with ac, and with the frozen reference (kl_coef > 0);
     a third micro-batch does not move the real peak (why the plan runs two)."""
-    spec = _grpo_spec(tiny_model_dir, gpus=2, engine_gpus=1)
+    spec = _grpo_spec(tiny_real_vocab_dir, gpus=2, engine_gpus=1)
     plain, ac = simulate([spec, replace(spec, tricks=("ac",))], GRPO_MBS, GRPO_SEQ)
     (with_ref,) = simulate([spec], GRPO_MBS, GRPO_SEQ, kl_coef=0.05)
     assert plain.world_size == 1 and plain.max_seq_len == GRPO_SEQ
     ro = plain.rollout
     assert (ro["prompt_len"], ro["completion_len"], ro["rollouts_on_rank"]) == (256, 128, 64)
     assert (ro["micro_batches"], ro["simulated_micro_batches"], ro["kl_coef"]) == (32, 2, 0.0)
-    real = _measure_real_grpo(spec, tiny_model_dir, tmp_path / "plain")
+    real = _measure_real_grpo(spec, tiny_real_vocab_dir, tmp_path / "plain")
     _assert_agrees(plain, real)
-    assert _measure_real_grpo(spec, tiny_model_dir, tmp_path / "m3", max_micro=3)["peak"] == (
+    assert _measure_real_grpo(spec, tiny_real_vocab_dir, tmp_path / "m3", max_micro=3)["peak"] == (
         pytest.approx(real["peak"], rel=1e-6)
     )
-    _assert_agrees(ac, _measure_real_grpo(ac.spec, tiny_model_dir, tmp_path / "ac"))
-    _assert_agrees(with_ref, _measure_real_grpo(spec, tiny_model_dir, tmp_path / "ref", 0.05))
+    _assert_agrees(ac, _measure_real_grpo(ac.spec, tiny_real_vocab_dir, tmp_path / "ac"))
+    _assert_agrees(with_ref, _measure_real_grpo(spec, tiny_real_vocab_dir, tmp_path / "ref", 0.05))
     # the reference: frozen, so stored in the compute dtype (bf16, 2 bytes per parameter), sharded
     # like the policy's (one rank: all of them); below what fp32 storage would take
     assert spec.dtype == "bf16"
-    num_params = ModelArgs.from_hf_config(read_hf_config(tiny_model_dir)).num_params()
+    num_params = ModelArgs.from_hf_config(read_hf_config(tiny_real_vocab_dir)).num_params()
     extra = with_ref.categories["parameters"] - plain.categories["parameters"]
     assert 2 * num_params <= extra < 4 * num_params and with_ref.rollout["kl_coef"] == 0.05
 
 
-def test_grpo_world_is_trainer_gpus_times_nodes(tiny_model_dir, tmp_path):
+def test_grpo_world_is_trainer_gpus_times_nodes(tiny_real_vocab_dir, tmp_path):
     """--gpus 3 --engine-gpus 1 and --gpus 2 --engine-gpus 1 --nodes 2 both train on 2 ranks:
     the same simulated rank, which matches each of 2 real gloo ranks (each with its half of the
     step's rollouts)."""
-    spec = _grpo_spec(tiny_model_dir, gpus=3, engine_gpus=1)
+    spec = _grpo_spec(tiny_real_vocab_dir, gpus=3, engine_gpus=1)
     one_node, two_nodes = simulate(
-        [spec, _grpo_spec(tiny_model_dir, gpus=2, engine_gpus=1, nodes=2)], GRPO_MBS, GRPO_SEQ
+        [spec, _grpo_spec(tiny_real_vocab_dir, gpus=2, engine_gpus=1, nodes=2)], GRPO_MBS, GRPO_SEQ
     )
     assert one_node.world_size == two_nodes.world_size == 2
     assert one_node.peak == two_nodes.peak and one_node.rollout["rollouts_on_rank"] == 32
-    args = (json.dumps(asdict(spec)), str(tiny_model_dir), str(tmp_path))
+    args = (json.dumps(asdict(spec)), str(tiny_real_vocab_dir), str(tmp_path))
     for rank_result in spawn(_real_grpo_rank, world_size=2, args=args):
         _assert_agrees(one_node, rank_result)
 
@@ -341,11 +350,11 @@ def test_grpo_engine_estimate_and_verdict(tmp_path):
     )
 
 
-def test_grpo_suggests_more_nodes_not_more_gpus_per_node(tiny_model_dir):
+def test_grpo_suggests_more_nodes_not_more_gpus_per_node(tiny_real_vocab_dir):
     """GRPO takes the ac and adamw8bit tricks; past them, more trainer GPUs means more nodes of
     the same layout (the engine GPUs of each node stay the engines'), a spec validate_spec
     accepts."""
-    spec = _grpo_spec(tiny_model_dir, gpus=2, engine_gpus=1)
+    spec = _grpo_spec(tiny_real_vocab_dir, gpus=2, engine_gpus=1)
     both = ("adamw8bit", "ac")
     base, tricks, tricks_two_nodes = simulate(
         [spec, replace(spec, tricks=both), replace(spec, tricks=both, nodes=2)],
@@ -361,17 +370,17 @@ def test_grpo_suggests_more_nodes_not_more_gpus_per_node(tiny_model_dir):
     validate_spec(s.result.spec)
 
 
-def test_cli_plan_and_new_print_the_grpo_engines(tiny_model_dir, tmp_path):
+def test_cli_plan_and_new_print_the_grpo_engines(tiny_real_vocab_dir, tmp_path):
     """`scaffold plan --algo grpo` counts trainer ranks and prints the engine line; `scaffold
     new --algo grpo --gpu-memory` prints the same plan (1 GPU: the runtime sampler shares it,
     its weights + KV cache added to the trainer's peak)."""
-    model = ["--algo", "grpo", "--model", str(tiny_model_dir)]
+    model = ["--algo", "grpo", "--model", str(tiny_real_vocab_dir)]
     lengths = ["--micro-batch-size", str(GRPO_MBS), "--max-seq-len", str(GRPO_SEQ)]
     result = CliRunner().invoke(
         cli, ["plan", *model, "--gpus", "2", "--engine-gpus", "1", *lengths, "--gpu-memory", "24"]
     )
     assert result.exit_code == 0, result.output
-    weights = ModelArgs.from_hf_config(read_hf_config(tiny_model_dir)).num_params() * 2
+    weights = ModelArgs.from_hf_config(read_hf_config(tiny_real_vocab_dir)).num_params() * 2
     assert "memory per trainer rank: " in result.output
     assert "1 trainer rank(s) + 1 engine GPU(s) per node" in result.output
     assert "64 rollouts per step (8 prompts x 8), 64 on this rank in 32 micro-batch(es) of 2 x " \
@@ -395,7 +404,7 @@ def test_cli_plan_and_new_print_the_grpo_engines(tiny_model_dir, tmp_path):
     result = CliRunner().invoke(cli, ["plan", *model, "--max-seq-len", "256"])
     assert result.exit_code != 0 and "give more than 256" in result.output
     with pytest.raises(PlanError, match="--kl-coef 0.1: a GRPO option"):
-        check_simulable(Spec(model=str(tiny_model_dir)), 1, 128, kl_coef=0.1)
+        check_simulable(Spec(model=str(tiny_real_vocab_dir)), 1, 128, kl_coef=0.1)
 
 
 # --- GRPO of LoRA adapters: the same trainer simulation, the base frozen ----------------------
@@ -422,29 +431,31 @@ def _real_grpo_lora_rank(rank, world_size, spec_json, model_dir, tmp, kl_coef):
     return _measure_real_grpo(spec, Path(model_dir), Path(tmp) / f"rank{rank}", kl_coef)
 
 
-def test_grpo_lora_trainer_simulation_matches_real_steps(process_group, tiny_model_dir, tmp_path):
+def test_grpo_lora_trainer_simulation_matches_real_steps(
+    process_group, tiny_real_vocab_dir, tmp_path
+):
     """grpo-lora's build_policy (adapters on meta, base frozen), build_optimizer and two
     train_steps: simulated = real, per category, at 1 rank (LoRA, DoRA, and kl_coef > 0, whose
     reference is the policy with its adapters off: no second model) and on each of 2 gloo ranks
     (kl_coef > 0). Gradients and optimizer state are the adapters' only: fp32 gradients of the
     adapter elements, AdamW's two fp32 moments plus a 4-byte step per adapter tensor."""
-    spec = _grpo_spec(tiny_model_dir, algo="grpo-lora", gpus=2, engine_gpus=1)
+    spec = _grpo_spec(tiny_real_vocab_dir, algo="grpo-lora", gpus=2, engine_gpus=1)
     dora = replace(spec, peft="dora")
     two = replace(spec, gpus=3)  # 2 trainer ranks
     plain, with_dora = simulate([spec, dora], GRPO_MBS, GRPO_SEQ)
     with_ref, two_ranks = simulate([spec, two], GRPO_MBS, GRPO_SEQ, kl_coef=0.05)
     reals = [
-        (plain, _measure_real_grpo(spec, tiny_model_dir, tmp_path / "lora")),
-        (with_dora, _measure_real_grpo(dora, tiny_model_dir, tmp_path / "dora")),
-        (with_ref, _measure_real_grpo(spec, tiny_model_dir, tmp_path / "ref", 0.05)),
+        (plain, _measure_real_grpo(spec, tiny_real_vocab_dir, tmp_path / "lora")),
+        (with_dora, _measure_real_grpo(dora, tiny_real_vocab_dir, tmp_path / "dora")),
+        (with_ref, _measure_real_grpo(spec, tiny_real_vocab_dir, tmp_path / "ref", 0.05)),
     ]
-    args = (json.dumps(asdict(two)), str(tiny_model_dir), str(tmp_path / "two"), 0.05)
+    args = (json.dumps(asdict(two)), str(tiny_real_vocab_dir), str(tmp_path / "two"), 0.05)
     reals += [(two_ranks, r) for r in spawn(_real_grpo_lora_rank, world_size=2, args=args)]
     for sim, real in reals:
         _assert_agrees(sim, real)
         assert sim.categories == real["categories"] and sim.peak == real["peak"]
-    n, tensors = _adapter_numbers(tiny_model_dir)
-    n_dora, tensors_dora = _adapter_numbers(tiny_model_dir, dora=True)
+    n, tensors = _adapter_numbers(tiny_real_vocab_dir)
+    n_dora, tensors_dora = _adapter_numbers(tiny_real_vocab_dir, dora=True)
     for sim, elements, count, ranks in [
         (plain, n, tensors, 1), (with_dora, n_dora, tensors_dora, 1), (with_ref, n, tensors, 1),
         (two_ranks, n, tensors, 2),
@@ -464,17 +475,17 @@ def test_grpo_lora_trainer_simulation_matches_real_steps(process_group, tiny_mod
     assert "LoRA adapters of rank 8 on q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj," in text
     assert "the policy with its adapters off (kl_coef 0.05" in text and "no second model" in text
     # the engines hold the merged plain model: bf16 weights of every base parameter, as grpo's
-    full = ModelArgs.from_hf_config(read_hf_config(tiny_model_dir)).num_params()
+    full = ModelArgs.from_hf_config(read_hf_config(tiny_real_vocab_dir)).num_params()
     assert plain.rollout["weight_bytes"] == full * 2
 
 
-def test_grpo_lora_suggestions_are_valid_specs(tiny_model_dir, monkeypatch):
+def test_grpo_lora_suggestions_are_valid_specs(tiny_real_vocab_dir, monkeypatch):
     """The suggestion search for grpo-lora tries only tricks grpo-lora takes and only specs
     validate_spec accepts: the tricks, then more nodes (simulations replaced by a peak that
     halves with each doubling of the nodes, whatever the tricks)."""
     import generator.plan as plan
 
-    spec = _grpo_spec(tiny_model_dir, algo="grpo-lora", gpus=2, engine_gpus=1)
+    spec = _grpo_spec(tiny_real_vocab_dir, algo="grpo-lora", gpus=2, engine_gpus=1)
     tried = []
 
     def fake_simulate(specs, mbs, seq, progress=None, kl_coef=None):
@@ -502,13 +513,13 @@ def test_grpo_lora_suggestions_are_valid_specs(tiny_model_dir, monkeypatch):
         validate_spec(t)
 
 
-def test_cli_new_grpo_lora_prints_its_plan_command(tiny_model_dir, tmp_path):
+def test_cli_new_grpo_lora_prints_its_plan_command(tiny_real_vocab_dir, tmp_path):
     """`scaffold new --algo grpo-lora` is simulable now: without --gpu-memory it prints the
     `scaffold plan --algo grpo-lora` command, not a refusal."""
-    model = ["--algo", "grpo-lora", "--model", str(tiny_model_dir)]
+    model = ["--algo", "grpo-lora", "--model", str(tiny_real_vocab_dir)]
     result = CliRunner().invoke(cli, ["new", *model, "--out", str(tmp_path / "g")])
     assert result.exit_code == 0, result.output
-    assert f"memory per GPU: scaffold plan --algo grpo-lora --model {tiny_model_dir}" in (
+    assert f"memory per GPU: scaffold plan --algo grpo-lora --model {tiny_real_vocab_dir}" in (
         result.output
     )
-    check_simulable(Spec(algo="grpo-lora", model=str(tiny_model_dir)), None, None, kl_coef=0.1)
+    check_simulable(Spec(algo="grpo-lora", model=str(tiny_real_vocab_dir)), None, None, kl_coef=0.1)
