@@ -36,12 +36,11 @@ def dpo_lora_script():
     )
 
 
-@pytest.fixture(scope="module")
-def short_pairs(tmp_path_factory, tiny_model_dir) -> Path:
-    """The first 4 real dpo_en_demo pairs whose prompt + reply both fit in 192 tokens of the tiny
-    model's 512-token tokenizer (about 2x the real tokenizer's counts)."""
+def _first_short_pairs(tmp: Path, tokenizer_dir: Path, max_tokens: int) -> Path:
+    """The first 4 real dpo_en_demo pairs whose prompt + reply both fit in `max_tokens` tokens of
+    the tokenizer in `tokenizer_dir` (its chat template included)."""
     rows = json.loads(ensure_dataset("dpo_en_demo.json").read_text())
-    tokenizer = Tokenizer.from_dir(tiny_model_dir)
+    tokenizer = Tokenizer.from_dir(tokenizer_dir)
     kept = []
     for i, row in enumerate(rows):
         pref = to_preference(row, i, "dpo_en_demo.json")
@@ -49,12 +48,25 @@ def short_pairs(tmp_path_factory, tiny_model_dir) -> Path:
             len(tokenizer.encode(tokenizer.apply_chat_template(pref["prompt"] + pref[k])))
             for k in ("chosen", "rejected")
         ]
-        if max(lengths) <= 192:
+        if max(lengths) <= max_tokens:
             kept.append(row)
     assert len(kept) >= 4, f"only {len(kept)} short pairs"
-    path = tmp_path_factory.mktemp("pairs") / "short_pairs.json"
+    path = tmp / "short_pairs.json"
     path.write_text(json.dumps(kept[:4]))
     return path
+
+
+@pytest.fixture(scope="module")
+def short_pairs(tmp_path_factory, tiny_model_dir) -> Path:
+    """For the tiny model: 4 pairs within 192 tokens of its 512-token tokenizer (about 2x the
+    real tokenizer's counts)."""
+    return _first_short_pairs(tmp_path_factory.mktemp("pairs"), tiny_model_dir, 192)
+
+
+@pytest.fixture(scope="module")
+def real_short_pairs(tmp_path_factory, smollm2_dir) -> Path:
+    """For the real SmolLM2: 4 pairs within 128 tokens of its tokenizer."""
+    return _first_short_pairs(tmp_path_factory.mktemp("real_pairs"), smollm2_dir, 128)
 
 
 def test_dpo_loss_equals_closed_form(dpo_script):
@@ -185,13 +197,13 @@ def test_adapters_off_reference_is_constant_while_the_policy_trains(
 
 
 def test_lora_dpo_on_real_preference_data_ranks_chosen_higher(
-    dpo_lora_script, smollm2_dir, short_pairs, tmp_path
+    dpo_lora_script, smollm2_dir, real_short_pairs, tmp_path
 ):
     """SmolLM2-135M, 4 real pairs (2 micro-batches of 2, so each pair comes back every 2 steps),
     6 steps: the reward accuracy of the later steps is above chance and the margins grow."""
     out = tmp_path / "out"
     argv = [
-        "--model", str(smollm2_dir), "--dataset", str(short_pairs), "--out_dir", str(out),
+        "--model", str(smollm2_dir), "--dataset", str(real_short_pairs), "--out_dir", str(out),
         "--device", "cpu", "--dtype", "fp32", "--max_seq_len", "128", "--micro_batch_size", "2",
         "--max_steps", "6", "--warmup_steps", "0", "--lr", "1e-3", "--val_fraction", "0",
         "--eval_every_steps", "0", "--sample_max_new_tokens", "0", "--save_merged", "false",
