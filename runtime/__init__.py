@@ -11,8 +11,8 @@ from runtime.checkpoint import (
     read_hf_config,
     save_hf_checkpoint,
 )
-from runtime.cli import ConfigError
-from runtime.cli import parse as parse_config
+from runtime.config import ConfigError
+from runtime.config import parse as parse_config
 from runtime.context_parallel import (
     apply_context_parallel,
     context_parallel_chunks,

@@ -27,7 +27,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("runtime.parallel", ("runtime.parallel", "runtime.context_parallel",
                           "runtime.expert_parallel")),
     ("runtime.io", ("runtime.dtensors", "runtime.checkpoint", "runtime.train_state",
-                    "runtime.hub", "runtime.tokenizer", "runtime.cli")),
+                    "runtime.hub", "runtime.tokenizer", "runtime.config")),
     ("runtime.train", ("runtime.loss", "runtime.optim", "runtime.optim_in_backward",
                        "runtime.data", "runtime.packing", "runtime.metrics", "runtime.offload")),
     ("runtime.peft", ("runtime.lora",)),

@@ -1,11 +1,11 @@
-"""runtime.cli.parse: overrides by field name, types, files, and errors that name the key."""
+"""runtime.config.parse: overrides by field name, types, files, and errors that name the key."""
 
 import json
 from dataclasses import dataclass, field
 
 import pytest
 
-from runtime.cli import ConfigError, help_text, parse
+from runtime.config import ConfigError, help_text, parse
 
 
 @dataclass
