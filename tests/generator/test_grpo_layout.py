@@ -18,6 +18,8 @@ from generator.spec import (
     validate_spec,
 )
 
+pytestmark = pytest.mark.fast  # in `make test-fast` (tests/README.md)
+
 
 def _spec(model="smollm2-135m", gpus=1, nodes=1, engine_gpus=None, engine_tp=None, algo="grpo"):
     return spec_from_options(

@@ -9,6 +9,8 @@ import pytest
 
 from generator.spec import Spec, SpecError, validate_spec
 
+pytestmark = pytest.mark.fast  # in `make test-fast` (tests/README.md)
+
 
 @pytest.mark.parametrize(
     ("spec", "expected"),

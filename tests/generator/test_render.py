@@ -18,6 +18,8 @@ from generator.features import TRICKS
 from generator.render import FIRST_PARTY, render, ruff_bin
 from generator.spec import Spec, SpecError
 
+pytestmark = pytest.mark.fast  # in `make test-fast` (tests/README.md)
+
 REPO = Path(__file__).resolve().parents[2]
 RL_ALGOS = ("grpo", "grpo-lora")
 

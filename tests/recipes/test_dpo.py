@@ -69,6 +69,7 @@ def real_short_pairs(tmp_path_factory, smollm2_dir) -> Path:
     return _first_short_pairs(tmp_path_factory.mktemp("real_pairs"), smollm2_dir, 128)
 
 
+@pytest.mark.fast
 def test_dpo_loss_equals_closed_form(dpo_script):
     pc, pr = torch.tensor([-10.0, -4.0, -7.5]), torch.tensor([-12.0, -3.0, -7.5])
     rc, rr = torch.tensor([-11.0, -5.0, -6.0]), torch.tensor([-11.5, -2.0, -8.0])

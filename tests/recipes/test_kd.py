@@ -31,6 +31,7 @@ def _cfg(script, model_dir, teacher, data, **overrides):
     return cfg
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("kd_loss", ["forward", "reverse"])
 def test_kd_loss_mixes_ce_and_kl(kd_script, tiny_model_dir, small_dataset, kd_loss):
     """kd_ratio=0: plain CE; the student as its own teacher: KL = 0, so any kd_ratio gives

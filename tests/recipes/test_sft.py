@@ -103,6 +103,7 @@ def test_gradient_accumulation_equals_one_big_batch(sft_script, tiny_model_dir, 
     assert g1["model.layers.0.mlp.down_proj.weight"].abs().sum() > 0
 
 
+@pytest.mark.fast
 def test_tiny_run_learns_and_saves_hf_model(tiny_model_dir, small_dataset, tmp_path):
     args = [
         "--model",

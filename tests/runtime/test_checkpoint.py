@@ -19,6 +19,8 @@ from runtime.checkpoint import (
 from runtime.models.llama import ModelArgs, build_model
 from tests.helpers import TINY_CONFIG, safetensors_keys
 
+pytestmark = pytest.mark.fast  # in `make test-fast` (tests/README.md)
+
 transformers = pytest.importorskip("transformers")
 
 # The tiny config (tests/helpers.py TINY_CONFIG).

@@ -7,6 +7,8 @@ import pytest
 
 from runtime.config import ConfigError, help_text, parse
 
+pytestmark = pytest.mark.fast  # in `make test-fast` (tests/README.md)
+
 
 @dataclass
 class Cfg:

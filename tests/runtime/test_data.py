@@ -9,6 +9,8 @@ import pytest
 
 from runtime.data import load_rows, split_train_val, to_messages
 
+pytestmark = pytest.mark.fast  # in `make test-fast` (tests/README.md)
+
 CHAT = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Hi"},

@@ -7,6 +7,8 @@ import torch
 
 from runtime.loss import IGNORE_INDEX, chunked_kd_loss, token_logprobs
 
+pytestmark = pytest.mark.fast  # in `make test-fast` (tests/README.md)
+
 B, S, D, V = 2, 7, 8, 11
 
 

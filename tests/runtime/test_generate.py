@@ -10,6 +10,8 @@ from runtime.generate import generate, sample_next_token
 from runtime.models.llama import ModelArgs, build_model
 from tests.helpers import TINY_CONFIG
 
+pytestmark = pytest.mark.fast  # in `make test-fast` (tests/README.md)
+
 # The tiny config (tests/helpers.py TINY_CONFIG).
 TINY = dict(
     **TINY_CONFIG,

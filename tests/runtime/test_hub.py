@@ -8,6 +8,8 @@ huggingface_hub = pytest.importorskip("huggingface_hub")
 
 from runtime.hub import HF_ALLOW_PATTERNS, resolve_model_dir  # noqa: E402
 
+pytestmark = pytest.mark.fast  # in `make test-fast` (tests/README.md)
+
 
 def test_local_directory_and_cache_come_before_the_hub(tmp_path, monkeypatch):
     def no_download(*args, **kwargs):

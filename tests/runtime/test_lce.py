@@ -9,6 +9,8 @@ import torch.nn.functional as F
 
 from runtime.loss import IGNORE_INDEX, linear_cross_entropy
 
+pytestmark = pytest.mark.fast  # in `make test-fast` (tests/README.md)
+
 B, S, D, V = 3, 11, 16, 50  # B*S = 33 positions: never a multiple of the chunk sizes below
 
 

@@ -8,6 +8,8 @@ import torch
 from runtime.models.llama import KVCache, ModelArgs, build_model
 from tests.helpers import TINY_CONFIG
 
+pytestmark = pytest.mark.fast  # in `make test-fast` (tests/README.md)
+
 transformers = pytest.importorskip("transformers")
 
 # The tiny config (tests/helpers.py TINY_CONFIG): 2 layers, hidden 64, 4 heads, 2 KV heads, Dh 16, I 128, vocab 256.

@@ -25,6 +25,8 @@ from runtime.lora import (
 from runtime.models.llama import ModelArgs, build_model
 from tests.helpers import TINY_CONFIG
 
+pytestmark = pytest.mark.fast  # in `make test-fast` (tests/README.md)
+
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 

@@ -9,6 +9,8 @@ from click.testing import CliRunner
 from generator.cli import cli
 from runtime.metrics import MetricsLogger, peak_memory_mib, transformer_flops_per_token
 
+pytestmark = pytest.mark.fast  # in `make test-fast` (tests/README.md)
+
 
 def test_jsonl_logger_and_plot(tmp_path):
     logger = MetricsLogger(tmp_path, ["jsonl"])

@@ -12,6 +12,8 @@ from runtime import ModelArgs, build_model
 from runtime.loss import cross_entropy_sum
 from tests.helpers import TINY_CONFIG
 
+pytestmark = pytest.mark.fast  # in `make test-fast` (tests/README.md)
+
 
 def _model():
     model = build_model(ModelArgs(**TINY_CONFIG), device="cpu")

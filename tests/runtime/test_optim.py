@@ -2,9 +2,12 @@
 
 import math
 
+import pytest
 import torch
 
 from runtime.optim import cosine_schedule_with_warmup
+
+pytestmark = pytest.mark.fast  # in `make test-fast` (tests/README.md)
 
 
 def test_warmup_then_cosine():

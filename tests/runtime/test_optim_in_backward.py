@@ -16,6 +16,8 @@ from runtime import ModelArgs, build_model, cosine_schedule_with_warmup
 from runtime.loss import IGNORE_INDEX, cross_entropy_sum
 from runtime.optim_in_backward import setup_optimizer_in_backward
 
+pytestmark = pytest.mark.fast  # in `make test-fast` (tests/README.md)
+
 ARGS = ModelArgs(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,

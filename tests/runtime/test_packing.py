@@ -20,6 +20,8 @@ from runtime.packing import (
 )
 from tests.helpers import TINY_CONFIG
 
+pytestmark = pytest.mark.fast  # in `make test-fast` (tests/README.md)
+
 
 def _doc(n: int, start: int = 1) -> dict:
     ids = list(range(start, start + n))

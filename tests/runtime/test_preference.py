@@ -12,6 +12,8 @@ from torch import nn
 
 from runtime import adapters_disabled, add_lora, check_same_tokenizer, init_lora, to_preference
 
+pytestmark = pytest.mark.fast  # in `make test-fast` (tests/README.md)
+
 USER = {"role": "user", "content": "Hi?"}
 GOOD = {"role": "assistant", "content": "Hello!"}
 BAD = {"role": "assistant", "content": "Go away."}

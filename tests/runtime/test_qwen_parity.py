@@ -18,6 +18,8 @@ from tests.helpers import TINY_CONFIG, safetensors_keys
 transformers = pytest.importorskip("transformers")
 from transformers.models.qwen3_moe import modeling_qwen3_moe  # noqa: E402
 
+pytestmark = pytest.mark.fast  # in `make test-fast` (tests/README.md)
+
 # The tiny config (tests/helpers.py TINY_CONFIG); MoE: 4 experts, top-2, expert width 32.
 TINY = dict(
     **TINY_CONFIG,

@@ -29,6 +29,8 @@ from runtime.rollout import (
     wait_weight_sync,
 )
 
+pytestmark = pytest.mark.fast  # in `make test-fast` (tests/README.md)
+
 
 def test_group_advantages_mixed_equal_and_single():
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5, 3.0, 1.0, 2.0, 2.0])

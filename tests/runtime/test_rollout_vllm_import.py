@@ -11,6 +11,8 @@ import pytest
 
 from runtime.rollout_vllm import VLLMEngine
 
+pytestmark = pytest.mark.fast  # in `make test-fast` (tests/README.md)
+
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed")
 def test_vllm_engine_without_vllm_names_the_install_command(tmp_path):

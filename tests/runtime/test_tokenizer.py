@@ -13,6 +13,8 @@ import pytest
 from runtime.data import load_rows, to_messages
 from runtime.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.fast  # in `make test-fast` (tests/README.md)
+
 # A Llama-3-style template exercising the Jinja features real templates use: bos_token, loop.first /
 # loop.last, raise_exception, tojson (no HTML escaping), strftime_now, namespace, loopcontrols and
 # the {% generation %} tag.

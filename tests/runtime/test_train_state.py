@@ -20,6 +20,8 @@ from runtime import (
 from runtime.train_state import COMPLETE_MARKER, checkpoint_dirs
 from tests.helpers import TINY_CONFIG
 
+pytestmark = pytest.mark.fast  # in `make test-fast` (tests/README.md)
+
 
 def make(seed: int = 0, max_steps: int = 10, lr: float = 1e-3, optimizer_cls=torch.optim.AdamW):
     torch.manual_seed(seed)
