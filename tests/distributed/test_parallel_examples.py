@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import REPO, run_script, safetensors_keys
+from tests.helpers import REPO, run_in_process, run_script, safetensors_keys
 
 COMMON = [
     "--dtype", "fp32", "--warmup_steps", "0", "--min_lr_ratio", "1.0", "--lr", "1e-3", "--max_seq_len", "64",
@@ -23,10 +23,10 @@ COMMON = [
 
 @pytest.fixture(scope="module")
 def one_process(tiny_model_dir, small_dataset, tmp_path_factory) -> list[dict]:
-    """The plain example on 1 process, micro-batch 4: the reference losses."""
+    """The plain example on 1 process (its main() here), micro-batch 4: the reference losses."""
     tmp = tmp_path_factory.mktemp("one")
     args = ["--model", str(tiny_model_dir), "--dataset", str(small_dataset), *COMMON]
-    return run_script(tmp, [*args, "--max_steps", "3", "--micro_batch_size", "4"], nproc=1)
+    return run_in_process(tmp, [*args, "--max_steps", "3", "--micro_batch_size", "4"])
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,8 @@
 """Never lose work: kill -9 at chosen points, resume, and end bit-identical to an uninterrupted run.
 
-Every run is a real subprocess of an emitted script (tiny random Llama + real SmolLM2 tokenizer +
-40 real alpaca rows, fp32, deterministic CPU). Kills are `SIGKILL` sent by the process to itself
+Every interrupted run is a real subprocess of an emitted script; the uninterrupted reference runs
+in this process, on one thread like them. Tiny random Llama + the small tokenizer + 40 real
+alpaca rows, fp32, deterministic CPU. Kills are `SIGKILL` sent by the process to itself
 from a patched hook (no cleanup runs, exactly like `kill -9`), at a chosen step or inside a
 checkpoint write, so the points are reproducible instead of timing-dependent.
 """
@@ -21,6 +22,7 @@ from safetensors.torch import load_file
 
 from generator.render import render
 from generator.spec import Spec
+from tests.helpers import import_script
 
 REPO = Path(__file__).resolve().parents[2]
 SFT = REPO / "examples" / "sft_smollm2" / "train.py"
@@ -79,6 +81,19 @@ def run(
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
+def run_reference(script: Path, args: list[str]) -> None:
+    """The uninterrupted run, in this process (nothing is killed, so no process boundary is
+    needed), on one intra-op thread like the subprocesses (OMP_NUM_THREADS=1), so the results can
+    be compared bit for bit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        name = "resume_ref_" + "".join(c if c.isalnum() else "_" for c in str(script))
+        import_script(script, name).main(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def assert_ok(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
 
@@ -114,7 +129,7 @@ def test_kills_at_steps_epoch_boundary_and_mid_save_resume_bit_exactly(
     losses and the sample sequence equal an uninterrupted run's, bit for bit."""
     steps = 14
     ref_out, out = tmp_path / "ref", tmp_path / "killed"
-    assert_ok(run(SFT, common_args(tiny_model_dir, small_dataset, ref_out, steps)))
+    run_reference(SFT, common_args(tiny_model_dir, small_dataset, ref_out, steps))
     args = common_args(tiny_model_dir, small_dataset, out, steps)
 
     assert_killed(run(SFT, args, kill=("after_step", 5)))
@@ -151,7 +166,7 @@ def test_two_resumes_in_one_epoch_replay_the_same_samples(tiny_model_dir, small_
     the next run starts from scratch."""
     steps = 8
     ref_out, out = tmp_path / "ref", tmp_path / "killed"
-    assert_ok(run(SFT, common_args(tiny_model_dir, small_dataset, ref_out, steps)))
+    run_reference(SFT, common_args(tiny_model_dir, small_dataset, ref_out, steps))
     args = common_args(tiny_model_dir, small_dataset, out, steps)
     assert_killed(run(SFT, args, kill=("in_save", 1)))  # dies in the step-2 save
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_000002.tmp"]
@@ -193,7 +208,7 @@ def test_lora_and_qlora_resume_exactly(algo, tiny_model_dir, small_dataset, tmp_
     script = render_script(tmp_path, algo=algo, peft="dora" if algo == "qlora" else "lora")
     ref_out, out = tmp_path / "ref", tmp_path / "killed"
     extra = ["--save_merged", "false"]
-    assert_ok(run(script, [*common_args(tiny_model_dir, small_dataset, ref_out, 4), *extra]))
+    run_reference(script, [*common_args(tiny_model_dir, small_dataset, ref_out, 4), *extra])
     args = [*common_args(tiny_model_dir, small_dataset, out, 4), *extra]
     assert_killed(run(script, args, kill=("after_step", 3)))
     keys = {k for k in _model_state(out / "checkpoints" / "step_000002")}
@@ -233,7 +248,7 @@ def test_optimizer_in_backward_resumes_lr_and_states_exactly(
     steps = 5
     ref_out, out = tmp_path / "ref", tmp_path / "killed"
     extra = ["--warmup_steps", "4", "--gradient_accumulation_steps", "2", "--micro_batch_size", "2"]
-    assert_ok(run(script, [*common_args(tiny_model_dir, small_dataset, ref_out, steps), *extra]))
+    run_reference(script, [*common_args(tiny_model_dir, small_dataset, ref_out, steps), *extra])
     args = [*common_args(tiny_model_dir, small_dataset, out, steps), *extra]
     assert_killed(run(script, args, kill=("after_step", 3)))
     proc = run(script, args)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from runtime import IGNORE_INDEX, Tokenizer, load_rows, to_messages
-from tests.helpers import full_tensor, run_script
+from tests.helpers import full_tensor, run_in_process, run_script
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "sft_smollm2" / "train.py"
@@ -180,7 +180,7 @@ def test_two_processes_match_one(example, tiny_model_dir, small_dataset, tmp_pat
         "--gradient_accumulation_steps",
         "2",
     ]
-    one = run_script(tmp_path, [*common, "--micro_batch_size", "4"], nproc=1, script=script)
+    one = run_in_process(tmp_path, [*common, "--micro_batch_size", "4"], script=script)
     two = run_script(tmp_path, [*common, "--micro_batch_size", "2"], nproc=2, script=script)
     for a, b in zip(one, two):
         assert a["num_tokens"] == b["num_tokens"] and a["num_supervised"] == b["num_supervised"]
@@ -222,7 +222,7 @@ def test_real_smollm2_learns_and_bf16_tracks_fp32(smollm2_dir, alpaca_path, tmp_
             "0",
         ]
         (tmp_path / dtype).mkdir()
-        curves[dtype] = [r["loss"] for r in run_script(tmp_path / dtype, args, timeout=900)]
+        curves[dtype] = [r["loss"] for r in run_in_process(tmp_path / dtype, args)]
     for dtype, losses in curves.items():
         first_epoch, last_epoch = sum(losses[:2]) / 2, sum(losses[-2:]) / 2
         assert last_epoch < first_epoch - 0.2, (dtype, losses)
