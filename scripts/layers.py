@@ -54,7 +54,7 @@ FORBIDDEN = {
 EXEMPT: frozenset[str] = frozenset()
 
 # Design documents that live outside this repository; the code cites docs/DESIGN.md instead.
-OUTSIDE_DOCS = re.compile(r"\b(?:STYLE|ARCHITECTURE|STACK|ASSETS)\.md\b|\bshared/")
+OUTSIDE_DOCS = re.compile(r"\b(?:STYLE|ARCHITECTURE|STACK|ASSETS)(?:\.md\b| ?§)|\bshared/")
 CITING_DIRS = ("runtime", "generator", "templates", "scripts", "benchmarks", "tests")
 
 
