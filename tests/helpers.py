@@ -12,19 +12,24 @@ never from each other.
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import os
+import queue as queue_module
 import socket
 import subprocess
 import sys
+import time
 import traceback
+import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+# an emitted train.py imported as a module: the planner's own function, shared
+from generator.plan_harness import import_script
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
@@ -49,21 +54,44 @@ def _worker(rank: int, world_size: int, port: int, backend: str, fn, args, queue
         result = fn(rank, world_size, *args)
         buffer = io.BytesIO()  # plain bytes: shared-memory tensors die with this process
         torch.save(result, buffer)
-        queue.put((rank, "ok", buffer.getvalue()))
+        message = (rank, "ok", buffer.getvalue())
     except BaseException:
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
+        message = (rank, "error", traceback.format_exc())
+    # flush to the pipe now: a process that dies in teardown (an abort at exit) must not take its
+    # result with it, and the parent must not wait for a message that will never come
+    queue.put(message)
+    queue.close()
+    queue.join_thread()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+class RankCrashed(RuntimeError):
+    """A rank exited without sending its result (a native crash: killed by a signal)."""
 
 
 def spawn(fn, world_size: int = 2, backend: str = "gloo", args: tuple = ()) -> list:
     """Run `fn(rank, world_size, *args)` on `world_size` processes; return results in rank order.
 
     `fn` must be picklable (a module-level function). Raises RuntimeError with every failing
-    rank's traceback.
+    rank's traceback, or RankCrashed naming the ranks that exited without sending a result.
+
+    A run in which a rank is killed by a signal is started once more, with a warning: the 4-rank
+    QLoRA + DoRA HSDP test sees glibc abort one rank ("malloc(): unaligned tcache chunk
+    detected", SIGABRT) in about 1 run of 5, at b73145c as now, inside torch/torchao native code
+    (not found yet). A second crash fails the test; wrong numbers fail it whatever happens.
     """
+    try:
+        return _spawn_once(fn, world_size, backend, args)
+    except RankCrashed as crash:
+        if "signal" not in str(crash):
+            raise
+        warnings.warn(f"{crash}; running the {world_size} ranks once more", stacklevel=2)
+        return _spawn_once(fn, world_size, backend, args)
+
+
+def _spawn_once(fn, world_size: int, backend: str, args: tuple) -> list:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
@@ -73,14 +101,35 @@ def spawn(fn, world_size: int = 2, backend: str = "gloo", args: tuple = ()) -> l
     ]
     for p in procs:
         p.start()
-    results = [queue.get(timeout=600) for _ in procs]
+    results: dict[int, tuple[str, object]] = {}
+    deadline = time.monotonic() + 600
+    while len(results) < world_size:
+        try:
+            rank, status, payload = queue.get(timeout=5)
+            results[rank] = (status, payload)
+            continue
+        except queue_module.Empty:
+            pass
+        # a worker flushes its message before it exits: one that exited without it crashed
+        lost = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in results]
+        if lost or time.monotonic() > deadline:
+            for p in procs:
+                p.kill()
+            codes = {r: procs[r].exitcode for r in range(world_size) if r not in results}
+            how = (
+                "killed by a signal"
+                if any(c is not None and c < 0 for c in codes.values())
+                else "exited"
+            )
+            raise RankCrashed(f"ranks {sorted(codes)} sent no result ({how}; exit codes {codes})")
     for p in procs:
         p.join(timeout=60)
-    errors = [f"rank {r}:\n{msg}" for r, status, msg in results if status == "error"]
+    errors = [
+        f"rank {r}:\n{msg}" for r, (status, msg) in sorted(results.items()) if status == "error"
+    ]
     if errors:
         raise RuntimeError("\n".join(errors))
-    ordered = sorted(results, key=lambda t: t[0])
-    return [torch.load(io.BytesIO(res), weights_only=False) for _, _, res in ordered]
+    return [torch.load(io.BytesIO(results[r][1]), weights_only=False) for r in range(world_size)]
 
 
 # The tiny random config of parity tests (HF config names): 2 layers, hidden 64, 4 heads, 2 KV
@@ -110,15 +159,6 @@ def safetensors_keys(model_dir) -> set[str]:
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor: gathered if `t` is an FSDP2/TP DTensor (a collective), else `t` itself."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def import_script(path: Path, name: str):
-    """Import an emitted train.py as a module (importing must have no side effects)."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def run_script(
