@@ -14,7 +14,7 @@ import click
 
 from generator import __version__
 from generator.catalog import MODELS
-from generator.features import ALGOS, PEFT_ALGOS, PEFT_METHODS, TRICKS
+from generator.features import ALGOS, PEFT_ALGOS, PEFT_METHODS, TRICKS, support_table
 from generator.options import spec_from_options, spec_options
 from generator.plan import GPU_MEMORY_GIB, parse_gpu_memory
 from generator.rundir import (
@@ -265,9 +265,12 @@ def plan(
 
 
 @cli.command("list")
-@click.argument("what", required=False, type=click.Choice(["models", "algos", "tricks"]))
+@click.argument(
+    "what", required=False, type=click.Choice(["models", "algos", "tricks", "support"])
+)
 def list_(what):
-    """List known models, algorithms and tricks."""
+    """List known models, algorithms, tricks, and the support table (which algorithm takes which
+    trick and parallel plan; every "no" with its reason)."""
     from runtime.models.llama import ModelArgs
 
     if what in (None, "models"):
@@ -285,8 +288,6 @@ def list_(what):
         click.echo("\nalgorithms:" if what is None else "algorithms:")
         for algo in ALGOS.values():
             click.echo(f"  {algo.name:10} {algo.summary}")
-            if algo.tricks is not None:  # the others take every trick
-                click.echo(f"  {'':10} tricks: {', '.join(algo.tricks)} only")
         click.echo(f"  --peft (with --algo {'/'.join(PEFT_ALGOS)}):")
         for name, summary in PEFT_METHODS.items():
             click.echo(f"    {name:8} {summary}")
@@ -298,6 +299,27 @@ def list_(what):
         refused = sorted({tuple(sorted((t.name, o))) for t in TRICKS.values() for o in t.conflicts})
         if refused:
             click.echo("  refused together: " + ", ".join(f"{a}+{b}" for a, b in refused))
+    if what in (None, "support"):
+        _echo_support_table(header=what is None)
+
+
+def _echo_support_table(header: bool) -> None:
+    """The support table: a row per trick and plan, a column per algorithm, then each "no"."""
+    rows = support_table()
+    algos = list(ALGOS)
+    click.echo("\nsupport (yes / no: reason below):" if header else "support (yes / no: reason below):")
+    width = max(len(name) for name, _ in rows)
+    click.echo(f"  {'':{width}} " + " ".join(f"{a:>9}" for a in algos))
+    for name, cells in rows:
+        marks = ("yes" if cells[a] is None else "no" for a in algos)
+        click.echo(f"  {name:{width}} " + " ".join(f"{m:>9}" for m in marks))
+    for name, cells in rows:
+        reasons: dict[str, list[str]] = {}
+        for a in algos:
+            if cells[a] is not None:
+                reasons.setdefault(cells[a], []).append(a)
+        for why, names in reasons.items():
+            click.echo(f"  no: {name} with {', '.join(names)}: {why}")
 
 
 _SET_HELP = (

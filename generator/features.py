@@ -2,10 +2,11 @@
 combinations are refused.
 
 Adding a trick or an algorithm = one `templates/features/<name>.py.jinja` (macros named after the
-slots it fills, see `generator.render.SLOTS`) plus one entry here. The skeleton
-(`templates/recipes/sft.py.jinja`) calls the slots of the algorithm's template first, then those of
-the enabled tricks in the order of `TRICKS`. An algorithm without a template is the skeleton's
-defaults (full-parameter SFT).
+slots it fills, see `generator.render.SLOTS`) plus one entry here. Each skeleton
+(`templates/recipes/<skeleton>.py.jinja`, built from the partials in `templates/recipes/shared/`)
+calls the slots of the algorithm's template first, then those of the enabled tricks in the order
+of `TRICKS`. An algorithm without a template is its skeleton's defaults. `SUPPORT` is the one table
+of which trick and which parallel plan works with which algorithm, and why not where it does not.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ class Algo:
     summary: str
     lr: float | None = None  # default peak lr; None = the model catalog's (full fine-tuning) lr
     skeleton: str = "sft"  # templates/recipes/<skeleton>.py.jinja
-    tricks: tuple[str, ...] | None = None  # the tricks it accepts; None = all
     dataset: str = "alpaca_en_demo.json"  # `scaffold new`'s default --dataset
 
 
@@ -33,15 +33,13 @@ ALGOS: dict[str, Algo] = {
         Algo("lora", "lora", "SFT of low-rank adapters (LoRA; --peft dora for DoRA)", lr=2e-4),
         Algo("qlora", "lora", "LoRA over a frozen 4-bit NF4 base (QLoRA, torchao)", lr=2e-4),
         # DPO: TRL's DPOConfig default lr (1e-6) for full parameters; 10x smaller steps than SFT
-        # because the reference anchors the policy. Its own skeleton (pairs, reference, metrics);
-        # lce / optim-in-bwd replace SFT's loss and step sections, which DPO does not have.
+        # because the reference anchors the policy. Its own skeleton (pairs, reference, metrics).
         Algo(
             "dpo",
             None,
             "DPO on preference pairs, all parameters (reference: separate or precomputed)",
             lr=1e-6,
             skeleton="dpo",
-            tricks=("ac", "adamw8bit"),
             dataset="dpo_en_demo.json",
         ),
         # LoRA DPO: the lora template's slots in the dpo skeleton; the frozen base is the reference
@@ -51,20 +49,16 @@ ALGOS: dict[str, Algo] = {
             "DPO of LoRA adapters (reference: the base with adapters off)",
             lr=5e-5,
             skeleton="dpo",
-            tricks=("ac", "adamw8bit"),
             dataset="dpo_en_demo.json",
         ),
         # GRPO: its own skeleton (rollouts on Ray, reward functions, the GRPO loss); TRL's
-        # GRPOConfig default lr (1e-6) for full parameters. ac wraps its blocks, adamw8bit is its
-        # optimizer class; lce and optim-in-bwd replace SFT sections it does not have (its
-        # log-probs are already chunked; a step accumulates many micro-batches).
+        # GRPOConfig default lr (1e-6) for full parameters.
         Algo(
             "grpo",
             None,
             "GRPO: online RL with verifiable rewards, rollouts on Ray (sync / async / off-policy)",
             lr=1e-6,
             skeleton="grpo",
-            tricks=("ac", "adamw8bit"),
             dataset="chain_sum.jsonl",
         ),
         # LoRA GRPO: the lora template's slots in the grpo skeleton; the engines get merged weights
@@ -78,15 +72,13 @@ ALGOS: dict[str, Algo] = {
             "adapters off)",
             lr=1e-5,
             skeleton="grpo",
-            tricks=("ac", "adamw8bit"),
             dataset="chain_sum.jsonl",
         ),
-        # KD: a feature of the SFT skeleton; its loss is already chunked, so no lce
+        # KD: a feature of the SFT skeleton (its loss slot: CE + KL to the teacher)
         Algo(
             "kd",
             "kd",
             "knowledge distillation: KL to a frozen teacher (same tokenizer) mixed with CE",
-            tricks=("ac", "optim-in-bwd", "adamw8bit"),
         ),
     ]
 }
@@ -196,3 +188,74 @@ PARALLEL_FEATURES = {
     "tensor_parallel": lambda spec: spec.tp > 1,
     "context_parallel": lambda spec: spec.cp > 1,
 }
+
+
+# Parallel plans, by the option that turns them on (the support table's plan rows).
+PLANS = {
+    "--gpus N": "FSDP2 over N processes (the default plan: every algorithm)",
+    "--dp-replicate": "HSDP: replica groups of FSDP shards",
+    "--tp": "tensor + sequence parallel, loss parallel",
+    "--cp": "context parallel (ring of K/V all-gathers)",
+    "--ep": "expert parallel (MoE)",
+}
+
+# Why a plan is not (yet) available on the DPO and GRPO skeletons: not mathematics, but wiring that
+# has not been built and tested there (their reference, rollouts and weight sync under TP/CP).
+_PLAN_NOT_WIRED = (
+    "not wired into the {skeleton} skeleton yet (its reference model, token counts and "
+    "{extra} under this plan are untested); only the SFT skeleton takes it"
+)
+_PACKING_NOT_BUILT = (
+    "not built on the {skeleton} skeleton yet: a packed row would need {what}; the loss would be "
+    "unchanged (packing is exact), so this is a missing feature, not a mathematical limit"
+)
+
+
+def _refusals() -> dict[tuple[str, str], str]:
+    """(trick or plan, algorithm) -> why that algorithm does not take it. Absent: supported."""
+    out = {}
+    for name, algo in ALGOS.items():
+        if algo.skeleton == "dpo":
+            out["packing", name] = _PACKING_NOT_BUILT.format(
+                skeleton="DPO",
+                what="each pair's chosen and rejected sequences as two documents of one row and "
+                "per-document log-prob sums",
+            )
+        if algo.skeleton == "grpo":
+            out["packing", name] = _PACKING_NOT_BUILT.format(
+                skeleton="GRPO",
+                what="rollouts as documents of one row with per-token advantages and sampler "
+                "log-probs laid out to match",
+            )
+        if algo.skeleton != "sft":
+            extra = "precomputed log-probs" if algo.skeleton == "dpo" else "weight sync to the engines"
+            skeleton = algo.skeleton.upper()
+            for plan in ("--dp-replicate", "--tp", "--cp"):
+                out[plan, name] = _PLAN_NOT_WIRED.format(skeleton=skeleton, extra=extra)
+        if name != "sft":
+            what = {"lora": "its adapters", "kd": "its teacher"}.get(algo.template or "", "")
+            if algo.skeleton == "sft":  # lora, qlora, kd: the SFT skeleton, plans beyond FSDP/HSDP
+                for plan in ("--tp", "--cp"):
+                    out[plan, name] = (
+                        f"the TP and CP plans are built and tested on full-parameter SFT only; "
+                        f"{name} with {what} under them is not built yet"
+                    )
+            out["--ep", name] = (
+                "expert parallel is built and tested on full-parameter SFT only; adapters on "
+                "experts and a reference or teacher MoE under EP are not built yet"
+            )
+    return out
+
+
+REFUSED = _refusals()
+
+
+def refusal(feature: str, algo: str) -> str | None:
+    """Why `algo` does not take `feature` (a trick name or a plan option), or None if it does."""
+    return REFUSED.get((feature, algo))
+
+
+def support_table() -> list[tuple[str, dict[str, str | None]]]:
+    """The rows `scaffold list` prints: (trick or plan, {algorithm: None or the refusal})."""
+    rows = [*TRICKS, *PLANS]
+    return [(row, {algo: refusal(row, algo) for algo in ALGOS}) for row in rows]

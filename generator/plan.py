@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, replace
 
-from generator.features import ALGOS, TRICKS
+from generator.features import TRICKS, refusal
 from generator.plan_harness import (
     GIB,
     PlanError,
@@ -76,10 +76,9 @@ def _candidate_trick_sets(spec: Spec) -> list[tuple[str, ...]]:
     """Trick sets to try, cheapest first: every combination of FIT_TRICKS that the algorithm
     accepts and the registry allows together, added to spec.tricks; ordered by number of added
     tricks, then by summed cost."""
-    allowed = ALGOS[spec.algo].tricks
     pool = [
         t for t in FIT_TRICKS
-        if t not in spec.tricks and (allowed is None or t in allowed)
+        if t not in spec.tricks and refusal(t, spec.algo) is None
         and not any(o in spec.tricks for o in TRICKS[t].conflicts)
     ]  # fmt: skip
     sets = []
@@ -168,7 +167,7 @@ def suggest(
 def format_suggestion(s: Suggestion | None, base: Spec) -> str:
     if s is None:
         if is_grpo(base):
-            tricks = [t for t in FIT_TRICKS if t in (ALGOS[base.algo].tricks or FIT_TRICKS)]
+            tricks = [t for t in FIT_TRICKS if refusal(t, base.algo) is None]
             return (
                 f"nothing tried fits: --tricks {','.join(tricks)} and up to "
                 f"{MAX_SUGGESTED_WORLD} trainer GPUs (doubling --nodes); lower "

@@ -7,8 +7,8 @@ only file a torch upgrade should have to touch. The verdict and the report are i
 `generator.plan_report`, the search for a change that fits in `generator.plan`.
 
 The planner renders the script of a Spec into a temporary directory, imports it, and runs the
-script's own functions (`setup_distributed`, `build_sft_model`, `build_optimizer`, `train_step`;
-for GRPO `build_policy` and its rollout `train_step`) for two optimizer steps under
+script's own functions (`setup_distributed`, `setup_model`, `build_optimizer`, `train_step`;
+for GRPO `setup_model` and its rollout `train_step`) for two optimizer steps under
 `FakeTensorMode` (tensors carry shapes and dtypes, no memory), with a fake process group of the
 trainer's world size (`trainer_gpus(spec) * nodes`: `gpus * nodes`, less GRPO's engine GPUs;
 backend "fake", so collectives are no-ops) and PyTorch's `MemTracker` counting every tensor by
@@ -30,7 +30,7 @@ What is simulated, and what is not:
   completion tokens (the longest rows the script trains on; the script's Config defaults, or
   --max-seq-len = prompt + completion with the prompt length kept), rank 0's share of them over
   the trainer ranks, and the frozen reference when kl_coef > 0 (`--kl-coef`; the Config's
-  default 0 loads none). --algo grpo-lora runs the same step on its own script: `build_policy`
+  default 0 loads none). --algo grpo-lora runs the same step on its own script: `setup_model`
   adds the adapters of the Config's defaults (LoRA rank 8 on q/k/v/o/gate/up/down; --peft dora
   adds DoRA's magnitudes) on meta and freezes the base before fully_shard, so gradients and AdamW
   state are the adapters' only; its KL reference (kl_coef > 0) is the policy with the adapters
@@ -133,14 +133,14 @@ class PlanResult:
 
 
 def is_grpo(spec: Spec) -> bool:
-    """The spec renders the GRPO skeleton (rollouts, engines, `build_policy`)."""
+    """The spec renders the GRPO skeleton (rollouts, engines, `setup_model`)."""
     return ALGOS[spec.algo].skeleton == "grpo"
 
 
 def has_adapters(spec: Spec) -> bool:
     """The spec trains LoRA/DoRA adapters on a frozen base (grpo-lora in the GRPO skeleton): its
-    `build_policy` takes no `trainable` argument, and its KL reference is the policy itself with
-    the adapters off (`adapters_disabled`), so kl_coef > 0 builds no second model."""
+    KL reference is the policy itself with the adapters off (`adapters_disabled`), so
+    kl_coef > 0 builds no second model (`setup_frozen_model`)."""
     return spec.algo in PEFT_ALGOS
 
 
@@ -519,7 +519,7 @@ def measure_step(
     dist_info, mesh = script.setup_distributed(cfg)
     with _simulated_build(script, fake):
         with _fake_to_empty() if fake else contextlib.nullcontext(), _real_mesh_ops():
-            model = script.build_sft_model(cfg, model_dir, mesh, dist_info.device)
+            model = script.setup_model(cfg, model_dir, mesh, dist_info.device)
         optimizer, scheduler = script.build_optimizer(cfg, model)
         # rows padded as the script's collate pads them: to a multiple of tp (sequence parallel)
         padded_len = -(-max_seq_len // spec.tp) * spec.tp
@@ -640,7 +640,7 @@ def measure_grpo_step(
     script, model_dir: Path, micro_batch_size: int | None, max_seq_len: int | None, spec: Spec,
     fake: bool, kl_coef: float | None = None, max_micro_batches: int = SIMULATED_MICRO_BATCHES,
 ) -> dict:  # fmt: skip
-    """The GRPO script's `setup_distributed`, `build_policy` (and, for grpo, the frozen
+    """The GRPO script's `setup_distributed`, `setup_model` (and, for grpo, the frozen
     reference when kl_coef > 0, as its main() does; grpo-lora's reference is the policy with its
     adapters off, no second model), `build_optimizer`, and two `train_step`s on synthetic
     rollouts (`synthetic_rollouts`) under `MemTracker`: this rank's share of the step, in at
@@ -668,14 +668,12 @@ def measure_grpo_step(
     row = cfg.max_prompt_len + cfg.max_new_tokens
     with _simulated_build(script, fake):
         with _fake_to_empty() if fake else contextlib.nullcontext(), _real_mesh_ops():
-            model = script.build_policy(cfg, model_dir, mesh, dist_info.device)
+            model = script.setup_model(cfg, model_dir, mesh, dist_info.device)
             reference = None
             # as main(): grpo builds the frozen reference only when kl_coef > 0; grpo-lora never
             # does (its reference is the policy with the adapters off, inside microbatch_loss)
             if cfg.kl_coef > 0 and not has_adapters(spec):
-                reference = script.build_policy(
-                    cfg, model_dir, mesh, dist_info.device, trainable=False
-                )
+                reference = script.setup_frozen_model(cfg, model_dir, mesh, dist_info.device)
         optimizer, scheduler = script.build_optimizer(cfg, model)
         advantages = torch.zeros(len(rollouts))  # [M] fp32, this rank's (main's advantages[r::W])
         logits = [0]

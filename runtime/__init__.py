@@ -51,6 +51,7 @@ from runtime.lora import (
 from runtime.loss import (
     IGNORE_INDEX,
     chunked_kd_loss,
+    kd_kl_sum,
     cross_entropy_sum,
     linear_cross_entropy,
     token_logprobs,
@@ -160,6 +161,7 @@ __all__ = [
     "copy_tokenizer_files",
     "cosine_schedule_with_warmup",
     "chunked_kd_loss",
+    "kd_kl_sum",
     "cross_entropy_sum",
     "destroy_distributed",
     "disable_fsdp_gradient_division",

@@ -429,6 +429,44 @@ def token_logprobs(
     return out.view(labels.shape)
 
 
+def kd_kl_sum(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    temperature: float = 1.0,
+    kind: str = "forward",
+) -> torch.Tensor:
+    """Summed token KL between teacher and student logits at `temperature` (no T^2 factor).
+
+    Args:
+        student_logits: [T, V] (any float dtype; computed in fp32, fp64 stays fp64).
+        teacher_logits: [T, V]; a fixed target (no gradient flows into it).
+        temperature: softmax temperature of both distributions (> 0).
+        kind: "forward" = KL(teacher || student) (Hinton et al.), "reverse" = KL(student ||
+            teacher) (mode-seeking, MiniLLM).
+
+    Returns:
+        Scalar fp32: the sum over the T tokens of the per-token KL.
+
+    Raises:
+        ValueError: unknown kind, or the two logits differ in shape.
+    """
+    if kind not in ("forward", "reverse"):
+        raise ValueError(f"kd kind={kind!r}: choose 'forward' or 'reverse'")
+    if student_logits.shape != teacher_logits.shape:
+        raise ValueError(
+            f"student logits {tuple(student_logits.shape)} vs teacher logits "
+            f"{tuple(teacher_logits.shape)}: distillation needs the same tokens and vocabulary"
+        )
+    acc_dtype = torch.promote_types(student_logits.dtype, torch.float32)  # fp32 (fp64: gradcheck)
+    student = torch.log_softmax(student_logits.to(acc_dtype) / temperature, dim=-1)  # [T, V]
+    with torch.no_grad():  # the teacher is a fixed target
+        teacher = torch.log_softmax(teacher_logits.detach().to(acc_dtype) / temperature, dim=-1)
+    if kind == "reverse":  # KL(student || teacher) = sum p_s (log p_s - log p_t): mode-seeking
+        return (student.exp() * (student - teacher)).sum()
+    # KL(teacher || student) = sum p_t (log p_t - log p_s): mean-seeking, Hinton et al.'s
+    return (teacher.exp() * (teacher - student)).sum()
+
+
 def _chunk_kd(
     h_s: torch.Tensor,
     w_s: torch.Tensor,
@@ -438,14 +476,9 @@ def _chunk_kd(
     reverse: bool,
 ) -> torch.Tensor:
     """Summed KL of one chunk of tokens: [C, D_s], [V, D_s], [C, D_t], [V, D_t] -> scalar fp32."""
-    acc_dtype = torch.promote_types(h_s.dtype, torch.float32)  # fp32 (fp64 for gradcheck)
-    student = torch.log_softmax((h_s @ w_s.T).to(acc_dtype) / temperature, dim=-1)  # [C, V]
-    with torch.no_grad():  # the teacher is a fixed target
-        teacher = torch.log_softmax((h_t @ w_t.T).to(acc_dtype) / temperature, dim=-1)  # [C, V]
-    if reverse:  # KL(student || teacher) = sum p_s (log p_s - log p_t): mode-seeking
-        return (student.exp() * (student - teacher)).sum()
-    # KL(teacher || student) = sum p_t (log p_t - log p_s): mean-seeking, Hinton et al.'s
-    return (teacher.exp() * (teacher - student)).sum()
+    with torch.no_grad():
+        teacher_logits = h_t @ w_t.T  # [C, V]
+    return kd_kl_sum(h_s @ w_s.T, teacher_logits, temperature, "reverse" if reverse else "forward")
 
 
 def chunked_kd_loss(

@@ -13,7 +13,14 @@ import torch
 
 from generator.assets import ensure_chain_sum, ensure_dataset, ensure_smollm2
 from runtime import ModelArgs, build_model, copy_tokenizer_files, save_hf_checkpoint
-from tests.helpers import EXAMPLES, SMALL_VOCAB, TINY_CONFIG, import_script, small_tokenizer_files
+from tests.helpers import (
+    EXAMPLES,
+    SMALL_VOCAB,
+    TINY_CONFIG,
+    first_short_pairs,
+    import_script,
+    small_tokenizer_files,
+)
 
 
 @pytest.fixture(scope="session")
@@ -133,6 +140,13 @@ def even_model_dir(tmp_path_factory, small_tokenizer_dir) -> Path:
     save_hf_checkpoint(model, out, args.to_hf_config())
     copy_tokenizer_files(small_tokenizer_dir, out)
     return out
+
+
+@pytest.fixture(scope="session")
+def short_pairs(tmp_path_factory, tiny_model_dir) -> Path:
+    """For the tiny model: 4 real dpo_en_demo pairs within 192 tokens of its 512-token tokenizer
+    (about 2x the real tokenizer's counts)."""
+    return first_short_pairs(tmp_path_factory.mktemp("pairs"), tiny_model_dir, 192)
 
 
 @pytest.fixture(scope="session")

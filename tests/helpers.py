@@ -304,3 +304,26 @@ def two_step_losses(
         name = "script_" + "".join(c if c.isalnum() else "_" for c in str(script))
         import_script(script, name).main(args)
     return [row["loss"] for row in read_metrics(out)]
+
+
+def first_short_pairs(tmp: Path, tokenizer_dir: Path, max_tokens: int) -> Path:
+    """The first 4 real dpo_en_demo pairs whose prompt + reply both fit in `max_tokens` tokens of
+    the tokenizer in `tokenizer_dir` (its chat template included)."""
+    from generator.assets import ensure_dataset
+    from runtime import Tokenizer, to_preference
+
+    rows = json.loads(ensure_dataset("dpo_en_demo.json").read_text())
+    tokenizer = Tokenizer.from_dir(tokenizer_dir)
+    kept = []
+    for i, row in enumerate(rows):
+        pref = to_preference(row, i, "dpo_en_demo.json")
+        lengths = [
+            len(tokenizer.encode(tokenizer.apply_chat_template(pref["prompt"] + pref[k])))
+            for k in ("chosen", "rejected")
+        ]
+        if max(lengths) <= max_tokens:
+            kept.append(row)
+    assert len(kept) >= 4, f"only {len(kept)} short pairs"
+    path = tmp / "short_pairs.json"
+    path.write_text(json.dumps(kept[:4]))
+    return path

@@ -46,6 +46,19 @@ def _collate_args(spec: Spec) -> str:
     return ", pad_to_multiple_of=cfg.tp" if spec.tp > 1 else ""
 
 
+def _parallelize_steps(spec: Spec) -> str:
+    """The steps `parallelize` runs for this spec, in its fixed order, as the docstring names them."""
+    steps = [
+        ("tensor parallel", spec.tp > 1),
+        ("context parallel", spec.cp > 1),
+        ("expert parallel", spec.ep > 1),
+        ("activation checkpointing", "ac" in spec.tricks),
+        ("activation offloading", "offload" in spec.tricks),
+        ("compile", "compile" in spec.tricks),
+    ]
+    return ", ".join([name for name, on in steps if on] + ["FSDP2"])
+
+
 def build_answers(spec: Spec) -> dict:
     """Every value the templates print, computed once (after `validate_spec`)."""
     validate_spec(spec)
@@ -128,6 +141,11 @@ def build_answers(spec: Spec) -> dict:
         "engine": "vllm" if spec.gpus * spec.nodes > 1 else "runtime",
         # the feature templates, in order; generator.render adds the slots each one fills
         "features": features,
+        # the enabled tricks: the Model section's `parallelize` applies them in its fixed order
+        "tricks": ordered_tricks,
+        "parallelize_steps": _parallelize_steps(spec),
+        # a frozen copy of the checkpoint is built (DPO's separate reference, GRPO's KL reference)
+        "frozen_copy": algo.skeleton == "dpo" or (algo.skeleton == "grpo" and algo.template != "lora"),
         # compiled blocks are specialised to one shape (dynamic=False): pad every batch to it
         "pad_to_max_seq_len": "compile" in spec.tricks,
         "version": __version__,

@@ -14,6 +14,7 @@ from generator.features import (
     PEFT_ALGOS,
     PEFT_METHODS,
     TRICKS,
+    refusal,
 )
 from generator.spec.core import DTYPES, ROLLOUT_ALGOS, Spec, SpecError
 
@@ -45,14 +46,13 @@ def validate_spec(spec: Spec) -> None:
     unknown = [t for t in spec.tricks if t not in TRICKS]
     if unknown:
         raise SpecError(f"unknown trick(s) {unknown}; valid: {', '.join(TRICKS) or 'none yet'}")
-    allowed = ALGOS[spec.algo].tricks
-    refused = [t for t in spec.tricks if allowed is not None and t not in allowed]
-    if refused:
-        raise SpecError(
-            f"--algo {spec.algo} does not take --tricks {','.join(refused)} (those tricks rewrite "
-            f"the SFT cross-entropy or optimizer step, which {spec.algo} replaces with its own); "
-            f"valid for {spec.algo}: {', '.join(allowed)} (`scaffold list algos`)"
-        )
+    for t in spec.tricks:
+        why = refusal(t, spec.algo)
+        if why:
+            raise SpecError(
+                f"--algo {spec.algo} does not take --tricks {t}: {why}; drop it "
+                f"({_tricks_flag(x for x in spec.tricks if x != t)}); the table: `scaffold list`"
+            )
     if len(set(spec.tricks)) != len(spec.tricks):
         raise SpecError(f"--tricks lists a trick twice: {list(spec.tricks)}")
     for t in spec.tricks:
@@ -83,12 +83,8 @@ def validate_spec(spec: Spec) -> None:
     _validate_engines(spec)
 
 
-# What tensor parallel has been made right for: the SFT skeleton's full-parameter model. The
-# refusals say why (a feature whose modules the TP plan does not cover, or an untested pairing).
-_TP_ALGOS = ("sft",)
-# HSDP (--dp-replicate) is only a 2-D FSDP mesh: every algorithm on the SFT skeleton takes it (LoRA's
-# frozen NF4 base and KD's whole teacher included; tests/distributed/test_fsdp_adapters_kd.py).
-_HSDP_ALGOS = tuple(name for name, algo in ALGOS.items() if algo.skeleton == "sft")
+# Which algorithm takes which plan is generator.features.SUPPORT's; what is checked here is the
+# plan's own arithmetic (degrees dividing the world, the model's heads and vocab).
 _TP_REFUSED_TRICKS = {
     "compile": "per-block torch.compile of DTensor (tensor-parallel) blocks is not tested here",
 }
@@ -135,19 +131,18 @@ def _validate_parallel(spec: Spec) -> None:
             "reduce-scatters activations in every block, which needs the intra-node links "
             f"(NVLink); keep tp <= {spec.gpus} and scale across nodes with data parallel"
         )
-    if (spec.tp > 1 or spec.cp > 1) and spec.algo not in _TP_ALGOS:
-        raise SpecError(
-            f"--algo {spec.algo} with --tp {spec.tp} --cp {spec.cp}: tensor and context parallel "
-            f"are wired into full-parameter SFT only (--algo {', '.join(_TP_ALGOS)}); use --tp 1 "
-            "--cp 1 (FSDP over all GPUs, or HSDP with --dp-replicate"
-            f"{' for --algo ' + ', '.join(_HSDP_ALGOS) if spec.algo not in _HSDP_ALGOS else ''})"
-        )
-    if spec.dp_replicate > 1 and spec.algo not in _HSDP_ALGOS:
-        raise SpecError(
-            f"--algo {spec.algo} with --dp-replicate {spec.dp_replicate}: HSDP is wired into the "
-            f"SFT skeleton (--algo {', '.join(_HSDP_ALGOS)}); use --dp-replicate 1 (FSDP over all "
-            "GPUs)"
-        )
+    for option, value, fallback in (
+        ("--tp", spec.tp, "--tp 1 (FSDP over all GPUs"),
+        ("--cp", spec.cp, "--cp 1 (FSDP over all GPUs"),
+        ("--dp-replicate", spec.dp_replicate, "--dp-replicate 1 (FSDP over all GPUs"),
+    ):
+        why = refusal(option, spec.algo) if value > 1 else None
+        if why:
+            hsdp = "" if refusal("--dp-replicate", spec.algo) else ", or HSDP with --dp-replicate"
+            raise SpecError(
+                f"--algo {spec.algo} with {option} {value}: {why}; use {fallback}"
+                f"{hsdp if option != '--dp-replicate' else ''})"
+            )
     if spec.cp > 1:
         _validate_cp(spec, world)
     if spec.tp > 1:
@@ -347,10 +342,9 @@ def _validate_ep(spec: Spec) -> None:
     world = spec.gpus * spec.nodes
     if spec.ep < 1:
         raise SpecError(f"--ep {spec.ep} must be >= 1 (1 = no expert parallelism)")
-    if spec.algo != "sft":
-        raise SpecError(
-            f"--ep {spec.ep} is available for --algo sft only (got --algo {spec.algo}); use --ep 1"
-        )
+    why = refusal("--ep", spec.algo)
+    if why:
+        raise SpecError(f"--algo {spec.algo} with --ep {spec.ep}: {why}; use --ep 1")
     entry = MODELS.get(spec.model)
     if entry:
         family, num_experts = entry.family, entry.config.get("num_experts", 0)

@@ -5,7 +5,7 @@ tied Llama and an untied Qwen3 (q/k norm, biases). Plus the batch layout of
 `shard_for_context_parallel` and the script's own validation messages.
 Measured (2 ranks, 3 steps): loss within 1.0e-7 relative, parameters within 1.2e-7.
 
-Each configuration runs the script's own `setup_distributed`, `build_sft_model` (CP plan, FSDP over
+Each configuration runs the script's own `setup_distributed`, `setup_model` (CP plan, FSDP over
 dp_shard x cp, HF load) and `train_step` (head-tail sharding of every row; token counts and loss
 over dp x cp) for 3 SGD steps on the same global batch; the reference is the same script at world
 size 1 with cp=1. SGD makes the parameter update the gradient itself, so equal parameters after
@@ -80,7 +80,7 @@ def run_case(script_path: str, model_dir: str, dp_replicate: int, cp: int, tp: i
         script.collate(rows[i : i + 2], pad_token_id=0, pad_to_multiple_of=2 * cp * tp)
         for i in range(0, len(rows), 2)
     ]
-    model = script.build_sft_model(cfg, Path(model_dir), mesh, dist_info.device)
+    model = script.setup_model(cfg, Path(model_dir), mesh, dist_info.device)
     attn = model.model.layers[0].self_attn
     assert (attn.cp_group is not None) == (cp > 1)
     if tp > 1:  # the TP plan is on too: vocab-sharded lm_head (loss parallel)

@@ -42,7 +42,7 @@ def _train(rank, world_size, script_name, model_dir, data_path, out_dir, overrid
     assert mesh["dp"].size() == world_size and mesh["dp"].get_local_rank() == rank
     tokenizer = Tokenizer.from_dir(model_dir)
     train_set, _ = script.build_datasets(cfg, tokenizer)
-    model = script.build_sft_model(cfg, Path(model_dir), mesh, dist_info.device)
+    model = script.setup_model(cfg, Path(model_dir), mesh, dist_info.device)
     nf4 = [p for n, p in model.named_parameters() if "proj.weight" in n and "lora" not in n]
     if script_name.startswith("qlora") and world_size > 1:  # the NF4 base is really sharded
         assert all(isinstance(p, DTensor) for p in nf4)

@@ -29,7 +29,7 @@ def _step(rank, world_size, model_dir, data_path):
     pairs = train_set[:4]  # the same global batch everywhere; each rank takes its half
     mine = pairs[rank::world_size]
     micro_batches = [script.collate([p], tokenizer.pad_token_id) for p in mine]
-    model = script.build_policy(cfg, Path(model_dir), mesh, dist_info.device)
+    model = script.setup_model(cfg, Path(model_dir), mesh, dist_info.device)
     reference = script.build_reference(cfg, Path(model_dir), mesh, dist_info.device)
     dp = mesh["dp_shard"]
     pre_cfg = dataclasses.replace(cfg, ref_mode="precomputed")

@@ -34,7 +34,7 @@ def _grads(rank, world_size, model_dir, data_path):
     micro_batches = [
         script.collate(mine[i : i + 2], tokenizer.pad_token_id) for i in range(0, len(mine), 2)
     ]
-    model = script.build_sft_model(cfg, Path(model_dir), mesh, dist_info.device)
+    model = script.setup_model(cfg, Path(model_dir), mesh, dist_info.device)
     before = {n: full_tensor(p.detach()).clone() for n, p in model.named_parameters()}
     opt = torch.optim.SGD(model.parameters(), lr=1.0)  # update == gradient
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)

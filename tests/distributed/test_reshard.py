@@ -50,7 +50,7 @@ def _load_then_resume(rank, world_size, checkpoint, argv):
     script = import_script(SFT, "sft_reshard")
     cfg = script.parse_config(script.Config, argv)
     dist_info, mesh = script.setup_distributed(cfg)
-    model = script.build_sft_model(cfg, Path(cfg.model), mesh, dist_info.device)
+    model = script.setup_model(cfg, Path(cfg.model), mesh, dist_info.device)
     optimizer, scheduler = script.build_optimizer(cfg, model)
     state = load_train_state(checkpoint, model, optimizer, scheduler)
     params = {n: full_tensor(p.detach()).clone() for n, p in model.named_parameters()}

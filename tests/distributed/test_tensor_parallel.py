@@ -2,7 +2,7 @@
 HSDP (2x2) and TP + FSDP (2x2), each with loss parallel on the plain `logits_mask` loss and on the
 linear cross-entropy (`--tricks lce`), for a tied Llama and an untied Qwen3 (q/k norm, biases).
 
-Each configuration runs the script's own `setup_distributed`, `build_sft_model` (TP plan, FSDP,
+Each configuration runs the script's own `setup_distributed`, `setup_model` (TP plan, FSDP,
 HF load) and `train_step` (token counts and loss over mesh["dp"]) for 3 SGD steps on the same
 global batch; the reference is the same script at world size 1. SGD makes the parameter update
 the gradient itself, so equal parameters after every step mean equal gradients.
@@ -42,7 +42,7 @@ def run_case(script_path: str, model_dir: str, dp_replicate: int, tp: int) -> di
         script.collate(rows[i : i + 2], pad_token_id=0, pad_to_multiple_of=tp)
         for i in range(0, len(rows), 2)
     ]
-    model = script.build_sft_model(cfg, Path(model_dir), mesh, dist_info.device)
+    model = script.setup_model(cfg, Path(model_dir), mesh, dist_info.device)
     tied = model.args.tie_word_embeddings
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
     if tp > 1:  # vocab-sharded over tp (loss parallel), whatever FSDP adds on the dp dims

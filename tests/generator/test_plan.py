@@ -434,7 +434,7 @@ def _real_grpo_lora_rank(rank, world_size, spec_json, model_dir, tmp, kl_coef):
 def test_grpo_lora_trainer_simulation_matches_real_steps(
     process_group, tiny_real_vocab_dir, tmp_path
 ):
-    """grpo-lora's build_policy (adapters on meta, base frozen), build_optimizer and two
+    """grpo-lora's setup_model (adapters on meta, base frozen), build_optimizer and two
     train_steps: simulated = real, per category, at 1 rank (LoRA, DoRA, and kl_coef > 0, whose
     reference is the policy with its adapters off: no second model) and on each of 2 gloo ranks
     (kl_coef > 0). Gradients and optimizer state are the adapters' only: fp32 gradients of the

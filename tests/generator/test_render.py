@@ -213,8 +213,8 @@ def test_new_writes_spec_and_base_and_refuses_overwrite(tmp_path):
         (["--dtype", "fp16"], "--dtype 'fp16'; valid: bf16, fp32"),
         (["--gpus", "0"], "--gpus 0 and --nodes 1 must both be >= 1"),
         (["--peft", "dora"], "--peft dora needs an adapter algorithm (--algo lora or qlora or"),
-        (["--algo", "dpo", "--tricks", "lce"], "--algo dpo does not take --tricks lce"),
-        (["--algo", "kd", "--tricks", "lce"], "valid for kd: ac, optim-in-bwd, adamw8bit"),
+        (["--algo", "dpo", "--tricks", "packing"], "--algo dpo does not take --tricks packing: not built"),
+        (["--algo", "kd", "--tp", "2", "--gpus", "2"], "--algo kd with --tp 2: the TP and CP plans"),
         (["--algo", "qlora", "--peft", "vera"], "--peft 'vera'; valid: lora, dora"),
         (
             ["--ep", "2", "--gpus", "2"],
@@ -231,7 +231,7 @@ def test_new_writes_spec_and_base_and_refuses_overwrite(tmp_path):
         ),
         (
             ["--model", "qwen3-30b-a3b", "--ep", "2", "--gpus", "2", "--algo", "lora"],
-            "--ep 2 is available for --algo sft only (got --algo lora)",
+            "--algo lora with --ep 2: expert parallel is built and tested on full-parameter SFT only",
         ),
         (
             ["--model", "qwen3-30b-a3b", "--ep", "2", "--gpus", "2", "--tricks", "optim-in-bwd"],
@@ -263,10 +263,13 @@ def test_list_and_help():
     assert "sft" in listed.output and "ac" in listed.output
     assert "lora" in listed.output and "qlora" in listed.output and "dora" in listed.output
     assert "0.13B" in listed.output  # smollm2-135m: 134.5 M parameters
-    algos = runner.invoke(cli, ["list", "algos"]).output.splitlines()
-    dpo = algos.index(next(line for line in algos if line.split()[:1] == ["dpo"]))
-    assert algos[dpo + 1].split() == ["tricks:", "ac,", "adamw8bit", "only"]  # what dpo takes
-    assert not algos[1].strip().startswith("tricks:")  # sft takes every trick: no line
+    support = runner.invoke(cli, ["list", "support"]).output.splitlines()
+    header = support[1].split()
+    assert header == ["sft", "lora", "qlora", "dpo", "dpo-lora", "grpo", "grpo-lora", "kd"]
+    rows = {line.split()[0]: line.split()[1:] for line in support[2:] if not line.strip().startswith("no:")}
+    assert rows["lce"] == ["yes"] * 8 and rows["optim-in-bwd"] == ["yes"] * 8
+    assert rows["packing"] == ["yes", "yes", "yes", "no", "no", "no", "no", "yes"]
+    assert any(line.strip().startswith("no: packing with dpo, dpo-lora: not built") for line in support)
     helped = runner.invoke(cli, ["new", "--help"])
     assert helped.exit_code == 0 and "--model" in helped.output and "--tricks" in helped.output
 
@@ -304,7 +307,9 @@ def test_preference_and_distillation_algorithms_render_their_parts():
     assert "add_lora(" in lora and "save_adapter(" in lora
     kd = render(Spec(algo="kd", out="o"))
     assert kd.startswith('"""Knowledge distillation into smollm2-135m')
-    assert "def load_teacher(" in kd and "chunked_kd_loss(" in kd and "check_same_tokenizer(" in kd
+    assert "def load_teacher(" in kd and "kd_kl_sum(" in kd and "check_same_tokenizer(" in kd
+    kd_lce = render(Spec(algo="kd", tricks=("lce",), out="o"))
+    assert "chunked_kd_loss(" in kd_lce and "kd_kl_sum(" not in kd_lce
     assert render(Spec(out="o")).count("load_teacher") == 0
 
 
@@ -321,8 +326,8 @@ def test_grpo_renders_its_skeleton_and_engine_choice():
     assert 'engine: str = "vllm"' in big and "torchrun --nproc-per-node 8" in big
     with_ac = render(Spec(algo="grpo", tricks=("ac",), dataset="chain_sum.jsonl", out="o"))
     assert "checkpoint(layer)" in with_ac
-    with pytest.raises(SpecError, match="--algo grpo does not take --tricks lce"):
-        render(Spec(algo="grpo", tricks=("lce",), out="o"))
+    with pytest.raises(SpecError, match="--algo grpo does not take --tricks packing"):
+        render(Spec(algo="grpo", tricks=("packing",), out="o"))
 
 
 def test_new_picks_the_algorithms_demo_dataset(tmp_path):
@@ -341,7 +346,6 @@ def test_expert_parallel_renders_only_with_ep(tmp_path):
     for line in (
         "    ep: int = 8  # expert-parallel degree",
         '    fsdp_kwargs["ignored_params"] = apply_expert_parallel(model, mesh["dp_shard"])',
-        "    grad_norm = clip_grad_norm(model, max_norm)",
     ):
         assert line in text, line
     assert "--ep 8" in spec.command()

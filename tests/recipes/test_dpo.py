@@ -15,7 +15,7 @@ import torch
 
 from generator.assets import ensure_dataset
 from runtime import Tokenizer, to_preference
-from tests.helpers import import_script
+from tests.helpers import first_short_pairs, import_script
 
 REPO = Path(__file__).resolve().parents[2]
 TRL_METRICS = (
@@ -36,37 +36,10 @@ def dpo_lora_script():
     )
 
 
-def _first_short_pairs(tmp: Path, tokenizer_dir: Path, max_tokens: int) -> Path:
-    """The first 4 real dpo_en_demo pairs whose prompt + reply both fit in `max_tokens` tokens of
-    the tokenizer in `tokenizer_dir` (its chat template included)."""
-    rows = json.loads(ensure_dataset("dpo_en_demo.json").read_text())
-    tokenizer = Tokenizer.from_dir(tokenizer_dir)
-    kept = []
-    for i, row in enumerate(rows):
-        pref = to_preference(row, i, "dpo_en_demo.json")
-        lengths = [
-            len(tokenizer.encode(tokenizer.apply_chat_template(pref["prompt"] + pref[k])))
-            for k in ("chosen", "rejected")
-        ]
-        if max(lengths) <= max_tokens:
-            kept.append(row)
-    assert len(kept) >= 4, f"only {len(kept)} short pairs"
-    path = tmp / "short_pairs.json"
-    path.write_text(json.dumps(kept[:4]))
-    return path
-
-
-@pytest.fixture(scope="module")
-def short_pairs(tmp_path_factory, tiny_model_dir) -> Path:
-    """For the tiny model: 4 pairs within 192 tokens of its 512-token tokenizer (about 2x the
-    real tokenizer's counts)."""
-    return _first_short_pairs(tmp_path_factory.mktemp("pairs"), tiny_model_dir, 192)
-
-
 @pytest.fixture(scope="module")
 def real_short_pairs(tmp_path_factory, smollm2_dir) -> Path:
     """For the real SmolLM2: 4 pairs within 128 tokens of its tokenizer."""
-    return _first_short_pairs(tmp_path_factory.mktemp("real_pairs"), smollm2_dir, 128)
+    return first_short_pairs(tmp_path_factory.mktemp("real_pairs"), smollm2_dir, 128)
 
 
 @pytest.mark.fast
@@ -102,7 +75,7 @@ def _setup(script, model_dir, data, **overrides):
     dist_info, mesh = script.setup_distributed(cfg)
     tokenizer = Tokenizer.from_dir(model_dir)
     train_set, _ = script.build_datasets(cfg, tokenizer)
-    model = script.build_policy(cfg, Path(model_dir), mesh, dist_info.device)
+    model = script.setup_model(cfg, Path(model_dir), mesh, dist_info.device)
     batch = script.collate(train_set[:2], tokenizer.pad_token_id)
     return cfg, mesh, tokenizer, train_set, model, batch, dist_info.device
 

@@ -168,7 +168,7 @@ def test_weight_sync_from_fsdp_policy(grpo_script, ray_session, even_model_dir):
     a fixed sequence exactly as the trainer's completion_logprobs do."""
     ray, cfg = ray_session, grpo_script.Config(dtype="fp32", device="cpu")
     _, mesh = grpo_script.setup_distributed(cfg)  # a 1-process group, removed after the test
-    model = grpo_script.build_policy(cfg, even_model_dir, mesh, torch.device("cpu"))
+    model = grpo_script.setup_model(cfg, even_model_dir, mesh, torch.device("cpu"))
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -206,7 +206,7 @@ def test_weight_transfer_option_is_checked_alone(grpo_script):
 def test_bf16_reference_is_stored_in_bf16_with_unchanged_logprobs(
     grpo_script, even_model_dir, monkeypatch
 ):
-    """kl_coef > 0, dtype bf16: the frozen reference (build_policy(trainable=False)) is stored in
+    """kl_coef > 0, dtype bf16: the frozen reference (setup_frozen_model) is stored in
     bf16, and its completion log-probs equal those of a reference kept in fp32
     (`cast_frozen_params` disabled): FSDP computes with bf16 weights either way."""
     s = grpo_script
@@ -215,7 +215,7 @@ def test_bf16_reference_is_stored_in_bf16_with_unchanged_logprobs(
     batch = collate_rollouts([[1, 2, 3, 4, 5]], [[10, 11, 12, 13]], pad_token_id=0)
 
     def reference_logprobs():
-        reference = s.build_policy(cfg, even_model_dir, mesh, torch.device("cpu"), trainable=False)
+        reference = s.setup_frozen_model(cfg, even_model_dir, mesh, torch.device("cpu"))
         dtypes = {p.dtype for p in reference.parameters()}  # before a forward leaves some gathered
         with torch.no_grad():
             return dtypes, completion_logprobs(reference, batch["input_ids"], batch["labels"])
@@ -272,7 +272,7 @@ def test_adamw8bit_step_matches_adamw(grpo_script, even_model_dir, tmp_path):
     advantages, _ = group_advantages(torch.tensor(rewards), 4)
     moved = {}
     for name, script in (("adamw", grpo_script), ("adamw8bit", script8)):
-        model = script.build_policy(cfg, even_model_dir, mesh, torch.device("cpu"))
+        model = script.setup_model(cfg, even_model_dir, mesh, torch.device("cpu"))
         before = {k: v.detach().clone() for k, v in model.named_parameters()}
         optimizer, scheduler = script.build_optimizer(cfg, model)
         metrics = script.train_step(model, None, optimizer, scheduler, rollouts, advantages, 24, 2, cfg, torch.device("cpu"))  # fmt: skip

@@ -72,7 +72,7 @@ def _train(script, model_dir: Path, steps: int = 3, **overrides):
     cfg = script.Config(**{**settings, **overrides})
     script.validate(cfg, [even_token_reward])
     _, mesh = script.setup_distributed(cfg)  # a 1-process group, removed after the test
-    model = script.build_policy(cfg, model_dir, mesh, torch.device("cpu"))
+    model = script.setup_model(cfg, model_dir, mesh, torch.device("cpu"))
     optimizer, scheduler = script.build_optimizer(cfg, model)
     optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
     adapters = {id(p) for n, p in model.named_parameters() if is_adapter_param(n)}
@@ -197,7 +197,7 @@ def _merged_state(rank, world_size, model_dir: str) -> dict:
     s = import_script(path, "grpo_lora_smollm2_dist")
     cfg = s.Config(model=model_dir, dtype="fp32", device="cpu", use_dora=True)
     _, mesh = s.setup_distributed(cfg)
-    model = s.build_policy(cfg, Path(model_dir), mesh, torch.device("cpu"))
+    model = s.setup_model(cfg, Path(model_dir), mesh, torch.device("cpu"))
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -41,7 +41,7 @@ def test_kd_loss_mixes_ce_and_kl(kd_script, tiny_model_dir, small_dataset, kd_lo
     dist_info, mesh = s.setup_distributed(cfg)
     tokenizer = Tokenizer.from_dir(tiny_model_dir)
     train_set, _ = s.build_datasets(cfg, tokenizer)
-    model = s.build_sft_model(cfg, Path(tiny_model_dir), mesh, dist_info.device)
+    model = s.setup_model(cfg, Path(tiny_model_dir), mesh, dist_info.device)
     batch = s.collate(train_set[:2], tokenizer.pad_token_id)
     with torch.no_grad():
         logits = model(batch["input_ids"])  # [B, S, V] dense reference
@@ -49,7 +49,7 @@ def test_kd_loss_mixes_ce_and_kl(kd_script, tiny_model_dir, small_dataset, kd_lo
         torch.testing.assert_close(s.sft_loss(model, batch, cfg), ce)
         cfg.kd_ratio, cfg.kd_temperature = 0.7, 2.0
         torch.testing.assert_close(s.sft_loss(model, batch, cfg), 0.3 * ce, atol=1e-4, rtol=1e-5)
-        # the teacher is built once (in build_sft_model) and reused by every loss call
+        # the teacher is built once (in setup_model) and reused by every loss call
         teacher = s.load_teacher(cfg.teacher, s.teacher_repo_id(cfg), cfg.dtype, "cpu")
         assert teacher is s.load_teacher(cfg.teacher, s.teacher_repo_id(cfg), cfg.dtype, "cpu")
         assert not any(p.requires_grad for p in teacher.parameters())

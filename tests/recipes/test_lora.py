@@ -46,7 +46,7 @@ def _setup(script, model_dir, data, **overrides):
     dist_info, mesh = script.setup_distributed(cfg)
     tokenizer = Tokenizer.from_dir(model_dir)
     train_set, _ = script.build_datasets(cfg, tokenizer)
-    model = script.build_sft_model(cfg, Path(model_dir), mesh, dist_info.device)
+    model = script.setup_model(cfg, Path(model_dir), mesh, dist_info.device)
     optimizer, scheduler = script.build_optimizer(cfg, model)
     mbs = cfg.micro_batch_size
     batches = [

@@ -87,7 +87,7 @@ def test_gradient_accumulation_equals_one_big_batch(sft_script, tiny_model_dir, 
     assert len(long[0]["input_ids"]) > 3 * len(short[0]["input_ids"])
     results = []
     for micro_batches in ([short, long], [short + long]):
-        model = sft_script.build_sft_model(cfg, tiny_model_dir, mesh, dist_info.device)
+        model = sft_script.setup_model(cfg, tiny_model_dir, mesh, dist_info.device)
         before = {n: full_tensor(p.detach()).clone() for n, p in model.named_parameters()}
         opt = torch.optim.SGD(model.parameters(), lr=1.0)  # SGD lr=1: the update is the gradient
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)

@@ -128,7 +128,7 @@ def test_activation_checkpointing_saves_less(tiny_model_dir):
             enable_activation_checkpointing=enabled,
         )
         dist_info, mesh = script.setup_distributed(cfg)
-        model = script.build_sft_model(cfg, tiny_model_dir, mesh, dist_info.device)
+        model = script.setup_model(cfg, tiny_model_dir, mesh, dist_info.device)
         total, inside = [0], [False]  # count only what the transformer blocks save
 
         def pack(t, total=total, inside=inside):
@@ -197,7 +197,7 @@ def _script_setup(script, model_dir, data, **overrides):
     dist_info, mesh = script.setup_distributed(cfg)
     tokenizer = script.Tokenizer.from_dir(model_dir)
     train_set, _ = script.build_datasets(cfg, tokenizer)
-    model = script.build_sft_model(cfg, model_dir, mesh, dist_info.device)
+    model = script.setup_model(cfg, model_dir, mesh, dist_info.device)
     return cfg, dist_info.device, tokenizer, train_set, model
 
 

@@ -1,0 +1,205 @@
+"""The compatibility matrix: every algorithm takes every trick its support table allows, and the
+math-preserving tricks give that algorithm's plain-script losses and gradient norms.
+
+The SFT skeleton's full sweep is tests/recipes/test_tricks.py; this file runs the other
+algorithms (LoRA, QLoRA, KD on the SFT skeleton; DPO and GRPO on theirs) with the tricks that
+used to be refused there. Pairwise coverage on CPU: each of ac, lce, optim-in-bwd alone, the
+three together, and the three with each low-bit optimizer (every pair of the five tricks runs in
+at least one set); compile once per skeleton in a fresh process; packing against unpacked on the
+same documents where the table says yes. offload is CUDA-only and refused on CPU runs
+(tests/recipes/test_tricks.py checks the refusal).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from generator.features import ALGOS, TRICKS, refusal
+from generator.render import render
+from generator.spec import Spec, SpecError
+from tests.helpers import import_script, read_metrics, two_step_args
+
+REPO = Path(__file__).resolve().parents[2]
+EXACT_SETS = [("ac",), ("lce",), ("optim-in-bwd",), ("ac", "lce", "optim-in-bwd")]
+LOW_BIT = ("adamw8bit", "adamw4bit")
+STACKS = [("ac", "lce", "optim-in-bwd", low) for low in LOW_BIT]
+ALGOS_HERE = ("lora", "qlora", "kd", "dpo", "dpo-lora", "grpo", "grpo-lora")
+
+
+def _script(tmp: Path, algo: str, tricks: tuple) -> object:
+    """Render `algo` with `tricks` into tmp and import it (a fresh module per set)."""
+    path = tmp / f"{algo}_{'_'.join(tricks) or 'plain'}.py"
+    path.write_text(render(Spec(algo=algo, tricks=tricks, out="run")))
+    return import_script(path, "compose_" + path.stem.replace("-", "_"))
+
+
+def _offline_two_steps(script, algo, tmp, model_dir, data) -> list[tuple[float, float]]:
+    """(loss, grad_norm) of 2 steps of main(): 2 micro-batches per step, clipping on, fp32."""
+    out = tmp / "out"
+    args = two_step_args(out, model_dir, data, max_seq_len=192 if ALGOS[algo].skeleton == "dpo" else 64)
+    if ALGOS[algo].skeleton == "dpo":  # 4 pairs: 2 steps of 2 micro-batches of 1 pair
+        args[args.index("--micro_batch_size") + 1] = "1"
+    if algo == "kd":
+        args += ["--teacher", str(model_dir), "--teacher_hf_repo_id", ""]
+    if algo in ("lora", "qlora", "dpo-lora"):
+        args += ["--lora_rank", "4"]
+    script.main(args)
+    return [(row["loss"], row["grad_norm"]) for row in read_metrics(out)]
+
+
+def _rollouts():
+    """8 fixed rollouts of 2 groups (prompt, completion, sampler log-probs, reward)."""
+    from runtime.grpo import group_advantages
+    from runtime.rollout import Rollout
+
+    rewards = [1.0, 0.0, 0.5, 0.0, 1.0, 1.0, 0.0, 0.25]
+    rollouts = [
+        Rollout([1, 2, 3 + i], [10 + i, 20, 30 + 2 * i], [-1.0] * 3, r, {}, 0, i // 4)
+        for i, r in enumerate(rewards)
+    ]
+    advantages, _ = group_advantages(torch.tensor(rewards), 4)
+    return rollouts, advantages
+
+
+def grpo_two_steps(script, model_dir: Path) -> list[tuple[float, float]]:
+    """(loss, grad_norm) of 2 GRPO train_steps on the same 8 fixed rollouts, 2 micro-batches
+    each, kl_coef 0.1 (the reference's log-probs too), clipping on, fp32 (no Ray: the step only)."""
+    cfg = script.Config(
+        model=str(model_dir), dtype="fp32", device="cpu", lr=1e-3, warmup_steps=0,
+        micro_batch_size=4, kl_coef=0.1, max_prompt_len=8, max_new_tokens=8,
+    )  # fmt: skip
+    if hasattr(cfg, "lora_rank"):
+        cfg.lora_rank = 4
+    script.validate(cfg)
+    _, mesh = script.setup_distributed(cfg)
+    device = torch.device("cpu")
+    model = script.setup_model(cfg, model_dir, mesh, device)
+    reference = None
+    if hasattr(script, "setup_frozen_model"):
+        reference = script.setup_frozen_model(cfg, model_dir, mesh, device)
+    optimizer, scheduler = script.build_optimizer(cfg, model)
+    rollouts, advantages = _rollouts()
+    num_tokens = sum(len(r.completion_ids) for r in rollouts)
+    out = []
+    for _ in range(2):
+        m = script.train_step(model, reference, optimizer, scheduler, rollouts, advantages, num_tokens, 2, cfg, device)  # fmt: skip
+        out.append((m["loss"], m["grad_norm"]))
+    script.destroy_distributed()
+    return out
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, tiny_model_dir, small_dataset, short_pairs):
+    """run(algo, tricks) -> [(loss, grad_norm)] x 2, cached per (algo, tricks)."""
+    cache: dict = {}
+
+    def get(algo: str, tricks: tuple) -> list[tuple[float, float]]:
+        key = (algo, tricks)
+        if key not in cache:
+            tmp = tmp_path_factory.mktemp(f"{algo}_{'_'.join(tricks) or 'plain'}")
+            script = _script(tmp, algo, tricks)
+            torch.manual_seed(0)
+            if ALGOS[algo].skeleton == "grpo":
+                cache[key] = grpo_two_steps(script, tiny_model_dir)
+            else:
+                data = short_pairs if ALGOS[algo].skeleton == "dpo" else small_dataset
+                cache[key] = _offline_two_steps(script, algo, tmp, tiny_model_dir, data)
+        return cache[key]
+
+    return get
+
+
+def _close(got: list, want: list, atol: float = 1e-5) -> bool:
+    """Every (loss, grad_norm) of `got` within atol of `want` (relative above 1)."""
+    pairs = [gw for step in zip(got, want, strict=True) for gw in zip(*step, strict=True)]
+    return all(abs(g - w) <= atol * max(1.0, abs(w)) for g, w in pairs)
+
+
+@pytest.mark.parametrize("algo", ALGOS_HERE)
+@pytest.mark.parametrize("tricks", EXACT_SETS, ids="+".join)
+def test_exact_tricks_give_the_plain_losses_and_gradients(algo, tricks, run):
+    """ac, lce and optim-in-bwd change memory, not the math: the 2 steps' losses and gradient
+    norms (step 2's loss also checks step 1's update) equal the plain script's within 1e-5."""
+    plain, got = run(algo, ()), run(algo, tricks)
+    assert plain[1][0] != plain[0][0]  # the plain script trains: step 2 sees the update
+    assert _close(got, plain), (algo, tricks, got, plain)
+
+
+@pytest.mark.parametrize("algo", ALGOS_HERE)
+@pytest.mark.parametrize("tricks", STACKS, ids="+".join)
+def test_low_bit_stacks_match_their_optimizer_alone(algo, tricks, run):
+    """With a low-bit AdamW the exact tricks still change nothing (1e-5 against the low-bit
+    optimizer alone); the low-bit optimizer itself equals fp32 AdamW before its first update and
+    differs by the quantization of the moments after it (2e-3 on the loss)."""
+    low = tricks[-1]
+    alone, plain, got = run(algo, (low,)), run(algo, ()), run(algo, tricks)
+    assert _close(got, alone), (algo, tricks, got, alone)
+    assert alone[0] == pytest.approx(plain[0], abs=1e-5)
+    assert alone[1][0] == pytest.approx(plain[1][0], abs=2e-3)
+
+
+def test_every_pair_of_the_swept_tricks_runs_with_every_algorithm():
+    """The sets above cover every pair of ac, lce, optim-in-bwd and a low-bit optimizer (the two
+    low-bit ones refuse each other) for every algorithm here."""
+    swept = ("ac", "lce", "optim-in-bwd", *LOW_BIT)
+    sets = [*EXACT_SETS, *STACKS]
+    for a in swept:
+        for b in swept:
+            if a < b and {a, b} != set(LOW_BIT):
+                assert any(a in s and b in s for s in sets), (a, b)
+
+
+@pytest.mark.parametrize("algo", ["kd", "dpo", "grpo"])
+def test_compile_gives_the_plain_losses(algo, tmp_path, tiny_model_dir, small_dataset, short_pairs):
+    """Per-block torch.compile, once per skeleton family, in a fresh process (inductor's caches and
+    config stay out of this one): the plain script's losses and gradient norms within 1e-5."""
+    results = {}
+    for tricks in ((), ("compile",)):
+        path = tmp_path / f"{algo}_{'_'.join(tricks) or 'plain'}.py"
+        path.write_text(render(Spec(algo=algo, tricks=tricks, out="run")))
+        driver = (
+            "import json, sys; from pathlib import Path; sys.path.insert(0, {repo!r})\n"
+            "from tests.helpers import import_script\n"
+            "from tests.recipes import test_compose as t\n"
+            "s = import_script(Path({path!r}), 'driver_script')\n"
+            "if {grpo}: r = t.grpo_two_steps(s, Path({model!r}))\n"
+            "else: r = t._offline_two_steps(s, {algo!r}, Path({tmp!r}), Path({model!r}), Path({data!r}))\n"
+            "print('RESULT', json.dumps(r))\n"
+        ).format(
+            repo=str(REPO), path=str(path), grpo=ALGOS[algo].skeleton == "grpo", algo=algo,
+            tmp=str(tmp_path / ("t_" + "_".join(tricks))), model=str(tiny_model_dir),
+            data=str(short_pairs if algo == "dpo" else small_dataset),
+        )  # fmt: skip
+        (tmp_path / ("t_" + "_".join(tricks))).mkdir()
+        proc = subprocess.run(
+            [sys.executable, "-c", driver], capture_output=True, text=True, timeout=900, cwd=REPO
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
+        results[tricks] = [tuple(x) for x in json.loads(line[len("RESULT ") :])]
+    assert _close(results[("compile",)], results[()]), results
+
+
+@pytest.mark.fast
+def test_every_refused_pair_names_its_reason():
+    """Every (algorithm, trick) the table refuses is refused by `scaffold new`'s validation with
+    the table's reason; every other single trick renders (offload too: it is refused at run time
+    on CPU, by the script)."""
+    for algo in ALGOS:
+        for trick in TRICKS:
+            why = refusal(trick, algo)
+            if why:
+                with pytest.raises(SpecError, match="does not take --tricks " + trick):
+                    render(Spec(algo=algo, tricks=(trick,), out="run"))
+                try:
+                    render(Spec(algo=algo, tricks=(trick,), out="run"))
+                except SpecError as e:
+                    assert why in str(e)
+            else:
+                assert render(Spec(algo=algo, tricks=(trick,), out="run"))
