@@ -89,7 +89,7 @@ def tracker_child(script: str, argv: list[str]) -> None:
     model_dir = s.resolve_model_dir(cfg.model, cfg.hf_repo_id)
     tokenizer = s.Tokenizer.from_dir(model_dir)
     train_set, _ = s.build_datasets(cfg, tokenizer)
-    model = s.build_sft_model(cfg, model_dir, mesh, dist_info.device)
+    model = s.setup_model(cfg, model_dir, mesh, dist_info.device)
     optimizer, scheduler = s.build_optimizer(cfg, model)
     loader = s.build_dataloader(cfg, train_set, tokenizer.pad_token_id, 0, 1, train=True)
     batches = s.infinite_batches(loader)

@@ -5,7 +5,7 @@ Adding a trick or an algorithm = one `templates/features/<name>.py.jinja` (macro
 slots it fills, see `generator.render.SLOTS`) plus one entry here. Each skeleton
 (`templates/recipes/<skeleton>.py.jinja`, built from the partials in `templates/recipes/shared/`)
 calls the slots of the algorithm's template first, then those of the enabled tricks in the order
-of `TRICKS`. An algorithm without a template is its skeleton's defaults. `SUPPORT` is the one table
+of `TRICKS`. An algorithm without a template is its skeleton's defaults. `REFUSED` (with `refusal` and `support_table`) is the one table
 of which trick and which parallel plan works with which algorithm, and why not where it does not.
 """
 

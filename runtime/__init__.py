@@ -11,14 +11,16 @@ from runtime.checkpoint import (
     read_hf_config,
     save_hf_checkpoint,
 )
-from runtime.config import ConfigError
+from runtime.config import ConfigError, entry_point
 from runtime.config import parse as parse_config
+from runtime.config_checks import common_config_errors
 from runtime.context_parallel import (
     apply_context_parallel,
     context_parallel_chunks,
     shard_for_context_parallel,
 )
 from runtime.data import (
+    infinite_batches,
     load_rows,
     pad_with_unsupervised_copies,
     split_train_val,
@@ -27,7 +29,7 @@ from runtime.data import (
 )
 from runtime.dtensors import ComputedTensor
 from runtime.expert_parallel import apply_expert_parallel
-from runtime.generate import generate
+from runtime.generate import generate, sample
 from runtime.grpo import (
     collate_rollouts,
     completion_logprobs,
@@ -108,6 +110,7 @@ from runtime.train_state import (
     load_train_state,
     read_checkpoint_config,
     resolve_resume,
+    resume_training,
     save_train_state,
 )
 
@@ -129,6 +132,11 @@ __all__ = [
     "make_reward_workers",
     "scatter_completion_values",
     "clip_grad_norm",
+    "common_config_errors",
+    "entry_point",
+    "infinite_batches",
+    "resume_training",
+    "sample",
     "apply_expert_parallel",
     "IGNORE_INDEX",
     "LORA_TARGET_MODULES",

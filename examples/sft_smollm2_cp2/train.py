@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
@@ -53,33 +53,33 @@ from runtime import (
     ModelArgs,
     ResumableDistributedSampler,
     Tokenizer,
-    TrainState,
     all_reduce_sum,
     apply_context_parallel,
     build_mesh,
     build_model,
     check_vocab_fits,
+    clip_grad_norm,
+    common_config_errors,
     copy_tokenizer_files,
     cosine_schedule_with_warmup,
     cross_entropy_sum,
     destroy_distributed,
     disable_fsdp_gradient_division,
-    generate,
+    entry_point,
     hub_repo_id,
+    infinite_batches,
     init_distributed,
     load_hf_checkpoint,
     load_rows,
-    load_train_state,
-    logger_errors,
     pad_with_unsupervised_copies,
     parse_config,
     peak_memory_mib,
     prepare_out_dir,
-    read_checkpoint_config,
     read_hf_config,
     resolve_data_path,
     resolve_model_dir,
-    resolve_resume,
+    resume_training,
+    sample,
     save_hf_checkpoint,
     save_train_state,
     shard_for_context_parallel,
@@ -133,47 +133,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 def validate(cfg: Config) -> None:
     """Check every field and combination at once, before any model or data work."""
-    errors = []
     world_size = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's; 1 for `python train.py`
-    if cfg.dp_replicate < 1 or world_size % cfg.dp_replicate:
-        errors.append(
-            f"dp_replicate={cfg.dp_replicate}: must divide the world size {world_size}; choose one of "
-            f"{[d for d in range(1, world_size + 1) if world_size % d == 0]}"
-        )
-    if cfg.dtype not in DTYPES:
-        errors.append(f"dtype={cfg.dtype!r}: choose one of {sorted(DTYPES)}")
-    if cfg.device not in ("auto", "cuda", "cpu"):
-        errors.append(f"device={cfg.device!r}: choose auto, cuda or cpu")
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        errors.append("device='cuda' but torch sees no CUDA device: use --device cpu (or auto)")
-    for name in ("max_seq_len", "micro_batch_size", "gradient_accumulation_steps", "max_steps"):
-        if getattr(cfg, name) < 1:
-            errors.append(f"{name}={getattr(cfg, name)}: must be >= 1")
-    if not 0 <= cfg.warmup_steps <= cfg.max_steps:
-        errors.append(
-            f"warmup_steps={cfg.warmup_steps}: must be in [0, max_steps={cfg.max_steps}] (a run shorter than the warmup needs --warmup_steps too, e.g. --warmup_steps 0)"
-        )
-    if cfg.lr <= 0:
-        errors.append(f"lr={cfg.lr}: must be > 0")
-    if cfg.max_grad_norm < 0:
-        errors.append(f"max_grad_norm={cfg.max_grad_norm}: must be >= 0 (0 = no clipping)")
-    if len(cfg.betas) != 2:
-        errors.append(f"betas={cfg.betas}: AdamW's two floats, e.g. --betas 0.9,0.95")
-    if not 0 <= cfg.min_lr_ratio <= 1:
-        errors.append(f"min_lr_ratio={cfg.min_lr_ratio}: must be in [0, 1]")
-    if not 0 <= cfg.val_fraction < 1:
-        errors.append(f"val_fraction={cfg.val_fraction}: must be in [0, 1)")
-    for name in (
-        "log_every_steps",
-        "eval_every_steps",
-        "save_every_steps",
-        "sample_max_new_tokens",
-    ):
-        if getattr(cfg, name) < 0:
-            errors.append(f"{name}={getattr(cfg, name)}: must be >= 0")
-    if cfg.keep_last_checkpoints < 1:
-        errors.append(f"keep_last_checkpoints={cfg.keep_last_checkpoints}: must be >= 1")
-    errors += logger_errors(cfg.loggers)  # a missing wandb/tensorboard fails now, not at step 1
+    errors = common_config_errors(cfg)  # the fields every config has; a missing logger fails now
     if cfg.cp < 1 or world_size % (cfg.dp_replicate * cfg.cp):
         errors.append(
             f"cp={cfg.cp}, dp_replicate={cfg.dp_replicate}: their product must divide the world size "
@@ -217,9 +178,8 @@ def setup_distributed(cfg: Config):
 
 
 # === 4. Model ===
-def build_sft_model(cfg: Config, model_dir: Path, mesh, device: torch.device) -> torch.nn.Module:
-    """Build on meta (no memory), shard with FSDP2 (unless 1 process in fp32), then materialise
-    and load the HF weights."""
+def read_model_args(cfg: Config, model_dir: Path) -> ModelArgs:
+    """The model's dimensions from its config.json; max_seq_len must fit its position range."""
     model_args = ModelArgs.from_hf_config(
         read_hf_config(model_dir), source=str(model_dir / "config.json")
     )
@@ -228,12 +188,24 @@ def build_sft_model(cfg: Config, model_dir: Path, mesh, device: torch.device) ->
             f"max_seq_len={cfg.max_seq_len} exceeds the model's max_position_embeddings="
             f"{model_args.max_position_embeddings}; lower --max_seq_len"
         )
-    # on meta: no memory until FSDP has sharded it; HF module names, so keys equal the checkpoint's
-    model = build_model(model_args, device="meta")
-    # context parallel (applied with the other per-module plans, before AC, compile and FSDP): every
-    # cp rank holds chunks r and 2*cp-1-r of each row; each attention layer all-gathers the K/V of
-    # the local tokens over mesh["cp"] and attends causally by global position (Llama 3 sec. 3.3.2).
-    # Everything else is per token and runs on the local tokens as is.
+    return model_args
+
+
+def parallelize(
+    model: torch.nn.Module, cfg: Config, mesh, model_args: ModelArgs, trainable: bool = True
+) -> None:
+    """Apply the parallel plan and the memory tricks to `model` (still on meta), in place.
+
+    One fixed order, as torchtitan's `parallelize_llama`: tensor + sequence parallel, context
+    parallel, expert parallel, activation checkpointing or offloading, per-block compile, then
+    FSDP2 (every block, then the root); this script's plan and tricks use context parallel, FSDP2.
+    Each step wraps what the one before produced: compile must see the checkpoint wrappers, and
+    FSDP must wrap the compiled blocks. A frozen model (trainable=False: a reference) skips what
+    only a backward pass needs.
+    """
+    # context parallel: every cp rank holds chunks r and 2*cp-1-r of each row; each attention layer
+    # all-gathers the K/V of the local tokens over mesh["cp"] and attends causally by global
+    # position (Llama 3 sec. 3.3.2). Everything else is per token and runs on the local tokens.
     if cfg.cp > 1:
         apply_context_parallel(model, mesh["cp"].get_group())
     # fp32 parameters are the master weights; FSDP casts to param_dtype for compute and reduces
@@ -248,13 +220,24 @@ def build_sft_model(cfg: Config, model_dir: Path, mesh, device: torch.device) ->
     # A 1-process fp32 run is left unwrapped: nothing to shard or cast, and fully_shard's gather and
     # reduce copies cost ~25% of a step there (measured: 6.1-6.8 s vs 4.7-5.3 s, SmolLM2-135M,
     # 4 x 256 tokens). Everything below works on both plain and sharded (DTensor) parameters.
-    if fsdp_kwargs["mesh"].size() > 1 or cfg.dtype != "fp32":
+    if fsdp_mesh.size() > 1 or cfg.dtype != "fp32":
         # one FSDP unit per block: forward and backward gather one block's weights at a time
         for layer in model.model.layers:
             fully_shard(layer, **fsdp_kwargs)
         # root unit: embed_tokens, norm and lm_head together, so a tied lm_head stays one parameter
         fully_shard(model, **fsdp_kwargs)
-    disable_fsdp_gradient_division(model)  # the loss is already divided by the global token count
+        # forward_hidden runs FSDP's unshard hooks too, so lm_head.weight is whole when a chunked
+        # loss reads it
+        register_fsdp_forward_method(model, "forward_hidden")
+
+
+def setup_model(cfg: Config, model_dir: Path, mesh, device: torch.device) -> torch.nn.Module:
+    """The trained model: built on meta (no memory) with HF module names, parallelized, then
+    materialised on `device` and loaded from the HF checkpoint (each rank copies its shards)."""
+    model_args = read_model_args(cfg, model_dir)
+    model = build_model(model_args, device="meta")  # HF module names: keys equal the checkpoint's
+    parallelize(model, cfg, mesh, model_args)
+    disable_fsdp_gradient_division(model)  # the loss is already divided by the step's global count
     model.to_empty(device=device)
     model.init_rope()  # RoPE tables are buffers, not weights: compute them on the real device
     load_hf_checkpoint(model, model_dir)  # each rank copies its shard of every tensor
@@ -284,7 +267,8 @@ def build_optimizer(cfg: Config, model: torch.nn.Module):
     """AdamW over trainable parameters (decay on matrices only) and a warmup + cosine schedule."""
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]  # norms and biases: decay only shrinks them
+    # norms and biases: decay would only shrink them
+    no_decay = [p for p in params if p.ndim < 2]
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
@@ -387,24 +371,39 @@ def build_dataloader(
     )
 
 
-def infinite_batches(loader: DataLoader, epoch: int = 0, samples_consumed: int = 0):
-    """Yield ((epoch, samples_consumed), batch) forever, reshuffling every epoch.
-
-    samples_consumed counts the examples of the epoch's global order used by all data-parallel
-    ranks together, so a resumed run (also on another number of ranks) starts right after them;
-    the yielded position is the one after that batch, i.e. what a checkpoint saved right then must
-    record.
-    """
-    per_batch = loader.batch_size * loader.sampler.num_replicas  # one micro-batch on every rank
-    while True:
-        loader.sampler.set_position(epoch, samples_consumed)
-        for batch in loader:
-            samples_consumed += per_batch
-            yield (epoch, samples_consumed), batch
-        epoch, samples_consumed = epoch + 1, 0
-
-
 # === 9. train_step ===
+def backward_and_step(
+    model, optimizer, scheduler, micro_batches: list, loss_fn, cfg: Config
+) -> tuple[dict, torch.Tensor, float]:
+    """Backward through every micro-batch, clip the global gradient norm, step, advance the schedule.
+
+    Args:
+        micro_batches: what `loss_fn` takes, one per backward.
+        loss_fn: micro_batch -> (loss, stats): a scalar already divided by the step's global
+            count (so the micro-batches' gradients add up to the step's), and a dict of detached
+            scalar tensors to sum over the micro-batches (metrics).
+
+    Returns:
+        (the summed stats plus "loss", the global gradient norm before clipping (a plain fp32
+        scalar, also under FSDP), the lr the step used). A non-finite gradient norm skips the
+        update: the weights never see a NaN/inf, and main() stops without saving.
+    """
+    totals: dict = {}
+    for micro_batch in micro_batches:
+        loss, stats = loss_fn(micro_batch)
+        loss.backward()
+        for k, v in {"loss": loss.detach(), **stats}.items():
+            totals[k] = totals.get(k, 0) + v
+    # over plain tensors, FSDP shards (DTensor) and expert-parallel experts alike; 0 = measure only
+    grad_norm = clip_grad_norm(model, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
+    lr = float(scheduler.get_last_lr()[0])  # a tensor under torchao optimizers
+    if torch.isfinite(grad_norm):  # a NaN/inf gradient never reaches the weights; main() stops
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    return totals, grad_norm, lr
+
+
 def train_step(
     model,
     optimizer,
@@ -437,24 +436,18 @@ def train_step(
     global_inputs = all_reduce_sum(
         sum(mb["num_tokens"] for mb in micro_batches).to(device).float(), dp_group
     )
-    loss_sum = torch.zeros((), device=device)
-    for mb in micro_batches:
+    divisor = global_supervised.clamp(min=1)
+
+    def loss_fn(mb: dict) -> tuple[torch.Tensor, dict]:
         batch = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
-        loss = sft_loss(model, batch, cfg) / global_supervised.clamp(min=1)
-        loss.backward()
-        loss_sum += loss.detach()
-    max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP: the norm over all shards
-        grad_norm = grad_norm.full_tensor()
-    lr = float(scheduler.get_last_lr()[0])  # a tensor under torchao optimizers
-    if torch.isfinite(grad_norm):  # a NaN/inf gradient never reaches the weights; main() stops
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    scheduler.step()
+        return sft_loss(model, batch, cfg) / divisor, {}
+
+    totals, grad_norm, lr = backward_and_step(
+        model, optimizer, scheduler, micro_batches, loss_fn, cfg
+    )
     return {
         "sample_ids": torch.cat([mb["sample_ids"] for mb in micro_batches]).tolist(),  # this rank's
-        "loss": all_reduce_sum(loss_sum, dp_group).item(),
+        "loss": all_reduce_sum(totals["loss"], dp_group).item(),
         "grad_norm": grad_norm.item(),
         "lr": lr,
         "num_tokens": int(global_inputs.item()),
@@ -480,29 +473,11 @@ def evaluate(
     return (totals[0] / totals[1].clamp(min=1)).item()
 
 
-def sample(model, tokenizer: Tokenizer, prompt: str, max_new_tokens: int) -> str:
-    """Greedy reply to `prompt` with the chat template (every rank runs it: FSDP needs all ranks)."""
-    model.eval()
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], add_generation_prompt=True
-    )
-    (out,) = generate(
-        model,
-        [tokenizer.encode(text)],
-        max_new_tokens=max_new_tokens,
-        stop_token_ids=tokenizer.stop_token_ids,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    model.train()
-    return tokenizer.decode(out)
-
-
 def save(
     model, tokenizer: Tokenizer, model_dir: Path, cfg: Config, path: Path, is_main: bool
 ) -> None:
     """Hugging Face layout (config.json, model.safetensors, tokenizer files) plus the resolved config."""
-    hf_config = read_hf_config(model_dir)
-    save_hf_checkpoint(model, path, hf_config)  # gathers shards; rank 0 writes
+    save_hf_checkpoint(model, path, read_hf_config(model_dir))  # gathers shards; rank 0 writes
     if is_main:
         copy_tokenizer_files(model_dir, path)
         (path / "training_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
@@ -533,7 +508,7 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = Tokenizer.from_dir(model_dir)
     check_vocab_fits(tokenizer, model_dir)  # ids past the embedding table would fail mid-step
     train_set, val_set = build_datasets(cfg, tokenizer)
-    model = build_sft_model(cfg, model_dir, mesh, device)
+    model = setup_model(cfg, model_dir, mesh, device)
     optimizer, scheduler = build_optimizer(cfg, model)
     train_loader = build_dataloader(
         cfg, train_set, tokenizer.pad_token_id, dp_rank, dp_size, train=True
@@ -559,18 +534,9 @@ def main(argv: list[str] | None = None) -> dict:
             f"sequences (<= {global_batch * cfg.max_seq_len} tokens) | {dist_info.world_size} process(es) on {device.type}"
         )
     ckpt_dir = out_dir / "checkpoints"
-    state = TrainState()
-    resume_from = resolve_resume(cfg.resume, ckpt_dir)
-    if resume_from:
-        state = load_train_state(resume_from, model, optimizer, scheduler)
-        saved_cfg = read_checkpoint_config(resume_from)
-        changed = sorted(k for k, v in dataclasses.asdict(cfg).items() if saved_cfg.get(k) != v)
-        if is_main:
-            print(
-                f"resuming from {resume_from}: step {state.step}, epoch {state.epoch}, "
-                f"sample {state.samples_consumed}"
-                + (f"; config changed: {changed}" if changed else "")
-            )
+    state = resume_training(
+        cfg.resume, ckpt_dir, model, optimizer, scheduler, dataclasses.asdict(cfg), is_main
+    )
     batches = infinite_batches(train_loader, state.epoch, state.samples_consumed)
     progress = tqdm(
         range(state.step + 1, cfg.max_steps + 1),
@@ -607,8 +573,8 @@ def main(argv: list[str] | None = None) -> dict:
         if (cfg.eval_every_steps and step % cfg.eval_every_steps == 0) or (
             is_last and len(val_set)
         ):
-            metrics["val_loss"] = evaluate(
-                model, val_loader, cfg, device, dp_group, cp_rank, cp_size
+            metrics.update(
+                val_loss=evaluate(model, val_loader, cfg, device, dp_group, cp_rank, cp_size)
             )
         if is_main and (step % cfg.log_every_steps == 0 or is_last or "val_loss" in metrics):
             logger.log(metrics, step)
@@ -639,15 +605,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    # bad config, data, paths, checkpoints, disk, a non-finite loss: the message names what to fix
-    except (ValueError, OSError, FloatingPointError) as e:
-        if os.environ.get("SCAFFOLD_DEBUG"):
-            raise  # SCAFFOLD_DEBUG=1 python train.py ...: the full traceback
-        if isinstance(e, ConfigError) and int(os.environ.get("RANK", "0")) > 0:
-            # the same on every torchrun rank: rank 0 prints it. Exit later than rank 0, or torchrun
-            # may stop rank 0 (on this rank's failure) before its message is out
-            time.sleep(5)
-            raise SystemExit(1) from None
-        raise SystemExit(f"error: {' '.join(str(e).split())}") from None
+    # one-line errors (SCAFFOLD_DEBUG=1 for the traceback), printed once, with exit code 1
+    entry_point(main)

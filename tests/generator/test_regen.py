@@ -12,6 +12,7 @@ import difflib
 import functools
 import json
 import shutil
+import subprocess
 from collections import Counter
 from pathlib import Path
 
@@ -201,16 +202,18 @@ def test_template_change_merges_cleanly(tmp_path, monkeypatch):
     # "Template v2": a copy of templates/ with a changed default and a new comment in another section.
     v2 = tmp_path / "templates_v2"
     shutil.copytree(generator.render.templates_dir(), v2)
-    recipe = v2 / "recipes" / "sft.py.jinja"
-    text = recipe.read_text()
     for banner, note in [
         ("# === 6. Optimizer + LR schedule ===\n", "# v2: a new optimizer note\n"),
         ("# === 10. main ===\n", "# v2: a new note on main\n"),
         ("Launch:\n", "Launch (v2):\n"),
-    ]:
-        assert text.count(banner) == 1, banner
-        text = text.replace(banner, banner + note if note.startswith("#") else note)
-    recipe.write_text(text)
+    ]:  # each banner is in one template file (a skeleton's own, or a shared partial)
+        holders = [
+            f for f in (v2 / "recipes").rglob("*.jinja")
+            if banner in f.read_text() and (f.parent.name == "shared" or f.stem == "sft.py")
+        ]  # fmt: skip
+        assert len(holders) == 1 and holders[0].read_text().count(banner) == 1, (banner, holders)
+        text = holders[0].read_text()
+        holders[0].write_text(text.replace(banner, banner + note if note.startswith("#") else note))
     monkeypatch.setattr(generator.render, "templates_dir", lambda: v2)
     monkeypatch.setattr(generator.render, "render", _ORIGINAL_RENDER)  # not the v1 cache
 
@@ -607,3 +610,46 @@ def test_no_edit_is_lost_silently(scenario):
     for line in theirs_counts:
         if base_counts[line] == 0:
             assert out_counts[line] >= 1, line
+
+
+# The last commit whose examples/ were rendered by the templates before the shared partials
+# (the skeletons were pasted copies then): a user's edited script of that time must regenerate
+# onto today's templates with the edit kept.
+BEFORE_SHARED_PARTIALS = "cc53fd5"
+EDIT = ("    seed: int = 0\n", "    seed: int = 1234  # user edit: another seed\n")
+
+
+def _git_show(rev: str, path: str) -> str:
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        ["git", "-C", str(repo), "show", f"{rev}:{path}"], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, f"this test needs the repository's history: {proc.stderr}"
+    return proc.stdout
+
+
+@pytest.mark.parametrize(
+    "example",
+    sorted(p.name for p in (Path(__file__).resolve().parents[2] / "examples").iterdir()),
+)
+def test_an_edited_script_of_the_old_templates_regenerates_with_its_edit(example, tmp_path):
+    """The checked-in example as rendered before the shared partials, with a user edit, moves
+    onto the current templates: no conflict, the edit kept, and otherwise today's render."""
+    out = tmp_path / example
+    (out / ".scaffold").mkdir(parents=True)
+    launch = ("launch/torchrun.sh", "launch/torchrun_multinode.sh", "launch/slurm.sbatch")
+    for name in ("spec.json", "train.py.base", *launch):
+        path = out / ".scaffold" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(_git_show(BEFORE_SHARED_PARTIALS, f"examples/{example}/.scaffold/{name}"))
+    for name in launch:
+        (out / name).parent.mkdir(exist_ok=True)
+        (out / name).write_text(_git_show(BEFORE_SHARED_PARTIALS, f"examples/{example}/{name}"))
+    old = _git_show(BEFORE_SHARED_PARTIALS, f"examples/{example}/train.py")
+    assert old.count(EDIT[0]) == 1
+    (out / "train.py").write_text(old.replace(*EDIT))
+    result = CliRunner().invoke(cli, ["regen", str(out), "--to-version", "current"])
+    assert result.exit_code == 0, result.output
+    merged = (out / "train.py").read_text()
+    assert "<<<<<<<" not in merged and EDIT[1] in merged
+    assert merged == _ORIGINAL_RENDER(_spec_of(out)).replace(*EDIT)
