@@ -204,7 +204,7 @@ def test_template_change_merges_cleanly(tmp_path, monkeypatch):
     shutil.copytree(generator.render.templates_dir(), v2)
     for banner, note in [
         ("# === 6. Optimizer + LR schedule ===\n", "# v2: a new optimizer note\n"),
-        ("# === 10. main ===\n", "# v2: a new note on main\n"),
+        ("# === 9. main ===\n", "# v2: a new note on main\n"),
         ("Launch:\n", "Launch (v2):\n"),
     ]:  # each banner is in one template file (a skeleton's own, or a shared partial)
         holders = [
@@ -440,8 +440,8 @@ CONFIG = "# === 2. Config ==="
 
 
 IMPORTS, MODEL, LOSS = "# === 1. Imports ===", "# === 4. Model ===", "# === 5. Loss ==="
-OPTIM, STEP = "# === 6. Optimizer + LR schedule ===", "# === 9. train_step ==="
-DATA, MAIN = "# === 7. Data ===", "# === 10. main ==="
+OPTIM, STEP = "# === 6. Optimizer + LR schedule ===", "# === 8. train_step ==="
+DATA, MAIN = "# === 7. Data ===", "# === 9. main ==="
 
 
 @pytest.mark.parametrize(

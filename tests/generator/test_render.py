@@ -153,9 +153,11 @@ def test_matrix_renders_clean(spec, matrix_lint):
         "# === 5. Loss ===",
         "# === 6. Optimizer + LR schedule ===",
         "# === 7. Data ===",
-        *(["# === 8. Rollout ==="] if spec.algo in RL_ALGOS else []),  # RL only
-        "# === 9. train_step ===",
-        "# === 10. main ===",
+        *(  # numbered without a gap: only the RL skeleton has a Rollout section
+            ["# === 8. Rollout ===", "# === 9. train_step ===", "# === 10. main ==="]
+            if spec.algo in RL_ALGOS
+            else ["# === 8. train_step ===", "# === 9. main ==="]
+        ),
     ]
 
 

@@ -67,8 +67,8 @@ def _rollouts():
     return rollouts, advantages
 
 
-def grpo_two_steps(script, model_dir: Path) -> list[tuple[float, float]]:
-    """(loss, grad_norm) of 2 GRPO train_steps on the same 8 fixed rollouts, 2 micro-batches
+def grpo_two_steps(script, model_dir: Path) -> list[tuple[float, ...]]:
+    """(loss, grad_norm, kl, is_weight, clip_frac) of 2 GRPO train_steps on the same 8 fixed rollouts, 2 micro-batches
     each, kl_coef 0.1 (the reference's log-probs too), clipping on, fp32 (no Ray: the step only)."""
     cfg = script.Config(
         model=str(model_dir), dtype="fp32", device="cpu", lr=1e-3, warmup_steps=0,
@@ -89,7 +89,7 @@ def grpo_two_steps(script, model_dir: Path) -> list[tuple[float, float]]:
     out = []
     for _ in range(2):
         m = script.train_step(model, reference, optimizer, scheduler, rollouts, advantages, num_tokens, 2, cfg, device)  # fmt: skip
-        out.append((m["loss"], m["grad_norm"]))
+        out.append((m["loss"], m["grad_norm"], m["kl"], m["is_weight"], m["clip_frac"]))
     script.destroy_distributed()
     return out
 
@@ -125,7 +125,8 @@ def _close(got: list, want: list, atol: float = 1e-5) -> bool:
 @pytest.mark.parametrize("tricks", EXACT_SETS, ids="+".join)
 def test_exact_tricks_give_the_plain_losses_and_gradients(algo, tricks, run):
     """ac, lce and optim-in-bwd change memory, not the math: the 2 steps' losses and gradient
-    norms (step 2's loss also checks step 1's update) equal the plain script's within 1e-5."""
+    norms (step 2's loss also checks step 1's update; GRPO: its KL and importance weights too)
+    equal the plain script's within 1e-5."""
     plain, got = run(algo, ()), run(algo, tricks)
     assert plain[1][0] != plain[0][0]  # the plain script trains: step 2 sees the update
     assert _close(got, plain), (algo, tricks, got, plain)
