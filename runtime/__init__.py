@@ -68,10 +68,16 @@ from runtime.offload import offload_activations
 from runtime.optim import cosine_schedule_with_warmup
 from runtime.optim_in_backward import setup_optimizer_in_backward
 from runtime.packing import (
+    collate_preference_packs,
     document_attention_mask,
+    expand_to_tokens,
     pack_examples,
+    pack_preference_pairs,
+    pack_rollouts,
+    packed_completion_values,
     packed_position_ids,
     packing_efficiency,
+    sequence_sums,
 )
 from runtime.parallel import (
     DistInfo,
@@ -179,8 +185,14 @@ __all__ = [
     "merged_hf_tensors",
     "nf4_params_fsdp_cannot_shard",
     "pack_examples",
+    "pack_preference_pairs",
+    "pack_rollouts",
+    "packed_completion_values",
     "packed_position_ids",
     "packing_efficiency",
+    "collate_preference_packs",
+    "expand_to_tokens",
+    "sequence_sums",
     "offload_activations",
     "parse_config",
     "peak_memory_mib",
