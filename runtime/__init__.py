@@ -97,6 +97,7 @@ from runtime.rollout import (
     ReplayBuffer,
     Rollout,
     RolloutPipeline,
+    RolloutStep,
     RuntimeEngine,
     check_ray_resources,
     engine_gpu_ids,
@@ -105,6 +106,7 @@ from runtime.rollout import (
     init_ray,
     make_engine_actor,
     make_reward_workers,
+    sampling_seed,
 )
 from runtime.tokenizer import Tokenizer, check_same_tokenizer, check_vocab_fits
 from runtime.train_state import (
@@ -120,6 +122,7 @@ __all__ = [
     "ReplayBuffer",
     "Rollout",
     "RolloutPipeline",
+    "RolloutStep",
     "RuntimeEngine",
     "check_ray_resources",
     "engine_gpu_ids",
@@ -132,6 +135,7 @@ __all__ = [
     "group_advantages",
     "make_engine_actor",
     "make_reward_workers",
+    "sampling_seed",
     "scatter_completion_values",
     "clip_grad_norm",
     "apply_expert_parallel",
