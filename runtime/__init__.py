@@ -71,10 +71,16 @@ from runtime.offload import offload_activations
 from runtime.optim import cosine_schedule_with_warmup
 from runtime.optim_in_backward import setup_optimizer_in_backward
 from runtime.packing import (
+    collate_preference_packs,
     document_attention_mask,
+    expand_to_tokens,
     pack_examples,
+    pack_preference_pairs,
+    pack_rollouts,
+    packed_completion_values,
     packed_position_ids,
     packing_efficiency,
+    sequence_sums,
 )
 from runtime.parallel import (
     DistInfo,
@@ -94,6 +100,7 @@ from runtime.rollout import (
     ReplayBuffer,
     Rollout,
     RolloutPipeline,
+    RolloutStep,
     RuntimeEngine,
     check_ray_resources,
     engine_gpu_ids,
@@ -102,6 +109,7 @@ from runtime.rollout import (
     init_ray,
     make_engine_actor,
     make_reward_workers,
+    sampling_seed,
 )
 from runtime.tokenizer import Tokenizer, check_same_tokenizer, check_vocab_fits
 from runtime.train_state import (
@@ -118,6 +126,7 @@ __all__ = [
     "ReplayBuffer",
     "Rollout",
     "RolloutPipeline",
+    "RolloutStep",
     "RuntimeEngine",
     "check_ray_resources",
     "engine_gpu_ids",
@@ -130,6 +139,7 @@ __all__ = [
     "group_advantages",
     "make_engine_actor",
     "make_reward_workers",
+    "sampling_seed",
     "scatter_completion_values",
     "clip_grad_norm",
     "common_config_errors",
@@ -189,8 +199,14 @@ __all__ = [
     "merged_hf_tensors",
     "nf4_params_fsdp_cannot_shard",
     "pack_examples",
+    "pack_preference_pairs",
+    "pack_rollouts",
+    "packed_completion_values",
     "packed_position_ids",
     "packing_efficiency",
+    "collate_preference_packs",
+    "expand_to_tokens",
+    "sequence_sums",
     "offload_activations",
     "parse_config",
     "peak_memory_mib",

@@ -106,6 +106,8 @@ def completion_logprobs(
     labels: torch.Tensor,
     temperature: float = 1.0,
     num_chunks: int = 4,
+    position_ids: torch.Tensor | None = None,
+    attention_mask=None,
 ) -> torch.Tensor:
     """Per-token log-probs of the completion tokens under softmax(logits / temperature).
 
@@ -115,16 +117,20 @@ def completion_logprobs(
 
     Args:
         model: a runtime causal LM (plain or FSDP2 with `forward_hidden` registered).
-        input_ids: [B, S] int64 from `collate_rollouts`.
+        input_ids: [B, S] int64 from `collate_rollouts` (or `runtime.packing.pack_rollouts`).
         labels: [B, S] int64, pre-shifted, IGNORE_INDEX off the completions.
         temperature: the sampling temperature (> 0); the engines report log-probs under the
             same distribution, so ratios against them compare like with like.
         num_chunks: completion tokens pass through lm_head in this many chunks.
+        position_ids: [B, S] int64, packed rows only (positions restart per rollout); None =
+            0..S-1 in every row.
+        attention_mask: packed rows only: `document_attention_mask(document_ids, backend)`;
+            None = plain causal.
 
     Returns:
         [B, S] fp32 log-probs, 0.0 where labels == IGNORE_INDEX; differentiable.
     """
-    hidden = model.forward_hidden(input_ids)  # [B, S, D]
+    hidden = model.forward_hidden(input_ids, position_ids, attention_mask)  # [B, S, D]
     if temperature != 1.0:
         hidden = hidden / temperature
     return token_logprobs(hidden, model.lm_head.weight, labels, num_chunks=num_chunks)

@@ -15,7 +15,17 @@ Attention backends (`document_attention_mask`):
 - "flex": a `torch.nn.attention.flex_attention.BlockMask` (GPU training): blocks of 128 x 128 that
   are fully masked are skipped, so compute and memory follow the documents, not S * S.
 
-Shape legend: B rows (packs) per batch, S = max_seq_len, N documents.
+Preference pairs and GRPO rollouts (`pack_preference_pairs` + `collate_preference_packs`,
+`pack_rollouts`): every sequence is one document, and a batch also carries `sequence_ids` [B, S],
+the index of the sequence each position belongs to in the order of the unpacked batch (DPO: the P
+chosen sequences, then their P rejected ones; GRPO: the rollouts in order). Per-token values
+([B, S] log-probs) are summed back per sequence with `sequence_sums`, and per-sequence values
+(advantages) are spread over their tokens with `expand_to_tokens`, so the loss code that follows
+sees the [2P] or [M] tensors the unpacked path gives it.
+
+Shape legend: B rows (packs) per batch, S the padded row length (<= max_seq_len; <= 2 *
+max_seq_len for preference pairs), N documents (sequences) of a batch, P preference pairs, M
+rollouts.
 
 Reference:
     Krell et al. 2021, "Efficient Sequence Packing without Cross-contamination: Accelerating Large
@@ -31,6 +41,8 @@ Reference:
 from __future__ import annotations
 
 import torch
+
+from runtime.loss import IGNORE_INDEX
 
 BACKENDS = ("sdpa", "flex")
 
@@ -183,3 +195,273 @@ def document_attention_mask(document_ids: torch.Tensor, backend: str):
         mask_mod = document_mask_mod(document_ids)
         return create_block_mask(mask_mod, B, None, S, S, device=document_ids.device)
     raise ValueError(f"attention backend {backend!r}: choose one of {BACKENDS}")
+
+
+# --- preference pairs (DPO) and rollouts (GRPO) -------------------------------------------------
+def pack_preference_pairs(pairs: list[dict], max_seq_len: int) -> list[dict]:
+    """Greedily pack preference pairs, in order, into rows of at most 2 * max_seq_len tokens.
+
+    Each pair is two documents of one row, its chosen sequence then its rejected one; a pair is
+    never split across rows: it goes into the current row if both fit, else it starts a new row.
+    A sequence longer than max_seq_len is cut at the end as the DPO script's `tokenize_sequence`
+    cuts it (its last kept token then predicts nothing), so a row of 2 * max_seq_len (the
+    positions of the pair's two unpacked rows) always holds a whole pair and every pair's
+    log-probs are those of the unpacked path. Deterministic, order-preserving.
+
+    Args:
+        pairs: [{"id": int, "chosen": {"input_ids": list[int], "labels": list[int]},
+            "rejected": {...}}, ...], labels pre-shifted per sequence (IGNORE_INDEX on the prompt),
+            as the DPO script's `build_datasets` makes them.
+        max_seq_len: the per-sequence limit (the script's max_seq_len); rows hold 2 * max_seq_len.
+
+    Returns:
+        Packs: [{"id": int, "sample_ids": list[int], "input_ids": list[int], "labels": list[int],
+        "position_ids": list[int], "seq_lens": list[int]}, ...], not padded: `id` the pack's
+        index, `sample_ids` its pairs' ids in order, `seq_lens` 2 per pair (chosen, rejected; 0
+        for an empty sequence), positions restarting at 0 per sequence. Batch them with
+        `collate_preference_packs`; `packing_efficiency(packs, 2 * max_seq_len)` reports the fill.
+
+    Raises:
+        ValueError: max_seq_len < 1, or a sequence whose labels and input_ids differ in length.
+    """
+    if max_seq_len < 1:
+        raise ValueError(f"max_seq_len={max_seq_len}; it must be >= 1.")
+    row_len = 2 * max_seq_len
+    packs: list[dict] = []
+    current = _empty_pair_pack(0)
+    for i, pair in enumerate(pairs):
+        sequences = []
+        for role in ("chosen", "rejected"):
+            seq = pair[role]
+            if len(seq["input_ids"]) != len(seq["labels"]):
+                raise ValueError(
+                    f"pair {i} ({role}): {len(seq['input_ids'])} input_ids but "
+                    f"{len(seq['labels'])} labels; labels must be pre-shifted to the same length."
+                )
+            ids, labels = seq["input_ids"], seq["labels"]
+            if len(ids) > max_seq_len:  # as tokenize_sequence cuts: the last kept token's
+                # target is past the cut, so it predicts nothing
+                ids, labels = ids[:max_seq_len], labels[: max_seq_len - 1] + [IGNORE_INDEX]
+            sequences.append((ids, labels))
+        n = sum(len(ids) for ids, _ in sequences)
+        if current["sample_ids"] and len(current["input_ids"]) + n > row_len:
+            packs.append(current)
+            current = _empty_pair_pack(len(packs))
+        current["sample_ids"].append(pair["id"])
+        for ids, labels in sequences:
+            current["input_ids"] += ids
+            current["labels"] += labels
+            current["position_ids"] += range(len(ids))
+            current["seq_lens"].append(len(ids))
+    if current["sample_ids"]:
+        packs.append(current)
+    return packs
+
+
+def _empty_pair_pack(pack_id: int) -> dict:
+    return {**_empty_pack(pack_id), "sample_ids": []}
+
+
+def _padded_rows(packs: list[dict], S: int, pad_token_id: int) -> dict:
+    """input_ids (pad_token_id) and labels (IGNORE_INDEX) of packs, right-padded to [B, S]."""
+    input_ids = torch.full((len(packs), S), pad_token_id, dtype=torch.long)
+    labels = torch.full((len(packs), S), IGNORE_INDEX, dtype=torch.long)
+    for b, pack in enumerate(packs):
+        n = len(pack["input_ids"])
+        input_ids[b, :n] = torch.tensor(pack["input_ids"], dtype=torch.long)
+        labels[b, :n] = torch.tensor(pack["labels"], dtype=torch.long)
+    return {"input_ids": input_ids, "labels": labels, **packed_position_ids(packs, S)}
+
+
+def collate_preference_packs(packs: list[dict], pad_token_id: int, pad_to: int = 0) -> dict:
+    """Right-pad packs of preference pairs into one batch that keeps the unpacked batch's order.
+
+    The unpacked DPO batch is the P chosen sequences, then their P rejected ones ([2P] rows);
+    `sequence_ids` numbers the packed sequences the same way, so `sequence_sums(logps,
+    batch["sequence_ids"], 2 * P)` gives the [2P] log-probs the unpacked forward gives.
+
+    Args:
+        packs: from `pack_preference_pairs`.
+        pad_token_id: written into padding.
+        pad_to: pad to at least this length (fixed shapes); 0 = the longest pack.
+
+    Returns:
+        input_ids [B, S] int64 (pad_token_id on padding); labels [B, S] int64 (IGNORE_INDEX on
+        padding); position_ids [B, S] int64 and document_ids [B, S] int32 (`packed_position_ids`:
+        feed `document_attention_mask(document_ids, backend)` as the attention mask);
+        sequence_ids [B, S] int64: k for the chosen tokens of the batch's k-th pair, P + k for
+        its rejected ones, -1 on padding; num_tokens: scalar int64, the non-padding tokens;
+        sample_ids [P] int64, the pairs' ids in order.
+
+    Raises:
+        ValueError: a pack without two sequences per pair (e.g. one from `pack_examples`).
+    """
+    S = max(pad_to, max(len(p["input_ids"]) for p in packs))
+    P = sum(len(p["sample_ids"]) for p in packs)
+    batch = _padded_rows(packs, S, pad_token_id)
+    sequence_ids = torch.full((len(packs), S), -1, dtype=torch.long)
+    first_pair = 0  # the batch index of the pack's first pair
+    for b, pack in enumerate(packs):
+        if len(pack["seq_lens"]) != 2 * len(pack["sample_ids"]):
+            raise ValueError(
+                f"pack {b}: {len(pack['seq_lens'])} sequences for {len(pack['sample_ids'])} pairs; "
+                "pack preference pairs with pack_preference_pairs (chosen, rejected per pair)."
+            )
+        start = 0
+        for j, n in enumerate(pack["seq_lens"]):  # chosen, rejected, chosen, rejected, ...
+            pair, rejected = first_pair + j // 2, j % 2
+            sequence_ids[b, start : start + n] = pair + P * rejected
+            start += n
+        first_pair += len(pack["sample_ids"])
+    return {
+        **batch,
+        "sequence_ids": sequence_ids,
+        "num_tokens": torch.tensor(sum(len(p["input_ids"]) for p in packs)),
+        "sample_ids": torch.tensor([i for p in packs for i in p["sample_ids"]], dtype=torch.long),
+    }
+
+
+def pack_rollouts(
+    prompts: list[list[int]], completions: list[list[int]], max_len: int, pad_token_id: int = 0
+) -> dict[str, torch.Tensor]:
+    """Greedily pack rollouts (prompt + completion), in order, into right-padded rows.
+
+    The packed counterpart of `runtime.grpo.collate_rollouts`: each rollout is one document with
+    the same pre-shifted labels (its completion tokens, IGNORE_INDEX elsewhere), its own positions
+    from 0 and block-causal attention, so its per-token log-probs equal the unpacked ones. A
+    rollout is never split or cut (its sampled tokens and their sampler log-probs must stay
+    whole): one longer than max_len is an error.
+
+    Args:
+        prompts: M prompt token ids, each non-empty (its last token predicts the completion's
+            first).
+        completions: M completion token ids (the stop token, if sampled, included).
+        max_len: the row length limit, e.g. max_prompt_len + max_new_tokens.
+        pad_token_id: written into padding.
+
+    Returns:
+        input_ids [R, S] int64, labels [R, S] int64, position_ids [R, S] int64, document_ids
+        [R, S] int32, sequence_ids [R, S] int64 (rollout i's positions hold i, padding -1); R rows,
+        S the longest row (<= max_len). Lay the sampler's per-token log-probs on it with
+        `packed_completion_values`, per-rollout values with `expand_to_tokens`, and reduce per
+        rollout with `sequence_sums`.
+
+    Raises:
+        ValueError: max_len < 1, prompts and completions of different counts, an empty prompt,
+            or a rollout longer than max_len.
+    """
+    if max_len < 1:
+        raise ValueError(f"max_len={max_len}; it must be >= 1.")
+    if len(prompts) != len(completions):
+        raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
+    documents = []
+    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+        if not p:
+            raise ValueError(f"rollout {i}: empty prompt; no position predicts its first token")
+        if len(p) + len(c) > max_len:
+            raise ValueError(
+                f"rollout {i}: {len(p)} prompt + {len(c)} completion tokens > max_len={max_len}; "
+                "pass max_len >= max_prompt_len + max_new_tokens"
+            )
+        labels = [IGNORE_INDEX] * (len(p) - 1) + list(c) + [IGNORE_INDEX]  # as collate_rollouts
+        documents.append({"input_ids": list(p) + list(c), "labels": labels})
+    packs = pack_examples(documents, max_len)  # none is empty or too long: none skipped or cut
+    S = max(len(pack["input_ids"]) for pack in packs)
+    batch = _padded_rows(packs, S, pad_token_id)
+    sequence_ids = torch.full((len(packs), S), -1, dtype=torch.long)
+    i = 0
+    for b, pack in enumerate(packs):
+        start = 0
+        for n in pack["seq_lens"]:
+            sequence_ids[b, start : start + n] = i
+            start, i = start + n, i + 1
+    return {**batch, "sequence_ids": sequence_ids}
+
+
+def sequence_sums(
+    values: torch.Tensor, sequence_ids: torch.Tensor, num_sequences: int
+) -> torch.Tensor:
+    """Sum per-token values per sequence: out[n] = sum of values where sequence_ids == n.
+
+    Args:
+        values: [B, S] per-token values, e.g. `token_logprobs` (0 off the supervised tokens), or
+            a bool mask (summed as int64: token counts). Differentiable.
+        sequence_ids: [B, S] int64 from `collate_preference_packs` / `pack_rollouts`; -1 (padding)
+            is left out. Ids must be < num_sequences.
+        num_sequences: N (DPO: 2 * P; GRPO: M).
+
+    Returns:
+        [N] in values' dtype (int64 for a bool mask; float values are summed in fp64); 0 for a
+        sequence with no position.
+
+    Raises:
+        ValueError: values and sequence_ids of different shapes.
+    """
+    if values.shape != sequence_ids.shape:
+        raise ValueError(
+            f"values {tuple(values.shape)} and sequence_ids {tuple(sequence_ids.shape)} differ"
+        )
+    if values.dtype == torch.bool:
+        values = values.long()
+    # index_add adds a sequence's tokens one by one into one slot; in fp32 that drifts from the
+    # unpacked path's pairwise `.sum(-1)` (7x its error at 1000 tokens of -6 nats each), so float
+    # values accumulate in fp64 ([B * S] elements: negligible cost) and are cast back
+    acc = values.double() if values.is_floating_point() else values
+    ids = sequence_ids.reshape(-1)
+    # padding goes to an extra slot that is cut off: no boolean indexing, so no host sync on GPU
+    index = torch.where(ids < 0, num_sequences, ids)
+    out = acc.new_zeros(num_sequences + 1).index_add(0, index, acc.reshape(-1))
+    return out[:num_sequences].to(values.dtype)
+
+
+def expand_to_tokens(values: torch.Tensor, sequence_ids: torch.Tensor) -> torch.Tensor:
+    """Spread per-sequence values over their tokens (e.g. GRPO advantages over the packed rows).
+
+    Args:
+        values: [N], one per sequence; differentiable.
+        sequence_ids: [B, S] int64, ids < N, -1 on padding.
+
+    Returns:
+        [B, S] in values' dtype: values[sequence_ids], 0 on padding.
+    """
+    padded = torch.cat([values, values.new_zeros(1)])  # index N: padding's 0
+    return padded[torch.where(sequence_ids < 0, values.shape[0], sequence_ids)]
+
+
+def packed_completion_values(
+    values: list[list[float]], labels: torch.Tensor, sequence_ids: torch.Tensor
+) -> torch.Tensor:
+    """Per-completion-token values (the sampler's log-probs) laid out like `pack_rollouts`.
+
+    The packed counterpart of `runtime.grpo.scatter_completion_values`: values[i][j] goes to the
+    position that predicts completion token j of rollout i, i.e. the j-th supervised position
+    (labels != IGNORE_INDEX) of sequence i. Rollouts are packed in order, so the supervised
+    positions in row-major order are rollout 0's, then rollout 1's, and so on.
+
+    Args:
+        values: M lists, values[i] one float per completion token of rollout i.
+        labels: [B, S] int64 from `pack_rollouts`.
+        sequence_ids: [B, S] int64 from `pack_rollouts`.
+
+    Returns:
+        [B, S] fp32 on labels' device, 0 off the completion tokens.
+
+    Raises:
+        ValueError: a rollout whose value count is not its completion length, or sequence ids
+            that do not run in order over the rows (not a `pack_rollouts` layout).
+    """
+    mask = labels != IGNORE_INDEX
+    counts = sequence_sums(mask, sequence_ids, len(values)).tolist()
+    lens = [len(v) for v in values]
+    if counts != lens:
+        bad = next(i for i, (c, n) in enumerate(zip(counts, lens, strict=True)) if c != n)
+        raise ValueError(
+            f"rollout {bad}: {lens[bad]} values but {counts[bad]} completion tokens in the batch"
+        )
+    ids = sequence_ids[mask]
+    if ids.numel() and not bool((ids[1:] >= ids[:-1]).all()):
+        raise ValueError("sequence_ids do not run in order over the rows; use pack_rollouts")
+    out = torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)
+    flat = [x for v in values for x in v]
+    out[mask] = torch.tensor(flat, dtype=torch.float32, device=labels.device)
+    return out

@@ -581,6 +581,36 @@ class ReplayBuffer:
         return out, dropped
 
 
+def sampling_seed(seed: int, position: tuple[int, int]) -> int:
+    """The sampling seed of the prompt batch that ends at data `position`.
+
+    A function of the run's seed and the batch's data position (epoch, prompts consumed after
+    it), not of a count of submitted batches (which restarts at 0 on resume), so a resumed sync
+    run samples what the uninterrupted run did.
+
+    Returns:
+        ((seed * 1_000_003 + epoch) * 1_000_003 + consumed) % 2**31; each engine e of the
+        pipeline then samples with seed * 1000 + e (`RolloutPipeline.submit`).
+    """
+    epoch, consumed = position
+    return ((seed * 1_000_003 + epoch) * 1_000_003 + consumed) % 2**31
+
+
+class RolloutStep(NamedTuple):
+    """What `RolloutPipeline.next_groups` hands one training step.
+
+    groups: N groups of G `Rollout`s; dropped: rollouts dropped as too stale while filling them;
+    waited_s: seconds spent waiting for batches; position: the data position (epoch, prompts
+    consumed) after the last batch submitted, what a checkpoint saved after this step records
+    (a resume skips the prompts that were in flight).
+    """
+
+    groups: list[list[Rollout]]
+    dropped: int
+    waited_s: float
+    position: tuple[int, int]
+
+
 @dataclass
 class _Pending:
     refs: list  # per engine chunk: ObjectRef of RewardWorker.score's dict
@@ -594,12 +624,13 @@ class RolloutPipeline:
     """Driver-side scheduler: submits prompt batches to the engines (split evenly over them),
     chains each engine call into a reward worker, and turns finished batches into groups in the
     replay buffer. Weight pushes queue behind earlier generations on each engine, so every batch's
-    `version` is the one it really sampled from.
+    `version` is the one it really sampled from. A training loop asks `next_groups` for each
+    step's groups; `submit` and `collect` are its parts.
 
     Args:
         engines, reward_workers: actor handles.
         sampling: keyword arguments of `generate` except prompts and seed (n, max_new_tokens,
-            temperature, top_p, stop_token_ids).
+            temperature, top_p, stop_token_ids); `next_groups` reads n (G).
         rollout_timeout_s: how long to wait for one batch (generation + rewards).
         weight_sync_timeout_s: how long a weight push may stay unconfirmed (from the push,
             including generations queued on the engine before it).
@@ -678,6 +709,80 @@ class RolloutPipeline:
                 i += 1
         self.buffer.put(groups)
         return job.version
+
+    def next_groups(
+        self,
+        batches,
+        num_groups: int,
+        train_version: int,
+        max_staleness: int,
+        seed: int,
+        prefetch: int | None = None,
+    ) -> RolloutStep:
+        """The groups to train policy `train_version` on, keeping `prefetch` batches in flight.
+
+        Tops the engines up to prefetch + 1 submitted batches (each sampled with
+        `sampling_seed(seed, its data position)`), waits for the oldest while the buffer holds
+        fewer than the groups still needed, and takes groups at most `max_staleness` versions
+        behind `train_version`; older ones are dropped (whole groups) and more are generated.
+        With prefetch = max_staleness (the default) the rollout modes are: sync 0 (generate,
+        then train), async 1 (batch k + 1 generates while batch k trains), off-policy
+        max_staleness.
+
+        Args:
+            batches: iterator of (position, prompts), position = (epoch, prompts consumed after
+                this batch), prompts = [{"prompt_ids": list[int], "prompt": str, "answer": str},
+                ...] (the script's `prompt_batches`). Read only when a batch is submitted.
+            num_groups: N, the prompts (groups) per training step.
+            train_version: the policy version being trained (optimizer steps taken so far).
+            max_staleness: how many versions a trained group may lag `train_version`.
+            seed: the run's seed (`sampling_seed`).
+            prefetch: batches kept in flight beyond the one being waited for; None =
+                max_staleness.
+
+        Returns:
+            RolloutStep(groups, dropped, waited_s, position); `self.position` is that position
+            too.
+
+        Raises:
+            TimeoutError: more rollouts in a row were too stale than the batches in flight can
+                explain ((prefetch + 1) * N * G): the engines' weights stopped advancing, and
+                waiting would loop forever; or a batch took longer than rollout_timeout_s
+                (`collect`).
+        """
+        import time
+
+        prefetch = max_staleness if prefetch is None else prefetch
+        # at most the batches already in flight can be too old; more means the engines' weights
+        # stopped advancing, and waiting would loop forever
+        max_dropped = (prefetch + 1) * num_groups * self.sampling["n"]
+        groups: list[list[Rollout]] = []
+        dropped, waited = 0, 0.0
+        while len(groups) < num_groups:
+            if dropped > max_dropped:
+                raise TimeoutError(
+                    f"training policy version {train_version}: {dropped} rollouts in a row were "
+                    f"more than {max_staleness} version(s) old (the engines sample version "
+                    f"{self.version}); weights are not reaching the engines"
+                )
+            while len(self.pending) < prefetch + 1:
+                self.position, prompts = next(batches)
+                self.submit(
+                    [p["prompt_ids"] for p in prompts],
+                    [p["prompt"] for p in prompts],
+                    [p["answer"] for p in prompts],
+                    sampling_seed(seed, self.position),
+                )
+            if len(self.buffer) < num_groups - len(groups):
+                start = time.perf_counter()
+                self.collect()
+                waited += time.perf_counter() - start
+            got, n_dropped = self.buffer.take(
+                num_groups - len(groups), train_version, max_staleness
+            )
+            groups += got
+            dropped += n_dropped
+        return RolloutStep(groups, dropped, waited, self.position)
 
     def push_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
         """Queue `state` as policy `version` on every engine; later submissions sample from it.

@@ -1,7 +1,10 @@
 """runtime.grpo and runtime.rollout: group advantages on hand-made groups, the engine's sampled
 log-probs equal the trainer's completion log-probs, the replay buffer's staleness rule, and, on a
 local Ray (2 CPUs), weight sync through the object store (the engine then scores a fixed sequence
-exactly as the trainer does) and its timeout error."""
+exactly as the trainer does) and its timeout error, and the pipeline's own scheduling
+(`RolloutPipeline.next_groups`, with stand-in engines that report the seed and weights they
+sampled with): per-batch seeds, prefetch by mode, stale groups dropped and replaced, and the
+error when the engines' weights stop advancing."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from runtime.grpo import (
 from runtime.rollout import (
     ReplayBuffer,
     Rollout,
+    RolloutPipeline,
     engine_gpu_ids,
     gather_hf_state_dict,
     generate_with_logprobs,
@@ -129,6 +133,140 @@ def test_weight_sync_timeout_names_engine(ray_session):
     ):
         wait_weight_sync(refs, version=3, timeout_s=0.5)
     ray.kill(engine)
+
+
+class RecordingEngine:
+    """Stands in for a generator engine: each completion is [seed, the engine's weight version],
+    so a test reads what every rollout was sampled with."""
+
+    def __init__(self):
+        self.version = 0
+
+    def generate(self, prompts, n, seed, **sampling):
+        return [[([seed, self.version], [-0.5, -0.5]) for _ in range(n)] for _ in prompts]
+
+    def update_weights(self, named_tensors, version):
+        self.version = version
+        return version
+
+
+class ZeroRewards:
+    """Stands in for a RewardWorker: reward 0 for every completion."""
+
+    def score(self, generations, prompts, answers):
+        n = sum(len(group) for group in generations)
+        return {
+            "generations": generations,
+            "rewards": [0.0] * n,
+            "per_func": {"zero": [0.0] * n},
+            "completions": [""] * n,
+        }
+
+
+def _old_seed(seed: int, epoch: int, consumed: int) -> int:
+    """The GRPO script's per-batch sampling seed before the pipeline owned it (next_rollouts)."""
+    return ((seed * 1_000_003 + epoch) * 1_000_003 + consumed) % 2**31
+
+
+def _prompt_batches(per_batch: int = 2, per_epoch: int = 6):
+    """((epoch, consumed), prompts) as the script's prompt_batches yields them; prompt k = [k]."""
+    epoch, consumed, k = 0, 0, 0
+    while True:
+        while consumed + per_batch <= per_epoch:
+            prompts = [
+                {"prompt_ids": [k + j], "prompt": f"q{k + j}", "answer": "0"}
+                for j in range(per_batch)
+            ]
+            k, consumed = k + per_batch, consumed + per_batch
+            yield (epoch, consumed), prompts
+        epoch, consumed = epoch + 1, 0
+
+
+@pytest.fixture(scope="module")
+def fake_actors(ray_session):
+    """Two RecordingEngines and one ZeroRewards worker, started once for the module."""
+    ray = ray_session
+    engines = [ray.remote(num_cpus=0.1)(RecordingEngine).remote() for _ in range(2)]
+    workers = [ray.remote(num_cpus=0.1)(ZeroRewards).remote()]
+    yield engines, workers
+    for actor in [*engines, *workers]:
+        ray.kill(actor)
+
+
+@pytest.fixture
+def fake_pipeline(ray_session, fake_actors):
+    """A fresh RolloutPipeline (G = 2) over the module's stand-in actors, engines at version 0."""
+    engines, workers = fake_actors
+    ray_session.get([e.update_weights.remote({}, 0) for e in engines])  # behind earlier calls
+    return RolloutPipeline(engines, workers, {"n": 2}, rollout_timeout_s=60)
+
+
+def _summary(groups):
+    """Per group: (prompt ids, sampling seed, engine weights, policy version)."""
+    return [
+        (g[0].prompt_ids, g[0].completion_ids[0], g[0].completion_ids[1], g[0].policy_version)
+        for g in groups
+    ]
+
+
+def test_next_groups_seeds_and_prefetch(fake_pipeline):
+    """async (max_staleness 1): one batch stays in flight; every batch is sampled with the old
+    formula's seed of its data position (engine e: seed * 1000 + e), across an epoch boundary,
+    and from the weights of the version it was submitted under."""
+    pipeline, batches = fake_pipeline, _prompt_batches()
+    step = pipeline.next_groups(batches, 2, train_version=0, max_staleness=1, seed=7)
+    s02, s04 = _old_seed(7, 0, 2), _old_seed(7, 0, 4)
+    assert _summary(step.groups) == [([0], s02 * 1000, 0, 0), ([1], s02 * 1000 + 1, 0, 0)]
+    assert (step.dropped, step.position, len(pipeline.pending)) == (0, (0, 4), 1)
+    assert step.waited_s > 0 and pipeline.position == (0, 4)
+    pipeline.push_weights({}, 1)
+    step = pipeline.next_groups(batches, 2, train_version=1, max_staleness=1, seed=7)
+    assert _summary(step.groups) == [([2], s04 * 1000, 0, 0), ([3], s04 * 1000 + 1, 0, 0)]
+    assert step.position == (0, 6) and len(pipeline.pending) == 1
+    pipeline.push_weights({}, 2)
+    step = pipeline.next_groups(batches, 2, train_version=2, max_staleness=1, seed=7)
+    s06 = _old_seed(7, 0, 6)
+    assert _summary(step.groups) == [([4], s06 * 1000, 1, 1), ([5], s06 * 1000 + 1, 1, 1)]
+    assert step.position == (1, 2)  # the next epoch's first batch is in flight
+    # sync (max_staleness 0) from here: the async batch in flight (version 2) is too old for
+    # version 3, so it is dropped and a fresh one generated; nothing stays in flight after
+    pipeline.push_weights({}, 3)
+    step = pipeline.next_groups(batches, 2, train_version=3, max_staleness=0, seed=7)
+    s14, s16 = _old_seed(7, 1, 4), _old_seed(7, 1, 6)
+    assert _summary(step.groups) == [([8], s14 * 1000, 3, 3), ([9], s14 * 1000 + 1, 3, 3)]
+    assert (step.dropped, step.position, len(pipeline.pending)) == (4, (1, 4), 0)
+    pipeline.push_weights({}, 4)
+    step = pipeline.next_groups(batches, 2, train_version=4, max_staleness=0, seed=7)
+    assert _summary(step.groups) == [([10], s16 * 1000, 4, 4), ([11], s16 * 1000 + 1, 4, 4)]
+    assert (step.dropped, step.position, len(pipeline.pending)) == (0, (1, 6), 0)
+
+
+def test_next_groups_drops_stale_groups_and_replaces_them(fake_pipeline):
+    """A batch in flight that is too old by the time it is collected is dropped whole, and the
+    next batch (sampled from the new weights) takes its place."""
+    pipeline, batches = fake_pipeline, _prompt_batches()
+    pipeline.next_groups(batches, 2, train_version=0, max_staleness=1, seed=0)  # batch 2 in flight
+    pipeline.push_weights({}, 2)
+    step = pipeline.next_groups(batches, 2, train_version=2, max_staleness=0, prefetch=1, seed=0)
+    assert step.dropped == 4 and pipeline.buffer.dropped == 4  # batch 2's two groups, version 0
+    assert _summary(step.groups) == [
+        ([4], _old_seed(0, 0, 6) * 1000, 2, 2),
+        ([5], _old_seed(0, 0, 6) * 1000 + 1, 2, 2),
+    ]
+    assert step.position == (1, 2) and len(pipeline.pending) == 1  # prefetch kept
+
+
+def test_next_groups_fails_when_weights_stop_advancing(fake_pipeline):
+    """Sync mode, engines still at version 0 while training version 3: every batch is too old; a
+    clear error after the batches that could legitimately be stale, not an endless loop."""
+    pipeline = fake_pipeline
+    with pytest.raises(
+        TimeoutError,
+        match=r"training policy version 3: 8 rollouts in a row were more than 0 version\(s\) old "
+        r"\(the engines sample version 0\); weights are not reaching the engines",
+    ):
+        pipeline.next_groups(_prompt_batches(), 2, train_version=3, max_staleness=0, seed=0)
+    assert pipeline.buffer.dropped == 8
 
 
 def test_engine_gpu_ids_after_the_trainers():
