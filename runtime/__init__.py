@@ -11,7 +11,7 @@ from runtime.checkpoint import (
     read_hf_config,
     save_hf_checkpoint,
 )
-from runtime.config import ConfigError
+from runtime.config import ConfigError, entry_point
 from runtime.config import parse as parse_config
 from runtime.context_parallel import (
     apply_context_parallel,
@@ -128,6 +128,7 @@ __all__ = [
     "make_reward_workers",
     "scatter_completion_values",
     "clip_grad_norm",
+    "entry_point",
     "apply_expert_parallel",
     "IGNORE_INDEX",
     "LORA_TARGET_MODULES",

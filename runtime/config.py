@@ -3,6 +3,9 @@
 `python train.py --lr 2e-5 --max_steps 50 --lora_target_modules q_proj,v_proj --compile=false`
 or `python train.py overrides.yaml --lr 1e-4` (a JSON/YAML file of field: value, then flags);
 `python train.py --help` lists every key with its type, default and comment.
+
+`entry_point(main)` is what a script runs under `if __name__ == "__main__":`: a bad input ends in
+one `error: ...` line instead of a traceback.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import json
 import os
 import re
 import sys
+import time
 import types
 import typing
 from pathlib import Path
@@ -24,6 +28,46 @@ _FALSE = {"0", "false", "no", "off", "n", "f"}
 
 class ConfigError(ValueError):
     """A bad override: unknown key, wrong type, unreadable overrides file."""
+
+
+# What a user can fix: a bad config, data, path, checkpoint or disk, a non-finite loss, a Ray
+# timeout (TimeoutError is an OSError). Anything else is a bug and keeps its traceback.
+USER_ERRORS = (ValueError, OSError, FloatingPointError)
+# A rank > 0 that fails on the same ConfigError as rank 0 exits this much later than rank 0: on
+# the first rank's failure torchrun stops the others, which could cut rank 0 off before its
+# message is out.
+_SILENT_RANK_DELAY_S = 5.0
+
+
+def entry_point(main, *args, **kwargs):
+    """Run `main(*args, **kwargs)` as a script's entry point and return what it returns.
+
+    A `USER_ERRORS` exception ends the process with exit status 1 and one stderr line,
+    `error: <message>` (whitespace, newlines included, collapsed to single spaces), so the user
+    reads what to fix rather than a traceback. Under torchrun a `ConfigError` is raised the same
+    on every rank: rank 0 prints it, a rank > 0 (env RANK) waits 5 s and exits 1 silently.
+
+    Args:
+        main: the script's `main`; args and kwargs are passed to it.
+
+    Returns:
+        main's result.
+
+    Raises:
+        SystemExit: status 1 on a USER_ERRORS exception (the `error:` string as its code, or 1 on
+            a silent rank > 0).
+        BaseException: main's own exception, with its traceback, when it is not a USER_ERRORS
+            one, or when env SCAFFOLD_DEBUG is set (any non-empty value, as for the CLI).
+    """
+    try:
+        return main(*args, **kwargs)
+    except USER_ERRORS as e:
+        if os.environ.get("SCAFFOLD_DEBUG"):
+            raise
+        if isinstance(e, ConfigError) and int(os.environ.get("RANK", "0")) > 0:
+            time.sleep(_SILENT_RANK_DELAY_S)
+            raise SystemExit(1) from None
+        raise SystemExit(f"error: {' '.join(str(e).split())}") from None
 
 
 def parse(config_cls: type, argv: list[str] | None = None):

@@ -1,11 +1,17 @@
-"""runtime.config.parse: overrides by field name, types, files, and errors that name the key."""
+"""runtime.config.parse: overrides by field name, types, files, and errors that name the key;
+runtime.config.entry_point: the scripts' one-line errors."""
 
 import json
+import os
+import subprocess
+import sys
+import textwrap
 from dataclasses import dataclass, field
 
 import pytest
 
-from runtime.config import ConfigError, help_text, parse
+import runtime.config
+from runtime.config import ConfigError, entry_point, help_text, parse
 
 pytestmark = pytest.mark.fast  # in `make test-fast` (tests/README.md)
 
@@ -134,3 +140,91 @@ def test_help_keeps_comments_of_fields_the_formatter_wrapped():
     assert "--reward_weights list[float] (default: [1.0, 0.2])  per reward function" in text
     assert "--plain int (default: 3)  a plain one" in text
     assert "# timeouts" in text
+
+
+def _raise(error: BaseException):
+    raise error
+
+
+@pytest.fixture
+def script_env(monkeypatch):
+    """entry_point's environment: rank 0, no debug; time.sleep recorded instead of slept."""
+    monkeypatch.delenv("SCAFFOLD_DEBUG", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    slept = []
+    monkeypatch.setattr(runtime.config.time, "sleep", slept.append)
+    return slept
+
+
+def test_entry_point_returns_mains_result_and_passes_arguments(script_env):
+    assert entry_point(lambda a, b=0: (a, b), 1, b=2) == (1, 2)
+    assert script_env == []
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        ValueError("bad\n  value\tthere "),
+        ConfigError("invalid config: lr=0: must be > 0"),
+        OSError(28, "No space left on device"),
+        TimeoutError("rollout took\nlonger"),  # an OSError: GRPO's Ray timeouts
+        FloatingPointError("step 3: loss nan"),
+    ],
+    ids=["value", "config", "oserror", "timeout", "non-finite"],
+)
+def test_entry_point_turns_user_errors_into_one_line(script_env, error):
+    with pytest.raises(SystemExit) as exit_info:
+        entry_point(_raise, error)
+    assert exit_info.value.code == "error: " + " ".join(str(error).split())
+    assert "\n" not in exit_info.value.code and "  " not in exit_info.value.code
+    assert exit_info.value.__suppress_context__  # `from None`: no chained traceback either
+    assert script_env == []
+
+
+def test_entry_point_keeps_tracebacks_of_bugs_and_under_scaffold_debug(script_env, monkeypatch):
+    with pytest.raises(KeyError):
+        entry_point(_raise, KeyError("a bug"))
+    monkeypatch.setenv("SCAFFOLD_DEBUG", "1")
+    with pytest.raises(ValueError, match="bad value"):
+        entry_point(_raise, ValueError("bad value"))
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(ConfigError):  # debug wins on every rank
+        entry_point(_raise, ConfigError("bad key"))
+    assert script_env == []
+
+
+def test_entry_point_config_error_on_a_later_rank_waits_then_exits_silently(
+    script_env, monkeypatch
+):
+    monkeypatch.setenv("RANK", "3")
+    with pytest.raises(SystemExit) as exit_info:
+        entry_point(_raise, ConfigError("invalid config: lr=0: must be > 0"))
+    assert exit_info.value.code == 1 and script_env == [5.0]
+    with pytest.raises(SystemExit) as exit_info:  # other errors are this rank's own: printed
+        entry_point(_raise, OSError("disk full"))
+    assert exit_info.value.code == "error: disk full" and script_env == [5.0]
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as exit_info:
+        entry_point(_raise, ConfigError("invalid config: x"))
+    assert exit_info.value.code == "error: invalid config: x"
+
+
+def test_entry_point_in_a_real_process_prints_one_line_and_exits_1():
+    code = textwrap.dedent(
+        """
+        from runtime import entry_point
+
+        def main():
+            raise ValueError("dataset 'x.jsonl':\\n  row 3 has no 'messages'")
+
+        if __name__ == "__main__":
+            entry_point(main)
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("SCAFFOLD_DEBUG", "RANK")}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert proc.returncode == 1
+    assert proc.stderr == "error: dataset 'x.jsonl': row 3 has no 'messages'\n"
+    assert proc.stdout == ""
