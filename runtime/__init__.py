@@ -13,6 +13,7 @@ from runtime.checkpoint import (
 )
 from runtime.config import ConfigError, entry_point
 from runtime.config import parse as parse_config
+from runtime.config_checks import common_config_errors
 from runtime.context_parallel import (
     apply_context_parallel,
     context_parallel_chunks,
@@ -128,6 +129,7 @@ __all__ = [
     "make_reward_workers",
     "scatter_completion_values",
     "clip_grad_norm",
+    "common_config_errors",
     "entry_point",
     "apply_expert_parallel",
     "IGNORE_INDEX",

@@ -1,0 +1,121 @@
+"""The config checks every recipe shares, as `validate()` messages.
+
+A script's `validate(cfg)` collects `common_config_errors(cfg)` plus its own loop's checks and
+raises one `ConfigError` listing them all, before any model, data or Ray work. Each check here
+applies only when the script's `Config` has the fields it reads, so one function serves configs
+with different fields:
+
+| fields | SFT | DPO | GRPO |
+|---|---|---|---|
+| dp_replicate | yes | - | - |
+| max_seq_len, gradient_accumulation_steps, val_fraction, eval_every_steps, sample_max_new_tokens | yes | yes | - |
+| dtype, device, micro_batch_size, max_steps, warmup_steps, lr, max_grad_norm, betas, min_lr_ratio, log_every_steps, save_every_steps, keep_last_checkpoints, loggers | yes | yes | yes |
+
+The messages are the skeletons' own (the bad-input corpus in tests/bad_inputs matches them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from runtime.metrics import logger_errors
+
+DTYPE_NAMES = ("bf16", "fp32")  # the scripts' DTYPES keys
+DEVICES = ("auto", "cuda", "cpu")
+POSITIVE = ("max_seq_len", "micro_batch_size", "gradient_accumulation_steps", "max_steps")
+NON_NEGATIVE = ("log_every_steps", "eval_every_steps", "save_every_steps", "sample_max_new_tokens")
+
+
+def common_config_errors(cfg) -> list[str]:
+    """What is wrong with the fields every recipe's config shares (empty list: nothing).
+
+    Checks, each only when `cfg` has its fields: dp_replicate divides env WORLD_SIZE (1 without
+    torchrun); dtype is bf16 or fp32; device is auto, cuda or cpu, and cuda only where torch sees
+    a CUDA device; max_seq_len, micro_batch_size, gradient_accumulation_steps, max_steps >= 1;
+    0 <= warmup_steps <= max_steps; lr > 0; max_grad_norm >= 0; betas has two values;
+    min_lr_ratio in [0, 1]; val_fraction in [0, 1); log_every_steps, eval_every_steps,
+    save_every_steps, sample_max_new_tokens >= 0; keep_last_checkpoints >= 1; the loggers
+    (`logger_errors`: known names, their packages installed). A NaN fails the float checks.
+
+    Args:
+        cfg: a script's `Config` (a dataclass instance, its fields already of their types).
+
+    Returns:
+        One message per failed check, in the order above, each naming the field and its value.
+
+    Raises:
+        TypeError: cfg is not a dataclass instance.
+    """
+    has = {f.name for f in dataclasses.fields(cfg)}
+    return (
+        _placement_errors(cfg, has)
+        + _count_errors(cfg, has)
+        + _optimizer_errors(cfg, has)
+        + _cadence_errors(cfg, has)
+        + (logger_errors(cfg.loggers) if "loggers" in has else [])
+    )
+
+
+def _placement_errors(cfg, has: set[str]) -> list[str]:
+    """dp_replicate, dtype, device."""
+    errors = []
+    world_size = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's; 1 for `python train.py`
+    if "dp_replicate" in has and (cfg.dp_replicate < 1 or world_size % cfg.dp_replicate):
+        errors.append(
+            f"dp_replicate={cfg.dp_replicate}: must divide the world size {world_size}; choose "
+            f"one of {[d for d in range(1, world_size + 1) if world_size % d == 0]}"
+        )
+    if "dtype" in has and cfg.dtype not in DTYPE_NAMES:
+        errors.append(f"dtype={cfg.dtype!r}: choose one of {sorted(DTYPE_NAMES)}")
+    if "device" in has and cfg.device not in DEVICES:
+        errors.append(f"device={cfg.device!r}: choose auto, cuda or cpu")
+    if "device" in has and cfg.device == "cuda" and not torch.cuda.is_available():
+        errors.append("device='cuda' but torch sees no CUDA device: use --device cpu (or auto)")
+    return errors
+
+
+def _count_errors(cfg, has: set[str]) -> list[str]:
+    """The sizes and step counts that must be >= 1, and the warmup within max_steps."""
+    errors = [
+        f"{name}={getattr(cfg, name)}: must be >= 1"
+        for name in POSITIVE
+        if name in has and getattr(cfg, name) < 1
+    ]
+    if {"warmup_steps", "max_steps"} <= has and not 0 <= cfg.warmup_steps <= cfg.max_steps:
+        errors.append(
+            f"warmup_steps={cfg.warmup_steps}: must be in [0, max_steps={cfg.max_steps}] (a run "
+            "shorter than the warmup needs --warmup_steps too, e.g. --warmup_steps 0)"
+        )
+    return errors
+
+
+def _optimizer_errors(cfg, has: set[str]) -> list[str]:
+    """lr, max_grad_norm, betas, min_lr_ratio, val_fraction. Written as "not (holds)", so a NaN
+    (which --lr nan parses to) fails them too."""
+    errors = []
+    if "lr" in has and not cfg.lr > 0:
+        errors.append(f"lr={cfg.lr}: must be > 0")
+    if "max_grad_norm" in has and not cfg.max_grad_norm >= 0:
+        errors.append(f"max_grad_norm={cfg.max_grad_norm}: must be >= 0 (0 = no clipping)")
+    if "betas" in has and len(cfg.betas) != 2:
+        errors.append(f"betas={cfg.betas}: AdamW's two floats, e.g. --betas 0.9,0.95")
+    if "min_lr_ratio" in has and not 0 <= cfg.min_lr_ratio <= 1:
+        errors.append(f"min_lr_ratio={cfg.min_lr_ratio}: must be in [0, 1]")
+    if "val_fraction" in has and not 0 <= cfg.val_fraction < 1:
+        errors.append(f"val_fraction={cfg.val_fraction}: must be in [0, 1)")
+    return errors
+
+
+def _cadence_errors(cfg, has: set[str]) -> list[str]:
+    """Logging, evaluation, checkpoint and sample cadences (0 = off), kept checkpoints."""
+    errors = [
+        f"{name}={getattr(cfg, name)}: must be >= 0"
+        for name in NON_NEGATIVE
+        if name in has and getattr(cfg, name) < 0
+    ]
+    if "keep_last_checkpoints" in has and cfg.keep_last_checkpoints < 1:
+        errors.append(f"keep_last_checkpoints={cfg.keep_last_checkpoints}: must be >= 1")
+    return errors
