@@ -108,6 +108,7 @@ from runtime.train_state import (
     load_train_state,
     read_checkpoint_config,
     resolve_resume,
+    resume_training,
     save_train_state,
 )
 
@@ -131,6 +132,7 @@ __all__ = [
     "clip_grad_norm",
     "common_config_errors",
     "entry_point",
+    "resume_training",
     "apply_expert_parallel",
     "IGNORE_INDEX",
     "LORA_TARGET_MODULES",

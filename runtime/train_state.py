@@ -410,3 +410,63 @@ def _keep_this_runs_schedule(optimizer, scheduler, fresh_groups: list[dict]) -> 
 def read_checkpoint_config(path: str | os.PathLike) -> dict:
     """The config a checkpoint was written with (trainer_state.json's "config")."""
     return json.loads((Path(path) / "trainer_state.json").read_text())["config"]
+
+
+def resume_training(
+    resume: str | os.PathLike,
+    ckpt_dir: str | os.PathLike,
+    model: nn.Module,
+    optimizer,
+    scheduler,
+    config: dict,
+    is_main: bool,
+) -> TrainState:
+    """Continue from the checkpoint `resume` names, or start fresh; what every script runs once
+    after building its model, optimizer and scheduler.
+
+    Collective when there is a checkpoint (every rank loads its shards): call it on every rank.
+    Rank 0 (`is_main`) prints one line, e.g. `resuming from out/checkpoints/step_000010: step 10,
+    epoch 0, sample 80; config changed: lr 1e-05 -> 2e-05, max_steps 10 -> 20`.
+
+    Args:
+        resume: "auto", "none" or a checkpoint directory (`resolve_resume`).
+        ckpt_dir: the run's checkpoint directory (`out_dir/checkpoints`).
+        model, optimizer, scheduler: built as for a fresh run; overwritten from the checkpoint.
+        config: this run's resolved config (`dataclasses.asdict(cfg)`), compared with the saved.
+        is_main: this rank prints.
+
+    Returns:
+        The checkpoint's TrainState, or a fresh `TrainState()` when there is none to resume.
+
+    Raises:
+        ValueError: `resume` is not a complete checkpoint, or the checkpoint does not match the
+            model/optimizer (from `resolve_resume` / `load_train_state`).
+    """
+    path = resolve_resume(str(resume), ckpt_dir)
+    if path is None:
+        return TrainState()
+    state = load_train_state(path, model, optimizer, scheduler)
+    if is_main:
+        changed = _config_changes(read_checkpoint_config(path), config)
+        print(
+            f"resuming from {path}: step {state.step}, epoch {state.epoch}, "
+            f"sample {state.samples_consumed}" + (f"; config changed: {changed}" if changed else "")
+        )
+    return state
+
+
+def _config_changes(saved: dict, config: dict) -> str:
+    """`key old -> new` for each key whose value differs, sorted by key ("" if none).
+
+    Values are compared as JSON holds them (the saved config went through JSON: a tuple is a
+    list there). A key only one side has shows `(missing)` on the other.
+    """
+    config = json.loads(json.dumps(config, default=str))
+    missing = object()
+    changes = []
+    for key in sorted(saved.keys() | config.keys()):
+        old, new = saved.get(key, missing), config.get(key, missing)
+        if old != new:
+            old, new = ("(missing)" if v is missing else repr(v) for v in (old, new))
+            changes.append(f"{key} {old} -> {new}")
+    return ", ".join(changes)

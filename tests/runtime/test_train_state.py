@@ -1,4 +1,5 @@
-"""runtime.train_state: atomic saves, pruning, resume resolution, disk-full handling, sampler."""
+"""runtime.train_state: atomic saves, pruning, resume resolution, disk-full handling, sampler,
+and `resume_training` (what the scripts run to resume, with its config-change report)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from runtime import (
     cosine_schedule_with_warmup,
     load_train_state,
     resolve_resume,
+    resume_training,
     save_train_state,
 )
 from runtime.train_state import COMPLETE_MARKER, checkpoint_dirs
@@ -107,6 +109,55 @@ def test_keeps_last_k_and_ignores_incomplete(process_group, tmp_path):
         resolve_resume(str(tmp_path / "nope"), tmp_path)
     save_train_state(tmp_path, TrainState(4), model, optimizer, scheduler, {}, keep_last=2)
     assert not (tmp_path / "step_000010.tmp").exists()  # stale partial saves are cleaned up
+
+
+SAVED_CONFIG = {"lr": 1e-05, "max_steps": 10, "betas": [0.9, 0.999], "dtype": "bf16", "old": 1}
+
+
+def test_resume_training_loads_and_reports_each_changed_value(process_group, tmp_path, capsys):
+    model, optimizer, scheduler = make()
+    train_steps(model, optimizer, scheduler, 3)
+    path = save_train_state(
+        tmp_path, TrainState(3, 1, 40), model, optimizer, scheduler, SAVED_CONFIG
+    )
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    model2, optimizer2, scheduler2 = make(seed=1)
+    # betas as a tuple: equal to the saved JSON list, so not a change; "old" left, "new" came
+    config = {**SAVED_CONFIG, "lr": 2e-05, "max_steps": 20, "betas": (0.9, 0.999), "new": "x"}
+    del config["old"]
+    state = resume_training("auto", tmp_path, model2, optimizer2, scheduler2, config, True)
+    assert (state.step, state.epoch, state.samples_consumed, state.path) == (3, 1, 40, path)
+    assert scheduler2.last_epoch == 3
+    for key, value in model2.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+    assert capsys.readouterr().out == (
+        f"resuming from {path}: step 3, epoch 1, sample 40; config changed: lr 1e-05 -> 2e-05, "
+        "max_steps 10 -> 20, new (missing) -> 'x', old 1 -> (missing)\n"
+    )
+    # the same checkpoint named by path, on a rank that does not print, with the same config
+    state = resume_training(
+        str(path), tmp_path, model2, optimizer2, scheduler2, SAVED_CONFIG, False
+    )
+    assert state.step == 3 and capsys.readouterr().out == ""
+    resume_training(path, tmp_path, model2, optimizer2, scheduler2, SAVED_CONFIG, True)
+    assert capsys.readouterr().out == f"resuming from {path}: step 3, epoch 1, sample 40\n"
+
+
+def test_resume_training_without_a_checkpoint_starts_fresh(process_group, tmp_path, capsys):
+    model, optimizer, scheduler = make()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert resume_training(
+        "auto", tmp_path / "none_yet", model, optimizer, scheduler, {}, True
+    ) == (TrainState())
+    save_train_state(tmp_path, TrainState(2), model, optimizer, scheduler, SAVED_CONFIG)
+    train_steps(model, optimizer, scheduler, 1)  # now differs from the checkpoint
+    after = {k: v.clone() for k, v in model.state_dict().items()}
+    assert resume_training("none", tmp_path, model, optimizer, scheduler, {}, True) == TrainState()
+    assert capsys.readouterr().out == ""
+    assert all(torch.equal(model.state_dict()[k], after[k]) for k in after)  # nothing loaded
+    assert not all(torch.equal(before[k], after[k]) for k in after)
+    with pytest.raises(ValueError, match="no such checkpoint directory"):
+        resume_training(str(tmp_path / "nope"), tmp_path, model, optimizer, scheduler, {}, True)
 
 
 def test_disk_full_during_save_keeps_previous_checkpoint(process_group, tmp_path, monkeypatch):
