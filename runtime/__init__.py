@@ -20,6 +20,7 @@ from runtime.context_parallel import (
     shard_for_context_parallel,
 )
 from runtime.data import (
+    infinite_batches,
     load_rows,
     pad_with_unsupervised_copies,
     split_train_val,
@@ -132,6 +133,7 @@ __all__ = [
     "clip_grad_norm",
     "common_config_errors",
     "entry_point",
+    "infinite_batches",
     "resume_training",
     "apply_expert_parallel",
     "IGNORE_INDEX",

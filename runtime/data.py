@@ -23,13 +23,15 @@ and the rejected continuation:
 | messages + preference  | `messages` + `chosen`/`rejected`                               | |
 
 Every error names the file (or source), the row and the key, so a bad row in a 100k-row file is
-found without a debugger. No tensors here.
+found without a debugger. No tensors here. `infinite_batches` walks a resumable loader over the
+epochs, for the training loop.
 """
 
 from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -416,3 +418,39 @@ def pad_with_unsupervised_copies(examples: list[dict], multiple: int) -> list[di
         for i in range(missing)
     ]
     return examples + copies
+
+
+def infinite_batches(loader, epoch: int = 0, samples_consumed: int = 0) -> Iterator:
+    """Yield ((epoch, samples_consumed), batch) forever, reshuffling every epoch.
+
+    samples_consumed counts the examples of the epoch's global order used by all data-parallel
+    ranks together, so a resumed run (also on another number of ranks) starts right after them;
+    the yielded position is the one after that batch, i.e. what a checkpoint saved right then must
+    record (`TrainState.epoch`, `.samples_consumed`).
+
+    Args:
+        loader: a DataLoader with a fixed `batch_size` whose sampler is a
+            `ResumableDistributedSampler` (training: shuffle and drop_last).
+        epoch, samples_consumed: where to start (0, 0 fresh; a resumed run's TrainState).
+
+    Yields:
+        ((epoch, samples_consumed), batch): the loader's batch and the position after it.
+
+    Raises:
+        ValueError: a whole epoch gave no batch (without it this would loop forever, yielding
+            nothing); scripts check `len(loader)` first, with a message about their own options.
+    """
+    per_batch = loader.batch_size * loader.sampler.num_replicas  # one micro-batch on every rank
+    while True:
+        loader.sampler.set_position(epoch, samples_consumed)
+        whole_epoch, yielded = samples_consumed == 0, False
+        for batch in loader:
+            samples_consumed += per_batch
+            yielded = True
+            yield (epoch, samples_consumed), batch
+        if whole_epoch and not yielded:
+            raise ValueError(
+                f"epoch {epoch} of the data loader has no batch of {loader.batch_size} on each of "
+                f"{loader.sampler.num_replicas} ranks: lower the micro-batch size or add data"
+            )
+        epoch, samples_consumed = epoch + 1, 0

@@ -1,7 +1,9 @@
-"""runtime.data: file formats, SFT layouts, error messages, train/val split, real demo data."""
+"""runtime.data: file formats, SFT layouts, error messages, train/val split, real demo data, and
+`infinite_batches` (epoch order, resume position)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -287,3 +289,55 @@ def test_pad_with_unsupervised_copies():
     assert pad_with_unsupervised_copies(examples, 5) == examples
     assert pad_with_unsupervised_copies(examples, 1) == examples
     assert pad_with_unsupervised_copies([], 4) == []
+
+
+def _loader(data: list, rank: int, replicas: int = 2, batch_size: int = 2):
+    """The scripts' training loader over `data`: shuffled, drop_last, resumable sampler."""
+    from torch.utils.data import DataLoader
+
+    from runtime import ResumableDistributedSampler
+
+    sampler = ResumableDistributedSampler(
+        data, num_replicas=replicas, rank=rank, shuffle=True, seed=5, drop_last=True
+    )
+    return DataLoader(data, batch_size=batch_size, sampler=sampler, drop_last=True)
+
+
+def _take(batches, n: int) -> list:
+    return [(position, batch.tolist()) for position, batch in itertools.islice(batches, n)]
+
+
+def test_infinite_batches_walks_the_epochs_in_the_samplers_order():
+    from runtime import infinite_batches
+
+    data = list(range(11))  # 2 ranks x 2 per batch: 2 batches per epoch, 3 examples left over
+    for rank in (0, 1):
+        loader = _loader(data, rank)
+        got = _take(infinite_batches(loader), 6)
+        assert [p for p, _ in got] == [(0, 4), (0, 8), (1, 4), (1, 8), (2, 4), (2, 8)]
+        for epoch in range(3):
+            loader.sampler.set_position(epoch, 0)
+            order = list(loader.sampler)  # this rank's share of the epoch's permutation
+            assert [i for _, b in got[2 * epoch : 2 * epoch + 2] for i in b] == order[:4]
+        assert got[0][1] != got[2][1]  # reshuffled every epoch
+
+
+@pytest.mark.parametrize("stop", [1, 2, 3, 5])  # mid-epoch, at an epoch's end, later epochs
+def test_infinite_batches_resumes_where_the_run_stopped(stop):
+    """A fresh loader started at the position the run had after `stop` batches yields exactly
+    the batches (and positions) the uninterrupted run yields next, on every rank."""
+    from runtime import infinite_batches
+
+    data = list(range(11))
+    for rank in (0, 1):
+        uninterrupted = _take(infinite_batches(_loader(data, rank)), 8)
+        (epoch, samples), _ = uninterrupted[stop - 1]
+        resumed = _take(infinite_batches(_loader(data, rank), epoch, samples), 8 - stop)
+        assert resumed == uninterrupted[stop:]
+
+
+def test_infinite_batches_without_a_full_batch_raises_instead_of_looping():
+    from runtime import infinite_batches
+
+    with pytest.raises(ValueError, match="epoch 0 of the data loader has no batch of 4"):
+        next(infinite_batches(_loader(list(range(7)), 0, batch_size=4)))
