@@ -29,7 +29,7 @@ from runtime.data import (
 )
 from runtime.dtensors import ComputedTensor
 from runtime.expert_parallel import apply_expert_parallel
-from runtime.generate import generate
+from runtime.generate import generate, sample
 from runtime.grpo import (
     collate_rollouts,
     completion_logprobs,
@@ -135,6 +135,7 @@ __all__ = [
     "entry_point",
     "infinite_batches",
     "resume_training",
+    "sample",
     "apply_expert_parallel",
     "IGNORE_INDEX",
     "LORA_TARGET_MODULES",

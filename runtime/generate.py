@@ -12,11 +12,15 @@ https://arxiv.org/abs/1904.09751 sec. 3.1 (nucleus / top-p sampling).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from runtime.models.llama import KVCache
+
+if TYPE_CHECKING:
+    from runtime.tokenizer import Tokenizer
 
 
 def _left_pad(prompts: list[list[int]], pad_token_id: int, device):
@@ -122,6 +126,44 @@ def generate(
         model, prompts, max_new_tokens, temperature, top_p, stop_token_ids, pad_token_id, generator
     )
     return [tokens for tokens, _ in rows]
+
+
+def sample(model: nn.Module, tokenizer: Tokenizer, prompt: str, max_new_tokens: int) -> str:
+    """The model's greedy reply to one user message, rendered with the chat template.
+
+    Collective under FSDP (every forward gathers the shards): call it on every rank; all ranks
+    get the same reply. The model runs in eval mode and gets its previous mode back.
+
+    Args:
+        model: a runtime causal LM, plain or FSDP2-sharded (as for `generate`).
+        tokenizer: the model's tokenizer; it must have a chat template.
+        prompt: the user message.
+        max_new_tokens: reply length cap in tokens (0 = ""); it ends earlier at a stop token.
+
+    Returns:
+        The decoded reply, special tokens (the end-of-turn one) skipped.
+
+    Raises:
+        ValueError: the tokenizer has no chat template, or max_new_tokens < 0.
+    """
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True
+    )
+    # one prompt is never padded, so any id will do when the tokenizer has no pad or eos token
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    was_training = model.training
+    model.eval()
+    try:
+        (out,) = generate(
+            model,
+            [tokenizer.encode(text)],
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=tokenizer.stop_token_ids,
+            pad_token_id=pad_token_id,
+        )
+    finally:
+        model.train(was_training)
+    return tokenizer.decode(out)
 
 
 @torch.no_grad()

@@ -1,4 +1,5 @@
-"""KV-cache generation: no-cache reference, transformers parity, padding, stop, sampling, real model."""
+"""KV-cache generation: no-cache reference, transformers parity, padding, stop, sampling, real
+model; `sample`, the scripts' chat reply."""
 
 from __future__ import annotations
 
@@ -140,3 +141,33 @@ def test_smollm2_answers_paris(smollm2):
     prompt = tokenizer.encode(SMOL_CHAT_PROMPT).ids
     out = generate(model, [prompt], max_new_tokens=8, stop_token_ids=[SMOL_IM_END])[0]
     assert "Paris" in tokenizer.decode(out), tokenizer.decode(out)
+
+
+def test_sample_is_the_greedy_chatml_reply_and_keeps_the_mode(tiny_model_dir):
+    """`sample` = `generate` on the ChatML user turn plus the assistant header, decoded; the
+    model's train/eval mode is what it was."""
+    from runtime import Tokenizer, sample
+
+    model = build_model(ModelArgs.from_hf_config(read_hf_config(tiny_model_dir)), device="cpu")
+    load_hf_checkpoint(model, tiny_model_dir)
+    tokenizer = Tokenizer.from_dir(tiny_model_dir)
+    prompt = "What is the capital of France?"
+    ids = tokenizer.encode(f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n")
+    out = generate(
+        model.eval(), [ids], 12, stop_token_ids=tokenizer.stop_token_ids, pad_token_id=0
+    )[0]
+    model.train()
+    reply = sample(model, tokenizer, prompt, 12)
+    assert reply == tokenizer.decode(out) and len(out) == 12  # (random weights: never stops)
+    assert model.training
+    model.eval()
+    assert sample(model, tokenizer, prompt, 0) == "" and not model.training
+
+
+def test_sample_smollm2_answers_paris(smollm2):
+    from generator.assets import ensure_smollm2
+    from runtime import Tokenizer, sample
+
+    model, _, _ = smollm2
+    reply = sample(model, Tokenizer.from_dir(ensure_smollm2()), "What is the capital of France?", 8)
+    assert "Paris" in reply, reply
