@@ -351,45 +351,62 @@ def disable_fsdp_gradient_division(model: torch.nn.Module) -> None:
             module.set_force_sum_reduction_for_comms(True)
 
 
+@torch.no_grad()  # as clip_grad_norm_; to_local() is then a plain alias of the local shard
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     """Clip all gradients of `model` to a global L2 norm of `max_norm`; return the norm before.
 
-    Like `torch.nn.utils.clip_grad_norm_`, but also right under expert parallel, where the
-    parameters mix FSDP2 DTensors (norm over their shards) with plain expert tensors that differ
-    per rank (their squared norms are summed over the ep group). Every rank gets the same norm
-    and the same clip coefficient.
+    The one clipping call for every script: plain parameters (1 process), FSDP2 DTensors (the
+    norm over all shards) and expert parallel, where the parameters mix FSDP2 DTensors with plain
+    expert tensors that differ per rank (their squared norms are summed over the ep group). Every
+    rank gets the same norm and the same clip coefficient. Without experts the norm and the
+    clipped gradients are bit-identical to `torch.nn.utils.clip_grad_norm_(model.parameters(),
+    max_norm)` (same reduction, same coefficient `clamp(max_norm / (norm + 1e-6), max=1)`), and no
+    value is copied to the host. A non-finite norm is returned as it is (the gradients are then
+    not finite either): the caller skips the optimizer step.
 
     Args:
-        model: the (FSDP2-sharded, possibly expert-parallel) model.
-        max_norm: clip threshold; float("inf") only measures.
+        model: the plain or FSDP2-sharded (possibly expert-parallel) model; parameters without a
+            gradient are skipped.
+        max_norm: clip threshold; 0 (the scripts' `--max_grad_norm 0`) or float("inf") only
+            measures, leaving the gradients untouched.
 
     Returns:
-        Scalar fp32 tensor (plain, not a DTensor): the global gradient norm before clipping.
+        Scalar fp32 tensor (plain, not a DTensor) on the gradients' device: the global gradient
+        norm before clipping (0.0 when no parameter has a gradient). A collective under FSDP or
+        expert parallel: call it on every rank.
+
+    Raises:
+        ValueError: max_norm is negative or NaN.
 
     Reference: torch.nn.utils.clip_grad_norm_ (same norm, coefficient max_norm / (norm + 1e-6));
     torchtitan `dist_utils.clip_grad_norm_` (expert-parallel norm).
     """
+    if not max_norm >= 0:
+        raise ValueError(f"max_norm={max_norm}: must be >= 0 (0 or inf = only measure the norm)")
+    params = [p for p in model.parameters() if p.grad is not None]
+    total = _global_grad_norm(model, params)
+    if 0 < max_norm < math.inf:
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # clip_grad_norm_'s arithmetic
+        for p in params:  # a DTensor's local shard (an alias): a plain coefficient fits any layout
+            local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            local.mul_(coef.to(local.device))
+    return total
+
+
+def _global_grad_norm(model: torch.nn.Module, params: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of the gradients of `params` (of `model`, each with a grad) over all ranks."""
     from runtime.models.moe import SparseMoeBlock
 
     expert_groups = {}
     for m in model.modules():
         if isinstance(m, SparseMoeBlock) and m.ep_group is not None:
             expert_groups.update({id(p): m.ep_group for p in m.experts.parameters()})
-    params = [p for p in model.parameters() if p.grad is not None]
     shared = [p.grad for p in params if id(p) not in expert_groups]
     experts = [p for p in params if id(p) in expert_groups]
-    norm_sq = torch.zeros((), dtype=torch.float32)
-    if shared:
-        norm = torch.nn.utils.get_total_norm(shared)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        norm_sq = norm_sq.to(norm.device) + norm.float() ** 2
+    norm = torch.nn.utils.get_total_norm(shared)  # tensor(0.) when empty
+    total = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).float()
     if experts:
         local = torch.nn.utils.get_total_norm([p.grad for p in experts]).float() ** 2
         dist.all_reduce(local, group=expert_groups[id(experts[0])])  # other ranks' experts
-        norm_sq = norm_sq.to(local.device) + local
-    total = norm_sq.sqrt()
-    coef = min(max_norm / (total.item() + 1e-6), 1.0)  # a Python float: DTensor and plain alike
-    if math.isfinite(coef) and coef < 1:
-        for p in params:
-            p.grad.mul_(coef)
+        total = (total.to(local.device) ** 2 + local).sqrt()
     return total
