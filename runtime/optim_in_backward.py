@@ -14,7 +14,9 @@ gradient_accumulation_steps=1. Supports what the usual implementations refuse:
   twice (a norm pass, then a step pass: 2x forward + backward time, no extra memory; see
   `OptimizerInBackward.backward_passes`);
 - FSDP2 DTensor parameters (FSDP2 runs the hooks on the sharded parameter after its
-  reduce-scatter) and the grad norm for logging.
+  reduce-scatter) and the grad norm for logging;
+- a NaN/inf gradient: with clipping no parameter is stepped (the norm pass sees it first);
+  without, no parameter is stepped from the bad one on (`OptimizerInBackward.backward_passes`).
 
 Reference:
     PyTorch tutorial "How to save memory by fusing the optimizer step into the backward pass"
@@ -150,6 +152,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self._clip_coef: torch.Tensor | None = None
         self._norms: list[torch.Tensor | None] = [None] * len(params)  # local L2 norm per param
         self._grads_seen = [0] * len(params)  # micro-batch gradients since the last step
+        self._saw_non_finite = False  # single pass: a non-finite gradient stopped this step
         self._hook_handles = []
 
     @property
@@ -181,10 +184,21 @@ class OptimizerInBackward(torch.optim.Optimizer):
         one-pass scheme would either keep all gradients (losing the memory saving) or clip with a
         stale norm (a different optimizer). Cost: 2x forward + backward per step; memory: as
         without clipping. A non-finite global norm ends the step after the norm pass: no
-        parameter is updated and `grad_norm()` returns that norm. The step pass must replay the same micro-batches (and the same RNG
-        state if the model uses dropout) so that its gradients are the ones that were measured.
+        parameter is updated and `grad_norm()` returns that norm. The step pass must replay the
+        same micro-batches (and the same RNG state if the model uses dropout) so that its
+        gradients are the ones that were measured.
+
+        Without clipping each hook checks its own gradient before stepping (one device-to-host
+        copy of its norm). A non-finite one is not stepped, nor is any parameter whose hook runs
+        after it in this step (their gradients are freed), and `grad_norm()` is then not finite
+        on every rank, so the train loop stops without saving. The parameters whose hooks ran
+        before the bad one keep their update: they stepped before it existed, and an all-or-
+        nothing step needs the global norm before the first step, which is the norm pass that
+        max_grad_norm gives (under FSDP the other ranks likewise step their shards up to where
+        their own gradients go bad, if ever).
         """
         self._norms = [None] * len(self.params)
+        self._saw_non_finite = False
         try:
             if self.max_grad_norm is not None:
                 self._phase, self._clip_coef = "norm", None
@@ -227,6 +241,12 @@ class OptimizerInBackward(torch.optim.Optimizer):
         if self._phase == "norm":
             param.grad = None  # measured; the step pass recomputes it
             return
+        if self._clip_coef is None and not self._saw_non_finite:
+            # single pass: no global norm exists yet, so each gradient is checked on its own
+            self._saw_non_finite = not bool(torch.isfinite(self._norms[index]))
+        if self._saw_non_finite:
+            self.optimizers[index].zero_grad(set_to_none=True)  # not stepped: this step is void
+            return
         if self._clip_coef is not None:
             local_grad.mul_(self._clip_coef.to(local_grad.device))
         self.optimizers[index].step()
@@ -241,7 +261,8 @@ class OptimizerInBackward(torch.optim.Optimizer):
 
         Returns:
             Scalar fp32 tensor (a plain tensor, also under FSDP). A collective under FSDP with
-            more than one rank: call it on every rank.
+            more than one rank: call it on every rank. Not finite (on every rank) when a
+            gradient of the step was not: the bad parameter's norm enters the global sum.
 
         Raises:
             RuntimeError: some parameter received no gradient in the latest step.
@@ -270,6 +291,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
 
     def step(self, closure=None) -> None:
         """No-op: the steps ran inside backward. Kept for the LR scheduler and the loop shape.
+        Ends the step: a loop without `backward_passes` steps again after a non-finite gradient.
 
         Raises:
             RuntimeError: gradients are still pending (the last backward did not step).
@@ -281,6 +303,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
                 "backward ran with is_last_micro_batch=False, so nothing was stepped; set it to "
                 "True for the last micro-batch."
             )
+        self._saw_non_finite = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop any pending gradients (after a step there are none)."""

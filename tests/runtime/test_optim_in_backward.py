@@ -1,13 +1,15 @@
 """Optimizer-in-backward vs the standard `clip_grad_norm_` + `opt.step()` loop: identical
 parameters (fp32 CPU, torch.equal) with AdamW + weight decay + the warmup/cosine LambdaLR, with
 gradient accumulation and clipping; exact resume; FSDP2 (1-process gloo); torchao AdamW8bit and
-AdamW4bit (also over FSDP2 DTensor parameters, equal to the plain model)."""
+AdamW4bit (also over FSDP2 DTensor parameters, equal to the plain model); a non-finite gradient
+never reaches a weight through its own hook, and makes grad_norm() non-finite on every FSDP rank."""
 
 from __future__ import annotations
 
 import copy
 import functools
 import io
+import math
 
 import pytest
 import torch
@@ -316,3 +318,116 @@ def test_torchao_adamw4bit_over_fsdp2_equals_plain(process_group):
     for name, model in (("standard", standard), ("in_backward", in_backward)):
         for (n, p), q in zip(model.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p.full_tensor(), q, atol=1e-6, rtol=1e-5, msg=f"{name} {n}")
+
+
+def _poison(grad: torch.Tensor) -> torch.Tensor:
+    """The gradient with element [0, 0] set to inf."""
+    grad = grad.clone()
+    grad[0, 0] = float("inf")
+    return grad
+
+
+class _PoisonedGradient(torch.autograd.Function):
+    """Identity forward; backward `_poison`s the gradient (works on FSDP's unsharded weight)."""
+
+    @staticmethod
+    def forward(ctx, weight):
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _poison(grad)
+
+
+class _Chain(torch.nn.Module):
+    """first -> bad -> last: backward reaches last's parameters first, then bad's, then first's.
+    poison=True makes bad.weight's gradient inf through `_PoisonedGradient` (first's stays
+    finite: the activations' gradients are clean)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.bad, self.last = (torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x, poison: bool):
+        weight = _PoisonedGradient.apply(self.bad.weight) if poison else self.bad.weight
+        h = torch.nn.functional.linear(self.first(x).tanh(), weight, self.bad.bias).tanh()
+        return self.last(h).square().sum()
+
+
+def _one_step(model, opt, x, poison: bool) -> torch.Tensor:
+    for _ in opt.backward_passes():
+        model(x, poison).backward()
+    norm = opt.grad_norm()
+    opt.step()
+    opt.zero_grad()
+    return norm
+
+
+def _snapshot(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_non_finite_gradient_without_clipping_stops_the_step_at_that_parameter():
+    """max_grad_norm=None (one pass): the bad parameter and every one whose hook runs after it
+    keep their values, those before it keep their update, grad_norm() is not finite, every
+    gradient is freed, and the next (finite) step steps everything again."""
+    torch.manual_seed(0)
+    model, x = _Chain(), torch.randn(4, 8)
+    order = []  # hooks run in registration order: this one before the optimizer's
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, name=name: order.append(name))
+    opt = setup_optimizer_in_backward(model, functools.partial(torch.optim.AdamW, lr=0.1))
+    before = _snapshot(model)
+    # a hook on the leaf itself keeps its place in the backward order (a Function would move it)
+    handle = model.bad.weight.register_hook(_poison)
+    assert not torch.isfinite(_one_step(model, opt, x, poison=False))
+    handle.remove()
+    bad = order.index("bad.weight")
+    assert 0 < bad < len(order) - 1  # hooks ran both before and after the bad one
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed == set(order[:bad])
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert all(p.grad is None for p in model.parameters())
+    before = _snapshot(model)
+    assert torch.isfinite(_one_step(model, opt, x, poison=False))
+    assert all(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_non_finite_gradient_with_clipping_steps_nothing():
+    torch.manual_seed(0)
+    model, x = _Chain(), torch.randn(4, 8)
+    opt = setup_optimizer_in_backward(
+        model, functools.partial(torch.optim.AdamW, lr=0.1), max_grad_norm=1.0
+    )
+    before = _snapshot(model)
+    assert not torch.isfinite(_one_step(model, opt, x, poison=True))
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def _poisoned_on_rank_1(rank, world_size):
+    """FSDP2 over 2 ranks, no clipping; only rank 1's gradient of bad.weight[0, 0] is inf, and
+    after the reduce-scatter that element is in rank 0's shard. Returns (grad_norm, this rank's
+    bad.weight shard unchanged, bad.weight finite everywhere)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from runtime.parallel import build_mesh, disable_fsdp_gradient_division
+
+    torch.manual_seed(0)
+    model = _Chain()
+    fully_shard(model, mesh=build_mesh("cpu")["dp_shard"])
+    disable_fsdp_gradient_division(model)
+    opt = setup_optimizer_in_backward(model, functools.partial(torch.optim.AdamW, lr=0.1))
+    shard = model.bad.weight.to_local().detach().clone()
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    norm = _one_step(model, opt, x, poison=rank == 1)
+    unchanged = torch.equal(model.bad.weight.to_local(), shard)
+    return norm.item(), unchanged, bool(torch.isfinite(model.bad.weight.full_tensor()).all())
+
+
+def test_non_finite_gradient_on_one_fsdp_rank_makes_the_norm_non_finite_on_every_rank():
+    from tests.helpers import spawn
+
+    (norm0, unchanged0, finite0), (norm1, _, finite1) = spawn(_poisoned_on_rank_1, 2)
+    assert not math.isfinite(norm0) and not math.isfinite(norm1)
+    assert unchanged0  # rank 0 saw the inf in its shard: not stepped
+    assert finite0 and finite1
