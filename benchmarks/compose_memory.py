@@ -27,7 +27,12 @@ from _sections import write_marked_section
 
 REPO = Path(__file__).resolve().parents[1]
 WORK = REPO / "benchmarks" / ".work" / "compose"
-VARIANTS = [("plain", ""), ("ac", "ac"), ("lce", "lce"), ("ac+lce+optim-in-bwd", "ac,lce,optim-in-bwd")]
+VARIANTS = [
+    ("plain", ""),
+    ("ac", "ac"),
+    ("lce", "lce"),
+    ("ac+lce+optim-in-bwd", "ac,lce,optim-in-bwd"),
+]
 CATEGORIES = ["Parameter", "Gradient", "Optstate", "Activation", "Temp", "Buffer", "Other"]
 MARK_BEGIN = "<!-- compose_memory:begin -->"
 MARK_END = "<!-- compose_memory:end -->"
@@ -90,8 +95,15 @@ def _grpo_steps(s, args):
     g = torch.Generator().manual_seed(0)
     ids = lambda n: torch.randint(0, 49152, (n,), generator=g).tolist()  # noqa: E731
     rollouts = [
-        Rollout(ids(args.prompt_len), ids(args.completion_len), [-1.0] * args.completion_len,
-                float(i % 2), {}, 0, i // 4)  # fmt: skip
+        Rollout(
+            ids(args.prompt_len),
+            ids(args.completion_len),
+            [-1.0] * args.completion_len,
+            float(i % 2),
+            {},
+            0,
+            i // 4,
+        )  # fmt: skip
         for i in range(args.rollouts)
     ]
     advantages = torch.tensor([1.0 if i % 2 else -1.0 for i in range(args.rollouts)])
@@ -159,7 +171,9 @@ def table(results: dict, args) -> str:
             if "error" in r:
                 lines.append(f"| {algo} | {name} | error: {r['error']} |||||||")
                 continue
-            cells = [f"{r[c]:.0f}" for c in ("Parameter", "Gradient", "Optstate", "Activation", "Temp")]
+            cells = [
+                f"{r[c]:.0f}" for c in ("Parameter", "Gradient", "Optstate", "Activation", "Temp")
+            ]
             lines.append(
                 f"| {algo} | {name} | {' | '.join(cells)} | **{r['Total']:.0f}** | {r['Total'] / base:.2f} |"
             )
@@ -173,7 +187,9 @@ def main() -> None:
     p.add_argument("--rollouts", type=int, default=8)
     p.add_argument("--prompt_len", type=int, default=64)
     p.add_argument("--completion_len", type=int, default=448)
-    p.add_argument("--write", action="store_true", help="write the table into benchmarks/RESULTS.md")
+    p.add_argument(
+        "--write", action="store_true", help="write the table into benchmarks/RESULTS.md"
+    )
     p.add_argument("--child", nargs=2, metavar=("ALGO", "SCRIPT"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:

@@ -265,9 +265,7 @@ def plan(
 
 
 @cli.command("list")
-@click.argument(
-    "what", required=False, type=click.Choice(["models", "algos", "tricks", "support"])
-)
+@click.argument("what", required=False, type=click.Choice(["models", "algos", "tricks", "support"]))
 def list_(what):
     """List known models, algorithms, tricks, and the support table (which algorithm takes which
     trick and parallel plan; every "no" with its reason)."""
@@ -307,7 +305,9 @@ def _echo_support_table(header: bool) -> None:
     """The support table: a row per trick and plan, a column per algorithm, then each "no"."""
     rows = support_table()
     algos = list(ALGOS)
-    click.echo("\nsupport (yes / no: reason below):" if header else "support (yes / no: reason below):")
+    click.echo(
+        "\nsupport (yes / no: reason below):" if header else "support (yes / no: reason below):"
+    )
     width = max(len(name) for name, _ in rows)
     click.echo(f"  {'':{width}} " + " ".join(f"{a:>9}" for a in algos))
     for name, cells in rows:

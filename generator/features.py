@@ -3,7 +3,7 @@ combinations are refused.
 
 Adding a trick or an algorithm = one `templates/features/<name>.py.jinja` (macros named after the
 slots it fills, see `generator.render.SLOTS`) plus one entry here. Each skeleton
-(`templates/recipes/<skeleton>.py.jinja`, built from the partials in `templates/recipes/shared/`)
+(`templates/recipes/<skeleton>.py.jinja`, built from the partials in `templates/recipes/partials/`)
 calls the slots of the algorithm's template first, then those of the enabled tricks in the order
 of `TRICKS`. An algorithm without a template is its skeleton's defaults. `REFUSED` (with `refusal` and `support_table`) is the one table
 of which trick and which parallel plan works with which algorithm, and why not where it does not.
@@ -205,30 +205,16 @@ _PLAN_NOT_WIRED = (
     "not wired into the {skeleton} skeleton yet (its reference model, token counts and "
     "{extra} under this plan are untested); only the SFT skeleton takes it"
 )
-_PACKING_NOT_BUILT = (
-    "not built on the {skeleton} skeleton yet: a packed row would need {what}; the loss would be "
-    "unchanged (packing is exact), so this is a missing feature, not a mathematical limit"
-)
 
 
 def _refusals() -> dict[tuple[str, str], str]:
     """(trick or plan, algorithm) -> why that algorithm does not take it. Absent: supported."""
     out = {}
     for name, algo in ALGOS.items():
-        if algo.skeleton == "dpo":
-            out["packing", name] = _PACKING_NOT_BUILT.format(
-                skeleton="DPO",
-                what="each pair's chosen and rejected sequences as two documents of one row and "
-                "per-document log-prob sums",
-            )
-        if algo.skeleton == "grpo":
-            out["packing", name] = _PACKING_NOT_BUILT.format(
-                skeleton="GRPO",
-                what="rollouts as documents of one row with per-token advantages and sampler "
-                "log-probs laid out to match",
-            )
         if algo.skeleton != "sft":
-            extra = "precomputed log-probs" if algo.skeleton == "dpo" else "weight sync to the engines"
+            extra = (
+                "precomputed log-probs" if algo.skeleton == "dpo" else "weight sync to the engines"
+            )
             skeleton = algo.skeleton.upper()
             for plan in ("--dp-replicate", "--tp", "--cp"):
                 out[plan, name] = _PLAN_NOT_WIRED.format(skeleton=skeleton, extra=extra)

@@ -45,7 +45,9 @@ def environment() -> jinja2.Environment:
         autoescape=False,
     )
     env.filters["pyrepr"] = pyrepr
-    env.filters["rstrip"] = lambda text: str(text).rstrip()  # a macro's text without its last newline
+    env.filters["rstrip"] = lambda text: str(
+        text
+    ).rstrip()  # a macro's text without its last newline
     return env
 
 

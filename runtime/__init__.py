@@ -53,8 +53,8 @@ from runtime.lora import (
 from runtime.loss import (
     IGNORE_INDEX,
     chunked_kd_loss,
-    kd_kl_sum,
     cross_entropy_sum,
+    kd_kl_sum,
     linear_cross_entropy,
     token_logprobs,
     vocab_parallel_cross_entropy_sum,

@@ -322,7 +322,11 @@ def collate_preference_packs(packs: list[dict], pad_token_id: int, pad_to: int =
 
 
 def pack_rollouts(
-    prompts: list[list[int]], completions: list[list[int]], max_len: int, pad_token_id: int = 0
+    prompts: list[list[int]],
+    completions: list[list[int]],
+    max_len: int,
+    pad_token_id: int = 0,
+    pad_to: int = 0,
 ) -> dict[str, torch.Tensor]:
     """Greedily pack rollouts (prompt + completion), in order, into right-padded rows.
 
@@ -338,11 +342,13 @@ def pack_rollouts(
         completions: M completion token ids (the stop token, if sampled, included).
         max_len: the row length limit, e.g. max_prompt_len + max_new_tokens.
         pad_token_id: written into padding.
+        pad_to: pad the rows to at least this length (fixed shapes, e.g. compiled blocks); 0 =
+            the longest row.
 
     Returns:
         input_ids [R, S] int64, labels [R, S] int64, position_ids [R, S] int64, document_ids
         [R, S] int32, sequence_ids [R, S] int64 (rollout i's positions hold i, padding -1); R rows,
-        S the longest row (<= max_len). Lay the sampler's per-token log-probs on it with
+        S the longest row (<= max_len), or pad_to if larger. Lay the sampler's per-token log-probs on it with
         `packed_completion_values`, per-rollout values with `expand_to_tokens`, and reduce per
         rollout with `sequence_sums`.
 
@@ -366,7 +372,7 @@ def pack_rollouts(
         labels = [IGNORE_INDEX] * (len(p) - 1) + list(c) + [IGNORE_INDEX]  # as collate_rollouts
         documents.append({"input_ids": list(p) + list(c), "labels": labels})
     packs = pack_examples(documents, max_len)  # none is empty or too long: none skipped or cut
-    S = max(len(pack["input_ids"]) for pack in packs)
+    S = max(pad_to, max(len(pack["input_ids"]) for pack in packs))
     batch = _padded_rows(packs, S, pad_token_id)
     sequence_ids = torch.full((len(packs), S), -1, dtype=torch.long)
     i = 0

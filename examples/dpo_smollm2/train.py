@@ -364,7 +364,7 @@ def reference_logprobs(model, reference, ref_cache, batch: dict, cfg: Config) ->
 
 def pair_losses(model, reference, ref_cache, batch: dict, cfg: Config) -> tuple[torch.Tensor, dict]:
     """DPO losses [P] of one micro-batch and its summed metrics (TRL's names)."""
-    P = batch["input_ids"].shape[0] // 2
+    P = batch["sample_ids"].numel()
     policy_logps, num_tokens = sequence_logprobs(model, batch, cfg)  # [2P], [2P]
     ref_logps = reference_logprobs(model, reference, ref_cache, batch, cfg)  # [2P]
     if cfg.loss_type == "ipo":  # IPO compares per-token means (TRL), not sums
@@ -534,7 +534,7 @@ def precompute_reference_logprobs(
     return (table / counts.clamp(min=1)[:, None]).cpu()
 
 
-# === 9. train_step ===
+# === 8. train_step ===
 def backward_and_step(
     model, optimizer, scheduler, micro_batches: list, loss_fn, cfg: Config
 ) -> tuple[dict, torch.Tensor, float]:
@@ -557,8 +557,8 @@ def backward_and_step(
         loss.backward()
         for k, v in {"loss": loss.detach(), **stats}.items():
             totals[k] = totals.get(k, 0) + v
-    # over plain tensors, FSDP shards (DTensor) and expert-parallel experts alike; 0 = measure only
-    grad_norm = clip_grad_norm(model, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
+    # over plain tensors, FSDP shards (DTensor) and expert-parallel experts alike
+    grad_norm = clip_grad_norm(model, cfg.max_grad_norm)  # max_grad_norm 0: measure only
     lr = float(scheduler.get_last_lr()[0])  # a tensor under torchao optimizers
     if torch.isfinite(grad_norm):  # a NaN/inf gradient never reaches the weights; main() stops
         optimizer.step()
@@ -646,7 +646,7 @@ def save(
         (path / "training_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
 
 
-# === 10. main ===
+# === 9. main ===
 def load_reference(
     cfg: Config,
     model,

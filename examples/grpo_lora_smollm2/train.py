@@ -404,14 +404,19 @@ def setup_model(cfg: Config, model_dir: Path, mesh, device: torch.device) -> tor
 
 # === 5. Loss ===
 def completion_logprobs(
-    model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, cfg: Config
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    cfg: Config,
+    **model_kwargs,
 ) -> torch.Tensor:
     """Per-token log-probs [B, S] fp32 of the completion tokens under softmax(logits / temperature),
     0.0 off the completions (labels == IGNORE_INDEX); differentiable. The engines report log-probs
-    under the same temperature, so ratios against them compare like with like."""
+    under the same temperature, so ratios against them compare like with like. model_kwargs: a
+    packed batch's position_ids and attention_mask."""
     completion = labels != IGNORE_INDEX  # [B, S]
     # prompt and padding positions skip lm_head: [T, V] logits of the T completion positions only
-    logits = model(input_ids, logits_mask=completion).float() / cfg.temperature
+    logits = model(input_ids, **model_kwargs, logits_mask=completion).float() / cfg.temperature
     token_logps = logits.log_softmax(-1).gather(-1, labels[completion][:, None]).squeeze(-1)  # [T]
     return torch.zeros(completion.shape, device=logits.device).masked_scatter(
         completion, token_logps
@@ -444,7 +449,8 @@ def grpo_loss(
         logprobs: [B, S] fp32 log-probs of the completion tokens under the policy (with grad).
         old_logprobs: [B, S] the proximal policy's (here: `logprobs.detach()`).
         sampler_logprobs: [B, S] the generating engine's, stored with each sample.
-        advantages: [B] fp32 group-normalised advantage per sequence.
+        advantages: [B] fp32 group-normalised advantage per sequence, or [B, S] per token (packed
+            rows hold several sequences: each token carries its sequence's advantage).
         mask: [B, S] bool, True on completion tokens.
         ref_logprobs: [B, S] the reference model's, or None (kl_coef must then be 0).
 
@@ -458,7 +464,7 @@ def grpo_loss(
         (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training").
     Differs from reference: the importance weight is truncated at is_cap (bias for variance).
     """
-    A = advantages[:, None]  # [B, 1]
+    A = advantages if advantages.dim() == 2 else advantages[:, None]  # [B, S] or [B, 1]
     ratio = torch.exp(logprobs - old_logprobs)  # [B, S]
     clipped_ratio = ratio.clamp(1 - clip_eps_low, 1 + clip_eps_high)
     surrogate = torch.minimum(ratio * A, clipped_ratio * A)
@@ -635,55 +641,6 @@ def start_rollout(
     )
 
 
-def next_rollouts(
-    pipeline: RolloutPipeline, batches, cfg: Config, version: int
-) -> tuple[list, int, float, tuple]:
-    """The groups to train policy `version` on, keeping the engines `prefetch` batches ahead.
-
-    sync keeps no batch in flight (generate, then train); async one (batch k+1 generates while
-    batch k trains); off-policy max_staleness. Groups lagging more than `staleness_bound` policy
-    versions are dropped (whole groups) and more are generated.
-
-    Returns:
-        (N groups of G `Rollout`s, rollouts dropped as stale, seconds spent waiting, the data
-        position (epoch, prompts consumed) after the last batch submitted; a resume skips the
-        prompts that were in flight).
-    """
-    prefetch = {"sync": 0, "async": 1}.get(cfg.rollout, cfg.max_staleness)
-    # at most the batches already in flight can be too old; more means the engines' weights
-    # stopped advancing, and waiting would loop forever
-    max_dropped = (prefetch + 1) * cfg.prompts_per_step * cfg.num_generations
-    groups, dropped, waited = [], 0, 0.0
-    while len(groups) < cfg.prompts_per_step:
-        if dropped > max_dropped:
-            raise TimeoutError(
-                f"training policy version {version}: {dropped} rollouts in a row were more than {staleness_bound(cfg)} "
-                f"version(s) old (the engines sample version {pipeline.version}); weights are not reaching the engines"
-            )
-        while len(pipeline.pending) < prefetch + 1:
-            pipeline.position, prompts = next(batches)
-            # sampling seed = f(seed, the batch's data position): a resumed sync run samples what
-            # the uninterrupted run did (a count of submitted batches restarts at 0 on resume)
-            epoch, consumed = pipeline.position
-            seed = ((cfg.seed * 1_000_003 + epoch) * 1_000_003 + consumed) % 2**31
-            pipeline.submit(
-                [p["prompt_ids"] for p in prompts],
-                [p["prompt"] for p in prompts],
-                [p["answer"] for p in prompts],
-                seed,
-            )
-        if len(pipeline.buffer) < cfg.prompts_per_step - len(groups):
-            start = time.perf_counter()
-            pipeline.collect()
-            waited += time.perf_counter() - start
-        got, n_dropped = pipeline.buffer.take(
-            cfg.prompts_per_step - len(groups), version, staleness_bound(cfg)
-        )
-        groups += got
-        dropped += n_dropped
-    return groups, dropped, waited, pipeline.position
-
-
 def sync_weights(
     pipeline: RolloutPipeline | None,
     model,
@@ -749,8 +706,8 @@ def backward_and_step(
         loss.backward()
         for k, v in {"loss": loss.detach(), **stats}.items():
             totals[k] = totals.get(k, 0) + v
-    # over plain tensors, FSDP shards (DTensor) and expert-parallel experts alike; 0 = measure only
-    grad_norm = clip_grad_norm(model, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
+    # over plain tensors, FSDP shards (DTensor) and expert-parallel experts alike
+    grad_norm = clip_grad_norm(model, cfg.max_grad_norm)  # max_grad_norm 0: measure only
     lr = float(scheduler.get_last_lr()[0])  # a tensor under torchao optimizers
     if torch.isfinite(grad_norm):  # a NaN/inf gradient never reaches the weights; main() stops
         optimizer.step()
@@ -939,9 +896,13 @@ def main(argv: list[str] | None = None, reward_funcs: list | None = None) -> lis
     for step in progress:
         version = step - 1  # optimizer steps taken so far = the policy version being trained
         start = time.perf_counter()
+        # rank 0 asks the pipeline for the step's groups: it keeps the engines `prefetch` batches ahead
+        # (sync 0, async 1, off-policy max_staleness), drops groups older than staleness_bound and
+        # seeds each batch's sampling by its data position (a resumed run samples the same)
         groups, dropped, waited, position = (
-            next_rollouts(pipeline, batches, cfg, version) if is_main else (None, 0, 0.0, None)
-        )
+            pipeline.next_groups(batches, cfg.prompts_per_step, version, staleness_bound(cfg), cfg.seed)
+            if is_main else (None, 0, 0.0, None)
+        )  # fmt: skip
         groups, position = share_rollouts(groups, position, dp_size)  # rank 0's, on every rank
         state.epoch, state.samples_consumed = position  # after the prompts submitted so far
         advantages, metrics = rollout_metrics(groups, cfg, version)  # [N*G], same on every rank

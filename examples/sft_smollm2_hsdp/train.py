@@ -324,7 +324,7 @@ def build_dataloader(
     )
 
 
-# === 9. train_step ===
+# === 8. train_step ===
 def backward_and_step(
     model, optimizer, scheduler, micro_batches: list, loss_fn, cfg: Config
 ) -> tuple[dict, torch.Tensor, float]:
@@ -347,8 +347,8 @@ def backward_and_step(
         loss.backward()
         for k, v in {"loss": loss.detach(), **stats}.items():
             totals[k] = totals.get(k, 0) + v
-    # over plain tensors, FSDP shards (DTensor) and expert-parallel experts alike; 0 = measure only
-    grad_norm = clip_grad_norm(model, cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
+    # over plain tensors, FSDP shards (DTensor) and expert-parallel experts alike
+    grad_norm = clip_grad_norm(model, cfg.max_grad_norm)  # max_grad_norm 0: measure only
     lr = float(scheduler.get_last_lr()[0])  # a tensor under torchao optimizers
     if torch.isfinite(grad_norm):  # a NaN/inf gradient never reaches the weights; main() stops
         optimizer.step()
@@ -419,7 +419,7 @@ def save(
         (path / "training_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
 
 
-# === 10. main ===
+# === 9. main ===
 def main(argv: list[str] | None = None) -> dict:
     """Train, evaluate, save the HF model and print a sample. Returns the final metrics."""
     cfg = parse_config(Config, argv)

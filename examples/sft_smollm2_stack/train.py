@@ -414,7 +414,7 @@ def build_dataloader(
     )
 
 
-# === 9. train_step ===
+# === 8. train_step ===
 def backward_and_step(
     model, optimizer, scheduler, micro_batches: list, loss_fn, cfg: Config
 ) -> tuple[dict, torch.Tensor, float]:
@@ -512,7 +512,7 @@ def save(
         (path / "training_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
 
 
-# === 10. main ===
+# === 9. main ===
 def main(argv: list[str] | None = None) -> dict:
     """Train, evaluate, save the HF model and print a sample. Returns the final metrics."""
     cfg = parse_config(Config, argv)

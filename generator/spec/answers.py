@@ -145,7 +145,8 @@ def build_answers(spec: Spec) -> dict:
         "tricks": ordered_tricks,
         "parallelize_steps": _parallelize_steps(spec),
         # a frozen copy of the checkpoint is built (DPO's separate reference, GRPO's KL reference)
-        "frozen_copy": algo.skeleton == "dpo" or (algo.skeleton == "grpo" and algo.template != "lora"),
+        "frozen_copy": algo.skeleton == "dpo"
+        or (algo.skeleton == "grpo" and algo.template != "lora"),
         # compiled blocks are specialised to one shape (dynamic=False): pad every batch to it
         "pad_to_max_seq_len": "compile" in spec.tricks,
         "version": __version__,

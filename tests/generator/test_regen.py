@@ -209,7 +209,7 @@ def test_template_change_merges_cleanly(tmp_path, monkeypatch):
     ]:  # each banner is in one template file (a skeleton's own, or a shared partial)
         holders = [
             f for f in (v2 / "recipes").rglob("*.jinja")
-            if banner in f.read_text() and (f.parent.name == "shared" or f.stem == "sft.py")
+            if banner in f.read_text() and (f.parent.name == "partials" or f.stem == "sft.py")
         ]  # fmt: skip
         assert len(holders) == 1 and holders[0].read_text().count(banner) == 1, (banner, holders)
         text = holders[0].read_text()

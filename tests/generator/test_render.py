@@ -215,8 +215,14 @@ def test_new_writes_spec_and_base_and_refuses_overwrite(tmp_path):
         (["--dtype", "fp16"], "--dtype 'fp16'; valid: bf16, fp32"),
         (["--gpus", "0"], "--gpus 0 and --nodes 1 must both be >= 1"),
         (["--peft", "dora"], "--peft dora needs an adapter algorithm (--algo lora or qlora or"),
-        (["--algo", "dpo", "--tricks", "packing"], "--algo dpo does not take --tricks packing: not built"),
-        (["--algo", "kd", "--tp", "2", "--gpus", "2"], "--algo kd with --tp 2: the TP and CP plans"),
+        (
+            ["--algo", "dpo", "--tricks", "packing"],
+            "--algo dpo does not take --tricks packing: not built",
+        ),
+        (
+            ["--algo", "kd", "--tp", "2", "--gpus", "2"],
+            "--algo kd with --tp 2: the TP and CP plans",
+        ),
         (["--algo", "qlora", "--peft", "vera"], "--peft 'vera'; valid: lora, dora"),
         (
             ["--ep", "2", "--gpus", "2"],
@@ -268,10 +274,16 @@ def test_list_and_help():
     support = runner.invoke(cli, ["list", "support"]).output.splitlines()
     header = support[1].split()
     assert header == ["sft", "lora", "qlora", "dpo", "dpo-lora", "grpo", "grpo-lora", "kd"]
-    rows = {line.split()[0]: line.split()[1:] for line in support[2:] if not line.strip().startswith("no:")}
+    rows = {
+        line.split()[0]: line.split()[1:]
+        for line in support[2:]
+        if not line.strip().startswith("no:")
+    }
     assert rows["lce"] == ["yes"] * 8 and rows["optim-in-bwd"] == ["yes"] * 8
     assert rows["packing"] == ["yes", "yes", "yes", "no", "no", "no", "no", "yes"]
-    assert any(line.strip().startswith("no: packing with dpo, dpo-lora: not built") for line in support)
+    assert any(
+        line.strip().startswith("no: packing with dpo, dpo-lora: not built") for line in support
+    )
     helped = runner.invoke(cli, ["new", "--help"])
     assert helped.exit_code == 0 and "--model" in helped.output and "--tricks" in helped.output
 

@@ -6,7 +6,7 @@ algorithms (LoRA, QLoRA, KD on the SFT skeleton; DPO and GRPO on theirs) with th
 used to be refused there. Pairwise coverage on CPU: each of ac, lce, optim-in-bwd alone, the
 three together, and the three with each low-bit optimizer (every pair of the five tricks runs in
 at least one set); compile once per skeleton in a fresh process; packing against unpacked on the
-same documents where the table says yes. offload is CUDA-only and refused on CPU runs
+same documents (GRPO's steps, DPO's pair losses and gradients). offload is CUDA-only and refused on CPU runs
 (tests/recipes/test_tricks.py checks the refusal).
 """
 
@@ -42,7 +42,9 @@ def _script(tmp: Path, algo: str, tricks: tuple) -> object:
 def _offline_two_steps(script, algo, tmp, model_dir, data) -> list[tuple[float, float]]:
     """(loss, grad_norm) of 2 steps of main(): 2 micro-batches per step, clipping on, fp32."""
     out = tmp / "out"
-    args = two_step_args(out, model_dir, data, max_seq_len=192 if ALGOS[algo].skeleton == "dpo" else 64)
+    args = two_step_args(
+        out, model_dir, data, max_seq_len=192 if ALGOS[algo].skeleton == "dpo" else 64
+    )
     if ALGOS[algo].skeleton == "dpo":  # 4 pairs: 2 steps of 2 micro-batches of 1 pair
         args[args.index("--micro_batch_size") + 1] = "1"
     if algo == "kd":
@@ -204,3 +206,69 @@ def test_every_refused_pair_names_its_reason():
                     assert why in str(e)
             else:
                 assert render(Spec(algo=algo, tricks=(trick,), out="run"))
+
+
+@pytest.mark.parametrize("algo", ["grpo", "grpo-lora"])
+@pytest.mark.parametrize("tricks", [("packing",), ("packing", "lce")], ids="+".join)
+def test_grpo_packed_rollouts_give_the_unpacked_step(algo, tricks, run):
+    """Packing changes only the layout of a GRPO micro-batch (its rollouts become documents of
+    packed rows with per-token advantages and sampler log-probs): policy loss, gradient norm, KL,
+    importance weights and clip fraction of both steps equal the unpacked script's (1e-5)."""
+    assert _close(run(algo, tricks), run(algo, ())), (algo, tricks)
+
+
+@pytest.mark.parametrize("algo", ["dpo", "dpo-lora"])
+@pytest.mark.parametrize("lce", [False, True], ids=["logits", "lce"])
+def test_dpo_packed_pairs_give_the_unpacked_losses(
+    algo, lce, tmp_path, tiny_model_dir, short_pairs
+):
+    """The same 4 real pairs (<= 192 tokens: rows of 2 * 384 hold several), unpacked ([2P] padded
+    rows) and packed (each pair's chosen and rejected sequences two documents of one row):
+    per-pair losses, the rewards/* and logps/* sums and the gradients of the summed loss agree
+    (1e-5), with and without lce."""
+    extra = ("lce",) if lce else ()
+    plain = _script(tmp_path, algo, extra)
+    packed = _script(tmp_path, algo, ("packing", *extra))
+    overrides = {"model": str(tiny_model_dir), "dataset": str(short_pairs), "dtype": "fp32", "device": "cpu", "max_seq_len": 384, "val_fraction": 0.0}  # fmt: skip
+    if algo == "dpo-lora":
+        overrides["lora_rank"] = 4
+    results = {}
+    for name, script in (("plain", plain), ("packed", packed)):
+        cfg = script.Config(**overrides)
+        _, mesh = script.setup_distributed(cfg)
+        torch.manual_seed(0)
+        model = script.setup_model(cfg, tiny_model_dir, mesh, torch.device("cpu"))
+        if algo == "dpo-lora":  # B = 0 at init would make the policy the reference: move it
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    if "lora_B" in n:
+                        p.normal_(0, 0.02, generator=torch.Generator().manual_seed(len(n)))
+        reference = (
+            script.build_reference(cfg, tiny_model_dir, mesh, torch.device("cpu"))
+            if algo == "dpo"
+            else None
+        )
+        train_set, _ = script.build_datasets(cfg, script.Tokenizer.from_dir(tiny_model_dir))
+        collate = script.collate_preference_packs if name == "packed" else script.collate
+        batch = collate(train_set, pad_token_id=0)
+        losses, sums = script.pair_losses(model, reference, None, batch, cfg)
+        losses.sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results[name] = (
+            batch["sample_ids"].tolist(),
+            losses.detach(),
+            {k: v.item() for k, v in sums.items()},
+            grads,
+        )
+        script.destroy_distributed()
+    (ids_u, loss_u, sums_u, grads_u), (ids_p, loss_p, sums_p, grads_p) = (
+        results["plain"],
+        results["packed"],
+    )
+    assert ids_u == ids_p == [0, 1, 2, 3]
+    assert len(train_set) < 4  # the packed rows do hold several pairs
+    torch.testing.assert_close(loss_p, loss_u, atol=1e-5, rtol=1e-5)
+    assert sums_p == pytest.approx(sums_u, abs=1e-4, rel=1e-5)
+    assert grads_u.keys() == grads_p.keys() and grads_u
+    for n, g in grads_u.items():
+        torch.testing.assert_close(grads_p[n], g, atol=1e-5, rtol=1e-4, msg=n)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from generator.assets import ensure_dataset
-from runtime import Tokenizer, to_preference
+from runtime import Tokenizer
 from tests.helpers import first_short_pairs, import_script
 
 REPO = Path(__file__).resolve().parents[2]

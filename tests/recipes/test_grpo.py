@@ -303,7 +303,9 @@ def test_engines_without_new_weights_fail_instead_of_looping(
     batches = grpo_script.prompt_batches(grpo_script.load_prompts(cfg, tokenizer), 2, seed=0)
     try:
         with pytest.raises(TimeoutError, match=r"training policy version 3: 8 rollouts in a row"):
-            grpo_script.next_rollouts(pipeline, batches, cfg, version=3)  # engines still at 0
+            pipeline.next_groups(
+                batches, 2, 3, grpo_script.staleness_bound(cfg), cfg.seed
+            )  # engines at 0
         assert pipeline.buffer.dropped == 8
     finally:
         pipeline.shutdown()
