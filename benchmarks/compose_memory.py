@@ -7,8 +7,9 @@ at the peak: CPU-honest, it counts tensors, not what glibc keeps mapped).
 - DPO: real dpo_en_demo pairs padded to --max_seq_len, --micro_batch_size pairs per micro-batch
   (2x sequences), the separate frozen reference (ref_mode="separate"), fp32.
 - GRPO: --rollouts fixed rollouts of --prompt_len prompt and --completion_len completion tokens
-  (random ids: memory does not depend on their values), --micro_batch_size sequences per
-  micro-batch, kl_coef 0.04 (so the frozen reference runs too), fp32.
+  (random ids: memory does not depend on their values), all in one micro-batch (MemTracker
+  refuses a module called twice in one tracked iteration), kl_coef 0.04 (so the frozen reference
+  runs too), fp32.
 max_grad_norm 0 in both, so optimizer-in-backward runs one backward per step (as the SFT table).
 
 Usage (from the repo root, with the venv):
@@ -74,7 +75,7 @@ def _dpo_steps(s, args):
         micro = [next(batches)[1] for _ in range(cfg.gradient_accumulation_steps)]
         s.train_step(model, reference, None, optimizer, scheduler, micro, cfg, dist_info.device)
 
-    return model, optimizer, step
+    return model, optimizer, step, reference
 
 
 def _grpo_steps(s, args):
@@ -84,7 +85,7 @@ def _grpo_steps(s, args):
     from runtime.rollout import Rollout
 
     cfg = s.Config(
-        dtype="fp32", device="cpu", micro_batch_size=args.micro_batch_size, max_grad_norm=0.0,
+        dtype="fp32", device="cpu", micro_batch_size=args.rollouts, max_grad_norm=0.0,
         kl_coef=0.04, max_prompt_len=args.prompt_len, max_new_tokens=args.completion_len,
     )  # fmt: skip
     dist_info, mesh = s.setup_distributed(cfg)
@@ -108,12 +109,12 @@ def _grpo_steps(s, args):
     ]
     advantages = torch.tensor([1.0 if i % 2 else -1.0 for i in range(args.rollouts)])
     num_tokens = args.rollouts * args.completion_len
-    num_micro = -(-args.rollouts // args.micro_batch_size)
+    num_micro = 1
 
     def step():
         s.train_step(model, reference, optimizer, scheduler, rollouts, advantages, num_tokens, num_micro, cfg, dist_info.device)  # fmt: skip
 
-    return model, optimizer, step
+    return model, optimizer, step, reference
 
 
 def tracker_child(algo: str, script: str, args) -> None:
@@ -122,7 +123,10 @@ def tracker_child(algo: str, script: str, args) -> None:
     from torch.distributed._tools.mem_tracker import MemTracker
 
     s = _load(script)
-    model, optimizer, step = (_dpo_steps if algo == "dpo" else _grpo_steps)(s, args)
+    model, optimizer, step, reference = (_dpo_steps if algo == "dpo" else _grpo_steps)(s, args)
+    # MemTracker hooks every parameter of a module it sees run, which fails on frozen ones; the
+    # reference only runs under no_grad, so marking its weights trainable changes no byte
+    reference.requires_grad_(True)
     tracker = MemTracker()
     tracker.track_external(model, optimizer)
     with tracker:
@@ -159,7 +163,7 @@ def table(results: dict, args) -> str:
         "real SmolLM2-135M weights, fp32, max_grad_norm 0. DPO: real dpo_en_demo pairs padded to "
         f"{args.max_seq_len} tokens, {args.micro_batch_size} pairs per micro-batch, the separate "
         f"frozen reference. GRPO: {args.rollouts} rollouts of {args.prompt_len} + "
-        f"{args.completion_len} tokens, {args.micro_batch_size} per micro-batch, kl_coef 0.04 (the "
+        f"{args.completion_len} tokens in one micro-batch, kl_coef 0.04 (the "
         "frozen reference runs). Parameters include the reference's.",
         "",
         "| algo | variant | params | grads | optim state | activations | temp | **tracked peak** | x plain |",
@@ -184,7 +188,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--max_seq_len", type=int, default=512)
     p.add_argument("--micro_batch_size", type=int, default=2)
-    p.add_argument("--rollouts", type=int, default=8)
+    p.add_argument("--rollouts", type=int, default=4)
     p.add_argument("--prompt_len", type=int, default=64)
     p.add_argument("--completion_len", type=int, default=448)
     p.add_argument(

@@ -393,8 +393,7 @@ def grpo_loss(
         logprobs: [B, S] fp32 log-probs of the completion tokens under the policy (with grad).
         old_logprobs: [B, S] the proximal policy's (here: `logprobs.detach()`).
         sampler_logprobs: [B, S] the generating engine's, stored with each sample.
-        advantages: [B] fp32 group-normalised advantage per sequence, or [B, S] per token (packed
-            rows hold several sequences: each token carries its sequence's advantage).
+        advantages: [B] fp32 group-normalised advantage per sequence, or [B, S] per token (packing).
         mask: [B, S] bool, True on completion tokens.
         ref_logprobs: [B, S] the reference model's, or None (kl_coef must then be 0).
 

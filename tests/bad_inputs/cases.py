@@ -422,8 +422,8 @@ CASES = [
     script("keep-last-checkpoints-zero", ["--keep_last_checkpoints", "0"],
            r"keep_last_checkpoints=0: must be >= 1"),
     # --- DPO and distillation ----------------------------------------------------------------------
-    scaffold("new-dpo-with-lce", ["new", "--algo", "dpo", "--tricks", "lce", "--out", "{tmp}/o"],
-             r"--algo dpo does not take --tricks lce", r"valid for dpo: ac, adamw8bit"),
+    scaffold("new-dpo-with-tp", ["new", "--algo", "dpo", "--tp", "2", "--gpus", "2", "--out", "{tmp}/o"],
+             r"--algo dpo with --tp 2: not wired into the DPO skeleton yet", r"use --tp 1"),
     script("dpo-missing-rejected", ["--dataset", "{tmp}/pairs.json"],
            r"{tmp}/pairs\.json row 1: missing key `rejected`", r"found: \['chosen', 'prompt'\]",
            files={"pairs.json": json.dumps([PAIR, {"prompt": "Hi", "chosen": "Hello"}])},
@@ -437,8 +437,10 @@ CASES = [
     script("dpo-unknown-loss-type", ["--loss_type", "kto"], r"loss_type='kto'",
            r"\('sigmoid', 'ipo'\)", recipe="dpo_smollm2"),
     # --- GRPO ------------------------------------------------------------------------------------
-    scaffold("new-grpo-with-lce", ["new", "--algo", "grpo", "--tricks", "lce", "--out", "{tmp}/o"],
-             r"--algo grpo does not take --tricks lce", r"valid for grpo: ac"),
+    scaffold("new-grpo-with-hsdp",
+             ["new", "--algo", "grpo", "--dp-replicate", "2", "--gpus", "4", "--out", "{tmp}/o"],
+             r"--algo grpo with --dp-replicate 2: not wired into the GRPO skeleton yet",
+             r"use --dp-replicate 1"),
     script("grpo-answer-not-integer", ["--dataset", "{tmp}/sums.jsonl"],
            r"{tmp}/sums\.jsonl row 1: key 'answer' must be an integer", r"'seven'",
            files={"sums.jsonl": jsonl([{"question": "3 + 4 =", "answer": "7"},

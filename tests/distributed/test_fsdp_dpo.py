@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from tests.helpers import spawn
+from tests.helpers import full_tensor, spawn
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -36,12 +36,12 @@ def _step(rank, world_size, model_dir, data_path):
     table = script.precompute_reference_logprobs(
         model, pairs, pre_cfg, tokenizer.pad_token_id, dp.get_local_rank(), dp.size(), "cpu"
     )
-    before = {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
+    before = {n: full_tensor(p.detach()).clone() for n, p in model.named_parameters()}
     # at policy == reference the loss is log 2 but its gradient is -beta/2 * d(h)/d(theta) != 0
     opt = torch.optim.SGD(model.parameters(), lr=1.0)  # update == gradient
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     metrics = script.train_step(model, reference, None, opt, sched, micro_batches, cfg, "cpu")
-    grads = {n: before[n] - p.detach().full_tensor() for n, p in model.named_parameters()}
+    grads = {n: before[n] - full_tensor(p.detach()) for n, p in model.named_parameters()}
     return metrics, grads, table
 
 

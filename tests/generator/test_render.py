@@ -85,6 +85,16 @@ MATRIX += [
     Spec(algo=algo, model="llama3.3-70b", gpus=8, dataset="chain_sum.jsonl", out="runs/x")
     for algo in RL_ALGOS
 ]
+# every trick on the algorithms it reached with the shared partials: each alone, and the two
+# maximal stacks (one per low-bit optimizer; offload is refused with ac)
+_STACKS = [
+    ("packing", "ac", "compile", "lce", "optim-in-bwd", low) for low in ("adamw8bit", "adamw4bit")
+]
+MATRIX += [
+    Spec(algo=algo, tricks=t, out="runs/x")
+    for algo in ("kd", "dpo", "dpo-lora", "grpo", "grpo-lora")
+    for t in [*((name,) for name in TRICKS), *_STACKS]
+]
 
 
 def _spec_id(s: Spec) -> str:
@@ -216,8 +226,8 @@ def test_new_writes_spec_and_base_and_refuses_overwrite(tmp_path):
         (["--gpus", "0"], "--gpus 0 and --nodes 1 must both be >= 1"),
         (["--peft", "dora"], "--peft dora needs an adapter algorithm (--algo lora or qlora or"),
         (
-            ["--algo", "dpo", "--tricks", "packing"],
-            "--algo dpo does not take --tricks packing: not built",
+            ["--algo", "dpo", "--gpus", "2", "--tp", "2"],
+            "--algo dpo with --tp 2: not wired into the DPO",
         ),
         (
             ["--algo", "kd", "--tp", "2", "--gpus", "2"],
@@ -280,9 +290,10 @@ def test_list_and_help():
         if not line.strip().startswith("no:")
     }
     assert rows["lce"] == ["yes"] * 8 and rows["optim-in-bwd"] == ["yes"] * 8
-    assert rows["packing"] == ["yes", "yes", "yes", "no", "no", "no", "no", "yes"]
+    assert all(rows[t] == ["yes"] * 8 for t in TRICKS)  # every trick on every algorithm
+    assert rows["--tp"] == ["yes"] + ["no"] * 7
     assert any(
-        line.strip().startswith("no: packing with dpo, dpo-lora: not built") for line in support
+        line.strip().startswith("no: --tp with dpo, dpo-lora: not wired") for line in support
     )
     helped = runner.invoke(cli, ["new", "--help"])
     assert helped.exit_code == 0 and "--model" in helped.output and "--tricks" in helped.output
@@ -340,8 +351,10 @@ def test_grpo_renders_its_skeleton_and_engine_choice():
     assert 'engine: str = "vllm"' in big and "torchrun --nproc-per-node 8" in big
     with_ac = render(Spec(algo="grpo", tricks=("ac",), dataset="chain_sum.jsonl", out="o"))
     assert "checkpoint(layer)" in with_ac
-    with pytest.raises(SpecError, match="--algo grpo does not take --tricks packing"):
-        render(Spec(algo="grpo", tricks=("packing",), out="o"))
+    with pytest.raises(
+        SpecError, match="--algo grpo with --tp 2: not wired into the GRPO skeleton"
+    ):
+        render(Spec(algo="grpo", gpus=2, tp=2, out="o"))
 
 
 def test_new_picks_the_algorithms_demo_dataset(tmp_path):
