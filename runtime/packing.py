@@ -86,10 +86,7 @@ def pack_examples(examples: list[dict], max_seq_len: int) -> list[dict]:
         if len(current["input_ids"]) + len(ids) > max_seq_len:
             packs.append(current)
             current = _empty_pack(len(packs))
-        current["input_ids"] += ids
-        current["labels"] += labels
-        current["position_ids"] += range(len(ids))
-        current["seq_lens"].append(len(ids))
+        _append_document(current, ids, labels)
     if current["input_ids"]:
         packs.append(current)
     return packs
@@ -97,6 +94,14 @@ def pack_examples(examples: list[dict], max_seq_len: int) -> list[dict]:
 
 def _empty_pack(pack_id: int) -> dict:
     return {"id": pack_id, "input_ids": [], "labels": [], "position_ids": [], "seq_lens": []}
+
+
+def _append_document(pack: dict, ids: list[int], labels: list[int]) -> None:
+    """Add one document to a pack: its tokens, labels, positions from 0 and its length."""
+    pack["input_ids"] += ids
+    pack["labels"] += labels
+    pack["position_ids"] += range(len(ids))
+    pack["seq_lens"].append(len(ids))
 
 
 def packing_efficiency(packs: list[dict], max_seq_len: int) -> float:
@@ -249,10 +254,7 @@ def pack_preference_pairs(pairs: list[dict], max_seq_len: int) -> list[dict]:
             current = _empty_pair_pack(len(packs))
         current["sample_ids"].append(pair["id"])
         for ids, labels in sequences:
-            current["input_ids"] += ids
-            current["labels"] += labels
-            current["position_ids"] += range(len(ids))
-            current["seq_lens"].append(len(ids))
+            _append_document(current, ids, labels)
     if current["sample_ids"]:
         packs.append(current)
     return packs

@@ -305,9 +305,8 @@ def sequence_logprobs(
     logits = model(batch["input_ids"], logits_mask=supervised).float()
     targets = batch["labels"][supervised][:, None]  # [T, 1]
     token_logps = logits.log_softmax(-1).gather(-1, targets).squeeze(-1)  # [T]
-    logps = torch.zeros(supervised.shape, device=logits.device).masked_scatter(
-        supervised, token_logps
-    )
+    logps = torch.zeros(supervised.shape, device=logits.device)
+    logps[supervised] = token_logps  # [B, S], 0 off the replies
     return logps.sum(-1), supervised.sum(-1)
 
 

@@ -418,9 +418,9 @@ def completion_logprobs(
     # prompt and padding positions skip lm_head: [T, V] logits of the T completion positions only
     logits = model(input_ids, **model_kwargs, logits_mask=completion).float() / cfg.temperature
     token_logps = logits.log_softmax(-1).gather(-1, labels[completion][:, None]).squeeze(-1)  # [T]
-    return torch.zeros(completion.shape, device=logits.device).masked_scatter(
-        completion, token_logps
-    )
+    logps = torch.zeros(completion.shape, device=logits.device)
+    logps[completion] = token_logps  # [B, S], 0 off the completions
+    return logps
 
 
 def grpo_loss(

@@ -439,7 +439,8 @@ def test_grpo_lora_trainer_simulation_matches_real_steps(
     train_steps: simulated = real, per category, at 1 rank (LoRA, DoRA, and kl_coef > 0, whose
     reference is the policy with its adapters off: no second model) and on each of 2 gloo ranks
     (kl_coef > 0; there the adapters-off reference's [B, S] log-prob row is live at the simulated
-    peak but not the real one: within 1e-4). Gradients and optimizer state are the adapters' only: fp32 gradients of the
+    peak but not the real one: within 1e-4). Gradients and optimizer state are the adapters'
+    only: fp32 gradients of the
     adapter elements, AdamW's two fp32 moments plus a 4-byte step per adapter tensor."""
     spec = _grpo_spec(tiny_real_vocab_dir, algo="grpo-lora", gpus=2, engine_gpus=1)
     dora = replace(spec, peft="dora")
