@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from generator.features import ALGOS, TRICKS, refusal
+from generator.features import ALGOS, TRICKS
 from generator.render import render
 from generator.spec import Spec, SpecError
 from tests.helpers import import_script, read_metrics, two_step_args
