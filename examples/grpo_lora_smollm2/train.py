@@ -575,6 +575,21 @@ def prompt_batches(
 
 
 # === 8. Rollout ===
+def vllm_engine_kwargs(cfg: Config) -> dict | None:
+    """vLLM's engine arguments (None for the runtime engine): a KV cache sized for these sequences,
+    not for the model's full context, and the collective weight transfer's backend."""
+    if cfg.engine != "vllm":
+        return None
+    kwargs = dict(max_model_len=cfg.max_prompt_len + cfg.max_new_tokens, skip_tokenizer_init=True)
+    if torch.cuda.is_available():
+        kwargs["gpu_memory_utilization"] = cfg.engine_gpu_memory_utilization
+    else:  # vLLM CPU would otherwise reserve gpu_memory_utilization (0.92) of the host's memory
+        kwargs["kv_cache_memory_bytes"] = int(cfg.engine_cpu_kv_cache_gib * 2**30)
+    if weight_transfer(cfg) == "collective":  # the trainer broadcasts from its own device
+        kwargs["weight_transfer_config"] = {"backend": transfer_backend(cfg)}
+    return kwargs
+
+
 def start_rollout(
     cfg: Config, model_dir: Path, tokenizer: Tokenizer, reward_funcs: list
 ) -> RolloutPipeline:
@@ -599,18 +614,6 @@ def start_rollout(
         cfg.num_engines * cfg.engine_num_cpus + 0.5 * cfg.num_reward_workers,
         cfg.num_engines * gpus_per_engine,
     )
-    engine_kwargs = None
-    # vLLM: a KV cache sized for these sequences, not for the model's full context
-    if cfg.engine == "vllm":
-        engine_kwargs = dict(
-            max_model_len=cfg.max_prompt_len + cfg.max_new_tokens, skip_tokenizer_init=True
-        )
-        if torch.cuda.is_available():
-            engine_kwargs["gpu_memory_utilization"] = cfg.engine_gpu_memory_utilization
-        else:  # vLLM CPU would otherwise reserve gpu_memory_utilization (0.92) of the host's memory
-            engine_kwargs["kv_cache_memory_bytes"] = int(cfg.engine_cpu_kv_cache_gib * 2**30)
-        if weight_transfer(cfg) == "collective":  # the trainer broadcasts from its own device
-            engine_kwargs["weight_transfer_config"] = {"backend": transfer_backend(cfg)}
     engines = [
         make_engine_actor(
             cfg.engine,
@@ -619,7 +622,7 @@ def start_rollout(
             cfg.seed + i,
             cfg.engine_num_cpus,
             tp,
-            engine_kwargs,
+            vllm_engine_kwargs(cfg),
         )
         for i in range(cfg.num_engines)
     ]
