@@ -182,8 +182,9 @@ def document_attention_mask(document_ids: torch.Tensor, backend: str):
 
     Args:
         document_ids: [B, S] int on the model's device.
-        backend: "sdpa" (dense [B, 1, S, S] bool mask) or "flex" (a BlockMask; CUDA training,
-            since flex attention has no backward on CPU).
+        backend: "sdpa" (dense [B, 1, S, S] bool mask), "flex" (a BlockMask; CUDA training,
+            since flex attention has no backward on CPU), or "auto": flex when document_ids is
+            on CUDA (it skips the masked blocks), else sdpa.
 
     Returns:
         [B, 1, S, S] bool tensor, or a `torch.nn.attention.flex_attention.BlockMask`.
@@ -191,6 +192,8 @@ def document_attention_mask(document_ids: torch.Tensor, backend: str):
     Raises:
         ValueError: unknown backend.
     """
+    if backend == "auto":
+        backend = "flex" if document_ids.is_cuda else "sdpa"
     if backend == "sdpa":
         return document_causal_mask(document_ids)
     if backend == "flex":
@@ -199,7 +202,7 @@ def document_attention_mask(document_ids: torch.Tensor, backend: str):
         B, S = document_ids.shape
         mask_mod = document_mask_mod(document_ids)
         return create_block_mask(mask_mod, B, None, S, S, device=document_ids.device)
-    raise ValueError(f"attention backend {backend!r}: choose one of {BACKENDS}")
+    raise ValueError(f"attention backend {backend!r}: choose one of {('auto', *BACKENDS)}")
 
 
 # --- preference pairs (DPO) and rollouts (GRPO) -------------------------------------------------

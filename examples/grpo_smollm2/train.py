@@ -347,7 +347,7 @@ def setup_frozen_model(cfg: Config, model_dir: Path, mesh, device: torch.device)
 
 
 # === 5. Loss ===
-def completion_logprobs(
+def policy_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
     labels: torch.Tensor,
@@ -672,11 +672,11 @@ def microbatch_loss(
     sampler_logprobs = scatter_completion_values(
         [r.sampler_logprobs for r in mb], prompt_lens, input_ids.shape[1]
     )
-    logprobs = completion_logprobs(model, input_ids, labels, cfg)  # [B, S]
+    logprobs = policy_logprobs(model, input_ids, labels, cfg)  # [B, S]
     ref_logprobs = None
     if reference is not None:
         with torch.no_grad():
-            ref_logprobs = completion_logprobs(reference, input_ids, labels, cfg)
+            ref_logprobs = policy_logprobs(reference, input_ids, labels, cfg)
     # one optimizer step per batch: the proximal policy is the current one (ratio 1 in value)
     return grpo_loss(
         logprobs, logprobs.detach(), sampler_logprobs.to(device), advantages.to(device), labels != IGNORE_INDEX,

@@ -273,13 +273,11 @@ def sft_loss(model: torch.nn.Module, batch: dict, cfg: Config) -> torch.Tensor:
     """
     # packing: RoPE positions restart at 0 in every document, and attention stays inside each
     # document (block-causal), so a document in a pack computes exactly what it would alone
-    backend = cfg.packing_attention
-    if backend == "auto":  # flex attention skips masked blocks, but has no backward on CPU
-        backend = "flex" if batch["input_ids"].is_cuda else "sdpa"
     model_kwargs = {
         "position_ids": batch["position_ids"],  # [B, S]
-        # bool [B, 1, S, S] for SDPA, or a flex-attention BlockMask
-        "attention_mask": document_attention_mask(batch["document_ids"], backend),
+        # bool [B, 1, S, S] for SDPA, or a flex-attention BlockMask ("auto": flex on CUDA, whose
+        # backward CPU lacks)
+        "attention_mask": document_attention_mask(batch["document_ids"], cfg.packing_attention),
     }
     hidden = model.forward_hidden(
         batch["input_ids"], **model_kwargs
