@@ -13,7 +13,7 @@ from runtime.checkpoint import (
 )
 from runtime.config import ConfigError, entry_point
 from runtime.config import parse as parse_config
-from runtime.config_checks import common_config_errors
+from runtime.config_checks import common_config_errors, config_notes
 from runtime.context_parallel import (
     apply_context_parallel,
     context_parallel_chunks,
@@ -23,13 +23,14 @@ from runtime.data import (
     infinite_batches,
     load_rows,
     pad_with_unsupervised_copies,
+    prompt_messages,
     split_train_val,
     to_messages,
     to_preference,
 )
 from runtime.dtensors import ComputedTensor
 from runtime.expert_parallel import apply_expert_parallel
-from runtime.generate import generate, sample
+from runtime.generate import generate, last_user_message, sample
 from runtime.grpo import (
     collate_rollouts,
     completion_logprobs,
@@ -115,6 +116,7 @@ from runtime.tokenizer import Tokenizer, check_same_tokenizer, check_vocab_fits
 from runtime.train_state import (
     ResumableDistributedSampler,
     TrainState,
+    claim_out_dir,
     load_train_state,
     read_checkpoint_config,
     resolve_resume,
@@ -142,11 +144,15 @@ __all__ = [
     "sampling_seed",
     "scatter_completion_values",
     "clip_grad_norm",
+    "claim_out_dir",
     "common_config_errors",
+    "config_notes",
     "entry_point",
     "infinite_batches",
     "resume_training",
     "sample",
+    "last_user_message",
+    "prompt_messages",
     "apply_expert_parallel",
     "IGNORE_INDEX",
     "LORA_TARGET_MODULES",

@@ -357,6 +357,13 @@ def _continuation(value: Any, key: str, where: str) -> list[dict]:
     return _turn(value, "assistant", key, where)
 
 
+def prompt_messages(messages: list[dict]) -> list[dict]:
+    """A conversation up to (not including) its last assistant message: the prompt that reply
+    answers, which the script's end-of-run `sample` asks again by default."""
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+    return messages if last is None else messages[:last]
+
+
 def split_train_val(items: list, val_fraction: float, seed: int) -> tuple[list, list]:
     """Split off a random validation part; both parts keep the items' original order.
 

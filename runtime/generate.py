@@ -128,8 +128,10 @@ def generate(
     return [tokens for tokens, _ in rows]
 
 
-def sample(model: nn.Module, tokenizer: Tokenizer, prompt: str, max_new_tokens: int) -> str:
-    """The model's greedy reply to one user message, rendered with the chat template.
+def sample(
+    model: nn.Module, tokenizer: Tokenizer, prompt: str | list[dict], max_new_tokens: int
+) -> str:
+    """The model's greedy reply to one prompt, rendered with the chat template.
 
     Collective under FSDP (every forward gathers the shards): call it on every rank; all ranks
     get the same reply. The model runs in eval mode and gets its previous mode back.
@@ -137,7 +139,8 @@ def sample(model: nn.Module, tokenizer: Tokenizer, prompt: str, max_new_tokens: 
     Args:
         model: a runtime causal LM, plain or FSDP2-sharded (as for `generate`).
         tokenizer: the model's tokenizer; it must have a chat template.
-        prompt: the user message.
+        prompt: one user message, or chat messages ([{"role", "content"}, ...], e.g. an example's
+            "prompt": its conversation before the reply) to answer.
         max_new_tokens: reply length cap in tokens (0 = ""); it ends earlier at a stop token.
 
     Returns:
@@ -146,9 +149,8 @@ def sample(model: nn.Module, tokenizer: Tokenizer, prompt: str, max_new_tokens: 
     Raises:
         ValueError: the tokenizer has no chat template, or max_new_tokens < 0.
     """
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], add_generation_prompt=True
-    )
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     # one prompt is never padded, so any id will do when the tokenizer has no pad or eos token
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     was_training = model.training
@@ -164,6 +166,14 @@ def sample(model: nn.Module, tokenizer: Tokenizer, prompt: str, max_new_tokens: 
     finally:
         model.train(was_training)
     return tokenizer.decode(out)
+
+
+def last_user_message(prompt: str | list[dict]) -> str:
+    """What `sample`'s printout shows as the question: the prompt itself, or the content of the
+    last user message among chat messages ("" when there is none)."""
+    if isinstance(prompt, str):
+        return prompt
+    return next((m["content"] for m in reversed(prompt) if m.get("role") == "user"), "")
 
 
 @torch.no_grad()

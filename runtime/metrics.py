@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import os
 import resource
+import shlex
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -55,28 +59,71 @@ def logger_errors(loggers) -> list[str]:
     return errors
 
 
+def launch_command(argv: list[str] | None = None) -> str:
+    """The command line that started this process, as a user would retype it: `python train.py
+    --max_steps 3`, or `torchrun --nproc-per-node 8 train.py ...` under torchrun (its
+    LOCAL_WORLD_SIZE and, for several nodes, NNODES from its environment).
+
+    Args:
+        argv: the script's arguments when `main(argv)` was called with them; None = sys.argv[1:].
+    """
+    args = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
+    if "LOCAL_WORLD_SIZE" in os.environ:  # set by torchrun (and torch.distributed.run)
+        launcher = ["torchrun", "--nproc-per-node", os.environ["LOCAL_WORLD_SIZE"]]
+        nodes = int(os.environ.get("WORLD_SIZE", 1)) // max(1, int(os.environ["LOCAL_WORLD_SIZE"]))
+        if nodes > 1:
+            launcher += ["--nnodes", str(nodes)]
+    else:
+        launcher = ["python"]
+    return shlex.join(launcher + args)
+
+
 class MetricsLogger:
     """Writes one JSON object per logged step to `out_dir/metrics.jsonl`, and to TensorBoard / W&B.
+
+    metrics.jsonl holds one run: a fresh run (start_step 0) starts the file anew, and a resumed
+    run keeps the rows up to its checkpoint's step and drops the later ones, which the crashed
+    or stopped attempt logged and this one logs again (`claim_out_dir` refuses a fresh run into
+    a used out_dir first). `out_dir/run.json` records how the run was started, for `scaffold
+    plot`'s title: {"command": ..., "started": ISO time, "resumed": [{"step", "command",
+    "started"}, ...]}.
 
     Only rank 0 should create one. Non-finite floats are written as null (JSON has no NaN).
 
     Args:
         out_dir: the run's output directory.
         loggers: any of "jsonl", "tensorboard", "wandb".
-        config: the resolved config dict (W&B run config).
+        config: the resolved config, a dict or the script's Config dataclass (W&B run config).
+        start_step: the step the run resumes from (0 = a fresh run).
+        argv: the script's arguments if `main(argv)` got them (for run.json's command line).
 
     Raises:
         ValueError: an unknown logger name.
         RuntimeError: tensorboard or wandb requested but not installed (names the pip package).
     """
 
-    def __init__(self, out_dir: str | Path, loggers=("jsonl",), config: dict | None = None):
+    def __init__(
+        self,
+        out_dir: str | Path,
+        loggers=("jsonl",),
+        config=None,
+        start_step: int = 0,
+        argv: list[str] | None = None,
+    ):
         unknown = sorted(set(loggers) - set(LOGGERS))
         if unknown:
             raise ValueError(f"loggers: unknown {unknown}; choose from {list(LOGGERS)}")
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(self.out_dir / "metrics.jsonl", "a") if "jsonl" in loggers else None
+        _record_run(self.out_dir / "run.json", start_step, launch_command(argv))
+        self._jsonl = None
+        if "jsonl" in loggers:
+            path = self.out_dir / "metrics.jsonl"
+            # written aside and renamed: a crash here leaves the old history, never half of it
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(_rows_up_to(path, start_step) if start_step else "")
+            os.replace(tmp, path)
+            self._jsonl = open(path, "a")
         self._tb = self._wandb = None
         if "tensorboard" in loggers:
             try:
@@ -89,6 +136,8 @@ class MetricsLogger:
                 import wandb
             except ImportError as e:
                 raise RuntimeError("loggers includes 'wandb': pip install wandb") from e
+            if dataclasses.is_dataclass(config):
+                config = dataclasses.asdict(config)
             self._wandb = wandb.init(config=config or {}, dir=str(self.out_dir))
 
     def log(self, metrics: dict, step: int) -> None:
@@ -118,3 +167,33 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb:
             self._wandb.finish()
+
+
+def _record_run(path: Path, start_step: int, command: str) -> None:
+    """run.json: a fresh run's command, or one more entry under "resumed"."""
+    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    run = json.loads(path.read_text()) if start_step and path.is_file() else {}
+    if start_step:
+        run.setdefault("command", None)  # a run resumed from a checkpoint older than run.json
+        run.setdefault("resumed", []).append(
+            {"step": start_step, "command": command, "started": started}
+        )
+    else:
+        run = {"command": command, "started": started}
+    path.write_text(json.dumps(run, indent=2) + "\n")
+
+
+def _rows_up_to(path: Path, step: int) -> str:
+    """The lines of metrics.jsonl whose step is <= `step` (a resumed run's kept history). A torn
+    last line (the process died mid-write) is dropped with the rest."""
+    if not path.is_file():
+        return ""
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+            kept.append(line + "\n")
+    return "".join(kept)

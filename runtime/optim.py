@@ -20,7 +20,8 @@ def cosine_schedule_with_warmup(
 
     Args:
         optimizer: any torch optimizer (the schedule multiplies each group's initial lr).
-        warmup_steps: steps of linear warmup (0 = none).
+        warmup_steps: steps of linear warmup (0 = none); more than max_steps is clamped to
+            max_steps (the whole run warms up), so a short smoke run needs no --warmup_steps.
         max_steps: total optimizer steps; progress = (s - warmup) / (max_steps - warmup).
         min_lr_ratio: final lr as a fraction of the peak lr.
 
@@ -30,6 +31,8 @@ def cosine_schedule_with_warmup(
     Reference:
         Loshchilov & Hutter, SGDR (arXiv:1608.03983), eq. 5, without restarts.
     """
+
+    warmup_steps = min(warmup_steps, max_steps)
 
     def multiplier(step: int) -> float:
         if step < warmup_steps:

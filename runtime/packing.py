@@ -65,7 +65,9 @@ def pack_examples(examples: list[dict], max_seq_len: int) -> list[dict]:
         list[int], "seq_lens": list[int]}, ...], each at most S tokens (not padded: the script's collate pads,
         `packed_position_ids` adds the positions and document ids of the padded batch),
         position_ids restarting at 0 for every document, seq_lens the document lengths in order,
-        id the pack's index (logged as the step's sample ids).
+        id the pack's index (logged as the step's sample ids). When the examples carry a
+        "prompt" (the chat messages the script's end-of-run sample can ask), a pack carries its
+        first document's.
 
     Raises:
         ValueError: max_seq_len < 1, or a document whose labels and input_ids differ in length.
@@ -87,6 +89,8 @@ def pack_examples(examples: list[dict], max_seq_len: int) -> list[dict]:
             packs.append(current)
             current = _empty_pack(len(packs))
         _append_document(current, ids, labels)
+        if "prompt" in ex:
+            current.setdefault("prompt", ex["prompt"])
     if current["input_ids"]:
         packs.append(current)
     return packs
@@ -228,6 +232,7 @@ def pack_preference_pairs(pairs: list[dict], max_seq_len: int) -> list[dict]:
         index, `sample_ids` its pairs' ids in order, `seq_lens` 2 per pair (chosen, rejected; 0
         for an empty sequence), positions restarting at 0 per sequence. Batch them with
         `collate_preference_packs`; `packing_efficiency(packs, 2 * max_seq_len)` reports the fill.
+        A pack also carries its first pair's "prompt" when the pairs have one.
 
     Raises:
         ValueError: max_seq_len < 1, or a sequence whose labels and input_ids differ in length.
@@ -256,6 +261,8 @@ def pack_preference_pairs(pairs: list[dict], max_seq_len: int) -> list[dict]:
             packs.append(current)
             current = _empty_pair_pack(len(packs))
         current["sample_ids"].append(pair["id"])
+        if "prompt" in pair:
+            current.setdefault("prompt", pair["prompt"])
         for ids, labels in sequences:
             _append_document(current, ids, labels)
     if current["sample_ids"]:

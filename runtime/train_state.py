@@ -227,6 +227,76 @@ def resolve_resume(resume: str, root: str | os.PathLike) -> Path | None:
     return path
 
 
+# What a run writes into its out_dir (metrics, the run's command line, the plot, checkpoints, the
+# final model, TensorBoard events, DPO's reference table): the files that tell an earlier run is there.
+RUN_OUTPUTS = (
+    "metrics.jsonl",
+    "run.json",
+    "metrics.png",
+    "checkpoints",
+    "model",
+    "tensorboard",
+    "reference_logps.pt",
+)
+
+
+def claim_out_dir(out_dir: str | os.PathLike, resume: str, overwrite: bool, is_main: bool) -> None:
+    """Make sure this run's outputs never mix with an earlier run's in `out_dir`.
+
+    A run into out_dir is one of: a fresh run into a directory with none of `RUN_OUTPUTS`; a resume
+    (`resolve_resume` finds a checkpoint: the run continues, and `MetricsLogger` keeps its
+    metrics up to the resumed step); or, with `overwrite`, a fresh run that first deletes the
+    earlier run's outputs. An earlier run's outputs with nothing to resume (it saved no
+    checkpoint, or `resume="none"`) are refused: a second run would otherwise append to its
+    metrics.jsonl (and `scaffold plot` draw both) and overwrite its model without a word.
+
+    Collective when `overwrite` deletes: call it on every rank after the process group is up.
+    Every rank decides from the same files before rank 0 deletes anything; the others wait for it
+    at a barrier, so none of them sees a half-deleted checkpoint.
+
+    Args:
+        out_dir: the run's output directory (exists: `prepare_out_dir`).
+        resume: the run's `resume` setting ("auto", "none" or a checkpoint directory).
+        overwrite: start fresh, deleting the earlier run's `RUN_OUTPUTS` (nothing else in out_dir).
+        is_main: this is rank 0, the one that deletes.
+
+    Raises:
+        FileExistsError: out_dir holds an earlier run and there is no checkpoint to resume; the
+            message names the files found and both ways out (--out_dir, --overwrite).
+        ValueError: overwrite with `resume` naming a checkpoint (from `resolve_resume`, or the two
+            asked together).
+    """
+    out = Path(out_dir)
+    found = [name for name in RUN_OUTPUTS if _nonempty(out / name)]
+    if overwrite:
+        if resume not in ("auto", "none"):
+            raise ValueError(
+                f"overwrite=True starts a fresh run, but resume={resume!r} asks to continue one; "
+                "drop one of the two"
+            )
+        if is_main:
+            for name in found:
+                path = out / name
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+        return
+    if not found or resolve_resume(resume, out / "checkpoints") is not None:
+        return
+    why = "resume='none'" if resume == "none" else "no complete checkpoint to resume from"
+    raise FileExistsError(
+        f"out_dir {out} holds an earlier run ({', '.join(found)}) and {why}: pass --out_dir "
+        "with a new directory, or --overwrite to delete that run's outputs and start fresh"
+    )
+
+
+def _nonempty(path: Path) -> bool:
+    """A file with content, or a directory with an entry (an empty one is no earlier run)."""
+    if path.is_dir():
+        return any(path.iterdir())
+    return path.is_file() and path.stat().st_size > 0
+
+
 def save_train_state(
     root: str | os.PathLike,
     state: TrainState,

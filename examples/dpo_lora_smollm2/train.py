@@ -51,6 +51,7 @@ import functools
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,8 +79,10 @@ from runtime import (
     cast_frozen_params,
     check_vocab_fits,
     checkpoint_dtype,
+    claim_out_dir,
     clip_grad_norm,
     common_config_errors,
+    config_notes,
     copy_tokenizer_files,
     cosine_schedule_with_warmup,
     destroy_distributed,
@@ -90,6 +93,7 @@ from runtime import (
     init_distributed,
     init_lora,
     is_adapter_param,
+    last_user_message,
     load_adapter,
     load_hf_checkpoint,
     load_rows,
@@ -175,9 +179,10 @@ class Config:
     save_every_steps: int = 0  # resumable checkpoints in out_dir/checkpoints (0 = none)
     keep_last_checkpoints: int = 2  # older complete checkpoints are deleted
     resume: str = "auto"  # "auto" (newest complete checkpoint), "none", or a checkpoint dir
+    overwrite: bool = False  # start fresh in an out_dir with an earlier run, deleting its outputs
     loggers: list[str] = field(default_factory=lambda: ["jsonl"])  # also "tensorboard", "wandb"
     seed: int = 0
-    sample_prompt: str = "What is the capital of France?"  # generated from at the end
+    sample_prompt: str = ""  # answered at the end; "" = the first validation example's prompt
     sample_max_new_tokens: int = 48  # 0 = skip the sample
 
 
@@ -497,8 +502,9 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer) -> tuple[list[dict], list[
         pref = to_preference(row, i, source)
         chosen = tokenize_sequence(pref["prompt"], pref["chosen"], tokenizer, cfg.max_seq_len)
         rejected = tokenize_sequence(pref["prompt"], pref["rejected"], tokenizer, cfg.max_seq_len)
-        # "id" = row number in the file: logged per step as sample_ids, and the precomputed-cache key
-        pairs.append({"id": i, "chosen": chosen, "rejected": rejected})
+        # "id" = row number in the file: logged per step as sample_ids, and the precomputed-cache key;
+        # "prompt" = what the end-of-run sample asks
+        pairs.append({"id": i, "prompt": pref["prompt"], "chosen": chosen, "rejected": rejected})
 
     def supervised(seq: dict) -> bool:
         return any(t != IGNORE_INDEX for t in seq["labels"])
@@ -583,7 +589,12 @@ def precompute_reference_logprobs(
         sampler=ResumableDistributedSampler(examples, num_replicas=dp_size, rank=dp_rank, shuffle=False),
         collate_fn=functools.partial(collate, pad_token_id=pad_token_id),
     )  # fmt: skip
-    for mb in tqdm(loader, desc="reference log-probs", disable=dp_rank != 0, dynamic_ncols=True):
+    for mb in tqdm(
+        loader,
+        desc="reference log-probs",
+        disable=not (dp_rank == 0 and sys.stderr.isatty()),
+        dynamic_ncols=True,
+    ):
         batch = {k: v.to(device) for k, v in mb.items()}
         with adapters_disabled(model):
             logps = sequence_logprobs(model, batch, cfg)[0]  # [2P]
@@ -784,6 +795,8 @@ def main(argv: list[str] | None = None) -> dict:
     is_main, device = dist_info.is_main, dist_info.device
     dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()
     out_dir = prepare_out_dir(cfg.out_dir)  # an unwritable out_dir fails now, not at the first save
+    # an earlier run in out_dir: resume it, or refuse (never mix two runs' metrics or models)
+    claim_out_dir(out_dir, cfg.resume, cfg.overwrite, is_main)
     # the default hf_repo_id is the default model's: another --model needs its own (or a local copy)
     model_dir = resolve_model_dir(
         cfg.model, hub_repo_id(cfg.model, cfg.hf_repo_id, Config.model, Config.hf_repo_id)
@@ -809,9 +822,10 @@ def main(argv: list[str] | None = None) -> dict:
         cfg, model, model_dir, mesh, device, train_set + val_set, tokenizer.pad_token_id, out_dir, resumed, is_main
     )  # fmt: skip
     global_batch = cfg.micro_batch_size * cfg.gradient_accumulation_steps * dp_size
-    logger = MetricsLogger(out_dir, cfg.loggers, dataclasses.asdict(cfg)) if is_main else None
     if is_main:
         print(json.dumps(dataclasses.asdict(cfg), indent=2))
+        for note in config_notes(cfg):
+            print(f"note | {note}")
         n_params = sum(p.numel() for p in model.parameters())
         n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         print(
@@ -824,12 +838,14 @@ def main(argv: list[str] | None = None) -> dict:
     state = resume_training(
         cfg.resume, ckpt_dir, model, optimizer, scheduler, dataclasses.asdict(cfg), is_main
     )
+    logger = MetricsLogger(out_dir, cfg.loggers, cfg, state.step, argv) if is_main else None
     batches = infinite_batches(train_loader, state.epoch, state.samples_consumed)
+    # a bar on a terminal only: in a redirected log its carriage returns garble the step lines
     progress = tqdm(
         range(state.step + 1, cfg.max_steps + 1),
         initial=state.step,
         total=cfg.max_steps,
-        disable=not is_main,
+        disable=not (is_main and sys.stderr.isatty()),
         desc="train",
         dynamic_ncols=True,
     )
@@ -878,10 +894,11 @@ def main(argv: list[str] | None = None) -> dict:
                 ckpt_dir, state, model, optimizer, scheduler, config, cfg.keep_last_checkpoints
             )
     save(model, tokenizer, model_dir, cfg, out_dir / "model", is_main)
-    if cfg.sample_max_new_tokens:
-        reply = sample(model, tokenizer, cfg.sample_prompt, cfg.sample_max_new_tokens)
+    if cfg.sample_max_new_tokens:  # a question from the run's own data unless --sample_prompt
+        prompt = cfg.sample_prompt or (val_set or train_set)[0]["prompt"]
+        reply = sample(model, tokenizer, prompt, cfg.sample_max_new_tokens)
         if is_main:
-            print(f"\nsample | user: {cfg.sample_prompt}\n       | assistant: {reply}")
+            print(f"\nsample | user: {last_user_message(prompt)}\n       | assistant: {reply}")
     if logger:
         logger.close()
     del model, reference, optimizer, scheduler  # free FSDP state before the process group goes away

@@ -61,6 +61,7 @@ import math
 import os
 import random
 import re
+import sys
 import time
 from dataclasses import dataclass, field
 from importlib.util import find_spec
@@ -84,9 +85,11 @@ from runtime import (
     cast_frozen_params,
     check_ray_resources,
     check_vocab_fits,
+    claim_out_dir,
     clip_grad_norm,
     collate_rollouts,
     common_config_errors,
+    config_notes,
     copy_tokenizer_files,
     cosine_schedule_with_warmup,
     destroy_distributed,
@@ -177,6 +180,7 @@ class Config:
     save_every_steps: int = 0  # resumable checkpoints in out_dir/checkpoints (0 = none)
     keep_last_checkpoints: int = 2  # older complete checkpoints are deleted
     resume: str = "auto"  # "auto" (newest complete checkpoint), "none", or a checkpoint dir
+    overwrite: bool = False  # start fresh in an out_dir with an earlier run, deleting its outputs
     save_final_model: bool = True  # write out_dir/model (HF layout) at the end
     loggers: list[str] = field(default_factory=lambda: ["jsonl"])  # also "tensorboard", "wandb"
     seed: int = 0
@@ -779,6 +783,8 @@ def main(argv: list[str] | None = None, reward_funcs: list | None = None) -> lis
     is_main, device = dist_info.is_main, dist_info.device
     dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()
     out_dir = prepare_out_dir(cfg.out_dir)  # an unwritable out_dir fails now, not at the first save
+    # an earlier run in out_dir: resume it, or refuse (never mix two runs' metrics or models)
+    claim_out_dir(out_dir, cfg.resume, cfg.overwrite, is_main)
     # the default hf_repo_id is the default model's: another --model needs its own (or a local copy)
     model_dir = resolve_model_dir(
         cfg.model, hub_repo_id(cfg.model, cfg.hf_repo_id, Config.model, Config.hf_repo_id)
@@ -807,9 +813,11 @@ def main(argv: list[str] | None = None, reward_funcs: list | None = None) -> lis
     batches = prompt_batches(
         examples, cfg.prompts_per_step, cfg.seed, state.epoch, state.samples_consumed
     )
-    logger = MetricsLogger(out_dir, cfg.loggers, dataclasses.asdict(cfg)) if is_main else None
+    logger = MetricsLogger(out_dir, cfg.loggers, cfg, state.step, argv) if is_main else None
     if is_main:
         print(json.dumps(dataclasses.asdict(cfg), indent=2))
+        for note in config_notes(cfg):
+            print(f"note | {note}")
         print(
             f"model {model_dir} | {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params | "
             f"{len(examples)} prompts | {cfg.prompts_per_step} x {cfg.num_generations} rollouts per step | "
@@ -821,7 +829,7 @@ def main(argv: list[str] | None = None, reward_funcs: list | None = None) -> lis
         range(state.step + 1, cfg.max_steps + 1),
         initial=state.step,
         total=cfg.max_steps,
-        disable=not is_main,
+        disable=not (is_main and sys.stderr.isatty()),
         desc="train",
         dynamic_ncols=True,
     )

@@ -34,6 +34,7 @@ import dataclasses
 import functools
 import json
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,8 +60,10 @@ from runtime import (
     cast_frozen_params,
     check_vocab_fits,
     checkpoint_dtype,
+    claim_out_dir,
     clip_grad_norm,
     common_config_errors,
+    config_notes,
     copy_tokenizer_files,
     cosine_schedule_with_warmup,
     cross_entropy_sum,
@@ -72,6 +75,7 @@ from runtime import (
     init_distributed,
     init_lora,
     is_adapter_param,
+    last_user_message,
     load_adapter,
     load_hf_checkpoint,
     load_rows,
@@ -80,6 +84,7 @@ from runtime import (
     parse_config,
     peak_memory_mib,
     prepare_out_dir,
+    prompt_messages,
     read_hf_config,
     resolve_data_path,
     resolve_model_dir,
@@ -145,9 +150,10 @@ class Config:
     save_every_steps: int = 0  # resumable checkpoints in out_dir/checkpoints (0 = none)
     keep_last_checkpoints: int = 2  # older complete checkpoints are deleted
     resume: str = "auto"  # "auto" (newest complete checkpoint), "none", or a checkpoint dir
+    overwrite: bool = False  # start fresh in an out_dir with an earlier run, deleting its outputs
     loggers: list[str] = field(default_factory=lambda: ["jsonl"])  # also "tensorboard", "wandb"
     seed: int = 0
-    sample_prompt: str = "What is the capital of France?"  # generated from at the end
+    sample_prompt: str = ""  # answered at the end; "" = the first validation example's prompt
     sample_max_new_tokens: int = 48  # 0 = skip the sample
 
 
@@ -327,10 +333,13 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer) -> tuple[list[dict], list[
     """Load rows, apply the chat template, tokenize and mask; split off a validation set."""
     source = resolve_data_path(cfg.dataset)
     rows = load_rows(source)
-    examples = [
-        {"id": i, **tokenize_example(to_messages(row, i, source), tokenizer, cfg.max_seq_len)}
-        for i, row in enumerate(rows)
-    ]  # "id" = row number in the file: logged per step as sample_ids
+    examples = []
+    for i, row in enumerate(rows):
+        messages = to_messages(row, i, source)
+        # "id" = row number in the file, logged per step as sample_ids; "prompt" = the messages
+        # before the last reply, which the end-of-run sample asks
+        example = tokenize_example(messages, tokenizer, cfg.max_seq_len)
+        examples.append({"id": i, "prompt": prompt_messages(messages), **example})
     kept = [ex for ex in examples if any(t != IGNORE_INDEX for t in ex["labels"])]
     if not kept:
         raise ValueError(
@@ -510,6 +519,8 @@ def main(argv: list[str] | None = None) -> dict:
         mesh["dp"].get_group(),
     )
     out_dir = prepare_out_dir(cfg.out_dir)  # an unwritable out_dir fails now, not at the first save
+    # an earlier run in out_dir: resume it, or refuse (never mix two runs' metrics or models)
+    claim_out_dir(out_dir, cfg.resume, cfg.overwrite, is_main)
     # the default hf_repo_id is the default model's: another --model needs its own (or a local copy)
     model_dir = resolve_model_dir(
         cfg.model, hub_repo_id(cfg.model, cfg.hf_repo_id, Config.model, Config.hf_repo_id)
@@ -531,9 +542,10 @@ def main(argv: list[str] | None = None) -> dict:
             f"on each of {dp_size} ranks; lower --micro_batch_size or add data"
         )
     global_batch = cfg.micro_batch_size * cfg.gradient_accumulation_steps * dp_size
-    logger = MetricsLogger(out_dir, cfg.loggers, dataclasses.asdict(cfg)) if is_main else None
     if is_main:
         print(json.dumps(dataclasses.asdict(cfg), indent=2))
+        for note in config_notes(cfg):
+            print(f"note | {note}")
         n_params = sum(p.numel() for p in model.parameters())
         n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         print(
@@ -546,12 +558,14 @@ def main(argv: list[str] | None = None) -> dict:
     state = resume_training(
         cfg.resume, ckpt_dir, model, optimizer, scheduler, dataclasses.asdict(cfg), is_main
     )
+    logger = MetricsLogger(out_dir, cfg.loggers, cfg, state.step, argv) if is_main else None
     batches = infinite_batches(train_loader, state.epoch, state.samples_consumed)
+    # a bar on a terminal only: in a redirected log its carriage returns garble the step lines
     progress = tqdm(
         range(state.step + 1, cfg.max_steps + 1),
         initial=state.step,
         total=cfg.max_steps,
-        disable=not is_main,
+        disable=not (is_main and sys.stderr.isatty()),
         desc="train",
         dynamic_ncols=True,
     )
@@ -598,10 +612,11 @@ def main(argv: list[str] | None = None) -> dict:
                 ckpt_dir, state, model, optimizer, scheduler, config, cfg.keep_last_checkpoints
             )
     save(model, tokenizer, model_dir, cfg, out_dir / "model", is_main)
-    if cfg.sample_max_new_tokens:
-        reply = sample(model, tokenizer, cfg.sample_prompt, cfg.sample_max_new_tokens)
+    if cfg.sample_max_new_tokens:  # a question from the run's own data unless --sample_prompt
+        prompt = cfg.sample_prompt or (val_set or train_set)[0]["prompt"]
+        reply = sample(model, tokenizer, prompt, cfg.sample_max_new_tokens)
         if is_main:
-            print(f"\nsample | user: {cfg.sample_prompt}\n       | assistant: {reply}")
+            print(f"\nsample | user: {last_user_message(prompt)}\n       | assistant: {reply}")
     if logger:
         logger.close()
     del model, optimizer, scheduler  # free FSDP state before the process group goes away

@@ -51,6 +51,8 @@ if mode == "after_step":
 elif mode == "in_save":
     replace, calls = ts.os.replace, [0]
     def replace_or_die(src, dst):
+        if "checkpoints" not in str(dst):  # metrics.jsonl's rewrite at startup is not a save
+            return replace(src, dst)
         calls[0] += 1
         if calls[0] == k:
             die()
@@ -150,7 +152,12 @@ def test_kills_at_steps_epoch_boundary_and_mid_save_resume_bit_exactly(
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000012", "step_000014"]
 
     ref, got = steps_logged(ref_out), steps_logged(out)
-    assert sorted(got) == list(range(1, steps + 1))
+    # one row per step, in order: each resume dropped the rows its killed attempt logged after
+    # the checkpoint it resumes from (step 5; 11; 13 and 14), and logged them again
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    run_json = json.loads((out / "run.json").read_text())
+    assert [r["step"] for r in run_json["resumed"]] == [4, 10, 12]
     for step in range(1, steps + 1):
         assert got[step]["sample_ids"] == ref[step]["sample_ids"], step
         assert got[step]["loss"] == ref[step]["loss"], step
@@ -170,7 +177,10 @@ def test_two_resumes_in_one_epoch_replay_the_same_samples(tiny_model_dir, small_
     args = common_args(tiny_model_dir, small_dataset, out, steps)
     assert_killed(run(SFT, args, kill=("in_save", 1)))  # dies in the step-2 save
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_000002.tmp"]
-    assert_killed(run(SFT, args, kill=("after_step", 3)))  # started fresh (no valid checkpoint)
+    # no valid checkpoint, but step 1's metrics: a plain rerun is refused (it would mix two runs)
+    refused = run(SFT, args)
+    assert refused.returncode == 1 and "holds an earlier run (metrics.jsonl" in refused.stderr
+    assert_killed(run(SFT, [*args, "--overwrite"], kill=("after_step", 3)))  # starts fresh
     assert_killed(run(SFT, args, kill=("after_step", 7)))  # resumed from step 2
     proc = run(SFT, args)  # resumes from step 6
     assert_ok(proc)

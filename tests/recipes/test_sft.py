@@ -151,6 +151,67 @@ def test_tiny_run_learns_and_saves_hf_model(tiny_model_dir, small_dataset, tmp_p
     torch.testing.assert_close(hf(ids).logits, ours(ids), atol=1e-5, rtol=1e-5)
 
 
+def test_a_newcomers_first_runs(sft_script, tiny_model_dir, small_dataset, tmp_path):
+    """`python train.py --max_steps 3` runs with the default warmup (clamped, with one note) and
+    answers the first validation prompt at the end; its redirected log has no progress-bar
+    carriage return. A second fresh run into that out_dir is refused, naming the way out, and
+    leaves the first run's files as they were; --overwrite starts anew, and the plot's curves
+    are that run's only."""
+    import subprocess
+    import sys
+
+    from generator.plot import read_metrics  # what `scaffold plot` draws from
+
+    out = tmp_path / "out"
+    args = [
+        "--model", str(tiny_model_dir), "--dataset", str(small_dataset), "--dtype", "fp32",
+        "--max_steps", "3", "--micro_batch_size", "2", "--max_seq_len", "128",
+        "--val_fraction", "0.1", "--sample_max_new_tokens", "2", "--out_dir", str(out),
+    ]  # fmt: skip
+
+    def train(*extra):
+        return subprocess.run(
+            [sys.executable, str(SCRIPT), *args, *extra],
+            cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+
+    first = train()
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    assert sft_script.Config.warmup_steps > 3  # the default is longer than this run
+    assert (
+        "note | warmup_steps=10 is longer than max_steps=3: the lr warms up over all 3 steps"
+        in first.stdout
+    )
+    cfg = sft_script.Config(
+        model=str(tiny_model_dir), dataset=str(small_dataset), max_seq_len=128, val_fraction=0.1
+    )
+    _, val_set = sft_script.build_datasets(cfg, Tokenizer.from_dir(tiny_model_dir))
+    question = val_set[0]["prompt"][-1]["content"]
+    assert f"sample | user: {question}\n" in first.stdout and question != cfg.sample_prompt
+    assert "\r" not in first.stdout + first.stderr
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    peak = sft_script.Config.lr
+    assert [round(r["lr"] / peak, 6) for r in rows] == [0.25, 0.5, 0.75]  # a 3-step warmup
+    saved = {p: p.read_bytes() for p in [out / "metrics.jsonl", out / "model" / "model.safetensors"]}
+
+    again = train("--max_steps", "2", "--lr", "1e-3")
+    assert again.returncode == 1
+    assert again.stderr.strip().splitlines()[-1:] == [
+        f"error: out_dir {out} holds an earlier run (metrics.jsonl, run.json, model) and no "
+        "complete checkpoint to resume from: pass --out_dir with a new directory, or --overwrite "
+        "to delete that run's outputs and start fresh"
+    ], again.stderr[-2000:]
+    assert all(p.read_bytes() == b for p, b in saved.items())
+
+    fresh = train("--max_steps", "2", "--lr", "1e-3", "--overwrite")
+    assert fresh.returncode == 0, fresh.stdout[-2000:] + fresh.stderr[-2000:]
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2] and rows[1]["lr"] < 1e-3  # the new run's only
+    run = json.loads((out / "run.json").read_text())
+    assert run["command"].endswith("--lr 1e-3 --overwrite") and "resumed" not in run
+
+
 @pytest.mark.parametrize("example", ["sft_smollm2", "sft_smollm2_memory"])
 def test_two_processes_match_one(example, tiny_model_dir, small_dataset, tmp_path):
     """torchrun with 2 gloo ranks (micro-batch 2 each) gives the losses of 1 rank with micro-batch 4,

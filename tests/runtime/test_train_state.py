@@ -13,6 +13,7 @@ from runtime import (
     ResumableDistributedSampler,
     TrainState,
     build_model,
+    claim_out_dir,
     cosine_schedule_with_warmup,
     load_train_state,
     resolve_resume,
@@ -261,3 +262,36 @@ def test_a_write_failure_on_one_rank_stops_every_rank(tmp_path):
     assert all("step_000002 failed (No space left on device)" in m for m in messages), messages
     assert [p.name for p in checkpoint_dirs(tmp_path)] == ["step_000001"]
     assert not (tmp_path / "step_000002.tmp").exists()
+
+
+def test_claim_out_dir_refuses_an_earlier_run_it_cannot_resume(process_group, tmp_path):
+    """Fresh into an unused dir: fine. An earlier run's files with no checkpoint (or
+    resume='none'): refused, naming the files and both ways out. A checkpoint to resume: fine.
+    overwrite: deletes exactly the run's outputs and keeps the user's own files."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    (out / "checkpoints").mkdir()  # empty: no earlier run yet
+    claim_out_dir(out, "auto", False, True)
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    (out / "model").mkdir()
+    (out / "model" / "model.safetensors").write_bytes(b"x")
+    with pytest.raises(FileExistsError) as e:
+        claim_out_dir(out, "auto", False, True)
+    assert str(e.value) == (
+        f"out_dir {out} holds an earlier run (metrics.jsonl, model) and no complete checkpoint to "
+        "resume from: pass --out_dir with a new directory, or --overwrite to delete that run's "
+        "outputs and start fresh"
+    )
+    model, optimizer, scheduler = make()
+    save_train_state(out / "checkpoints", TrainState(2), model, optimizer, scheduler, SAVED_CONFIG)
+    claim_out_dir(out, "auto", False, True)  # a resume continues that run
+    with pytest.raises(FileExistsError, match=r"checkpoints, model\) and resume='none': pass"):
+        claim_out_dir(out, "none", False, True)
+    with pytest.raises(ValueError, match="overwrite=True starts a fresh run, but resume="):
+        claim_out_dir(out, str(out / "checkpoints" / "step_000002"), True, True)
+    claim_out_dir(out, "auto", True, False)  # not rank 0: deletes nothing
+    assert (out / "metrics.jsonl").is_file()
+    claim_out_dir(out, "auto", True, True)
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    claim_out_dir(out, "auto", False, True)  # now an unused dir
