@@ -193,7 +193,9 @@ def test_a_newcomers_first_runs(sft_script, tiny_model_dir, small_dataset, tmp_p
     assert [r["step"] for r in rows] == [1, 2, 3]
     peak = sft_script.Config.lr
     assert [round(r["lr"] / peak, 6) for r in rows] == [0.25, 0.5, 0.75]  # a 3-step warmup
-    saved = {p: p.read_bytes() for p in [out / "metrics.jsonl", out / "model" / "model.safetensors"]}
+    saved = {
+        p: p.read_bytes() for p in [out / "metrics.jsonl", out / "model" / "model.safetensors"]
+    }
 
     again = train("--max_steps", "2", "--lr", "1e-3")
     assert again.returncode == 1

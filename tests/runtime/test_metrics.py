@@ -107,7 +107,10 @@ def test_launch_command_names_python_or_torchrun(monkeypatch):
     for var in ("LOCAL_WORLD_SIZE", "WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
     assert launch_command() == "python train.py --lr 1e-4"
-    assert launch_command(["--sample_prompt", "Hi there"]) == "python train.py --sample_prompt 'Hi there'"
+    assert (
+        launch_command(["--sample_prompt", "Hi there"])
+        == "python train.py --sample_prompt 'Hi there'"
+    )
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     monkeypatch.setenv("WORLD_SIZE", "16")
     assert launch_command([]) == "torchrun --nproc-per-node 8 --nnodes 2 train.py"
