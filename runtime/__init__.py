@@ -36,7 +36,13 @@ from runtime.grpo import (
     group_advantages,
     scatter_completion_values,
 )
-from runtime.hub import hub_repo_id, resolve_data_path, resolve_model_dir, scaffold_home
+from runtime.hub import (
+    base_model_id,
+    hub_repo_id,
+    resolve_data_path,
+    resolve_model_dir,
+    scaffold_home,
+)
 from runtime.lora import (
     LORA_TARGET_MODULES,
     LoRALinear,
@@ -217,6 +223,7 @@ __all__ = [
     "resolve_data_path",
     "resolve_model_dir",
     "hub_repo_id",
+    "base_model_id",
     "save_adapter",
     "save_hf_checkpoint",
     "save_train_state",
