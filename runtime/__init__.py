@@ -101,6 +101,7 @@ from runtime.parallel import (
     llama_block_tp_plan,
     llama_tp_plan,
 )
+from runtime.quiet import silence_known_noise
 from runtime.rollout import (
     HFWeightSource,
     ReplayBuffer,
@@ -127,6 +128,9 @@ from runtime.train_state import (
     resume_training,
     save_train_state,
 )
+
+# no module above imports torchao at import time, so this still runs before torchao's first import
+silence_known_noise()
 
 __all__ = [
     "ReplayBuffer",
