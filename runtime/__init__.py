@@ -37,7 +37,13 @@ from runtime.grpo import (
     group_advantages,
     scatter_completion_values,
 )
-from runtime.hub import hub_repo_id, resolve_data_path, resolve_model_dir, scaffold_home
+from runtime.hub import (
+    base_model_id,
+    hub_repo_id,
+    resolve_data_path,
+    resolve_model_dir,
+    scaffold_home,
+)
 from runtime.lora import (
     LORA_TARGET_MODULES,
     LoRALinear,
@@ -96,6 +102,7 @@ from runtime.parallel import (
     llama_block_tp_plan,
     llama_tp_plan,
 )
+from runtime.quiet import silence_known_noise
 from runtime.rollout import (
     HFWeightSource,
     ReplayBuffer,
@@ -123,6 +130,9 @@ from runtime.train_state import (
     resume_training,
     save_train_state,
 )
+
+# no module above imports torchao at import time, so this still runs before torchao's first import
+silence_known_noise()
 
 __all__ = [
     "ReplayBuffer",
@@ -223,6 +233,7 @@ __all__ = [
     "resolve_data_path",
     "resolve_model_dir",
     "hub_repo_id",
+    "base_model_id",
     "save_adapter",
     "save_hf_checkpoint",
     "save_train_state",

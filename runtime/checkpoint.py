@@ -333,6 +333,41 @@ def experts_held_elsewhere(model: nn.Module) -> set[str]:
     return keys
 
 
+def current_umask() -> int:
+    """The process umask (e.g. 0o022), read without leaving it changed.
+
+    POSIX has no call that only reads it: `os.umask` sets it and returns the old value, so it is
+    set back at once. In the moment between, the mask is the restrictive 0o077, so a file another
+    thread creates then comes out more private, never more public.
+    """
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+def apply_umask_modes(root: str | os.PathLike) -> None:
+    """Give directory `root` and everything under it the modes a plain `open()` / `mkdir` would
+    have given: files 0o666 & ~umask, directories 0o777 & ~umask (0o644 / 0o755 under 0o022).
+
+    Call on a temporary directory before renaming it (or its files) into place, so the final
+    names appear with these modes. Needed because `tempfile.mkdtemp` creates 0o700 and
+    safetensors 0.8 writes through a 0o600 temporary file (safetensors issue #782), which left
+    saved models readable by their owner only. Symlinks are not followed or changed.
+
+    Raises:
+        OSError: a chmod failed (e.g. a file belongs to another user).
+    """
+    mask = current_umask()
+    file_mode, dir_mode = 0o666 & ~mask, 0o777 & ~mask
+    os.chmod(root, dir_mode)
+    for dirpath, dirnames, filenames in os.walk(root):  # walk does not follow directory links
+        for names, mode in ((filenames, file_mode), (dirnames, dir_mode)):
+            for name in names:
+                path = os.path.join(dirpath, name)
+                if not os.path.islink(path):
+                    os.chmod(path, mode)
+
+
 def _plan_shards(tensors, dtype, max_shard_bytes) -> list[list[str]]:
     """Greedily group tensor names into shards of at most max_shard_bytes (a bigger tensor alone)."""
     shards: list[list[str]] = [[]]
@@ -403,6 +438,7 @@ def save_hf_checkpoint(
             del block  # free this shard before gathering the next
         if is_writer:
             _write_metadata(tmp, tensors, weight_map, hf_config, dtype, sharded=len(shards) > 1)
+            apply_umask_modes(tmp)  # before the rename: out_dir never appears as 0o700 / 0o600
             _move_into_place(tmp, out_dir)
     except (OSError, SafetensorError) as e:
         raise _save_error(e, out_dir, existed) from e

@@ -40,6 +40,32 @@ def hub_repo_id(model: str, hf_repo_id: str, default_model: str, default_repo_id
     return hf_repo_id if model == default_model or hf_repo_id != default_repo_id else ""
 
 
+def base_model_id(model: str, model_dir: str | os.PathLike, hf_repo_id: str) -> str:
+    """The base model a saved adapter names (`base_model_name_or_path` in adapter_config.json).
+
+    A cache path such as `~/.cache/scaffold/models/smollm2-135m` exists on this machine only, so a
+    shared adapter naming it loads nowhere else; its Hub id loads anywhere. The rule:
+
+    - `model` is a local directory the user passed (it holds config.json): that directory,
+      absolute (the user's own base, which only they can name).
+    - otherwise (a name in `$SCAFFOLD_HOME/models`, or downloaded from the Hub): `hf_repo_id`;
+      without one (another cached model given no id), `model_dir`.
+
+    Args:
+        model: the run's model as given (cfg.model).
+        model_dir: where `resolve_model_dir` found it.
+        hf_repo_id: the Hub id of this model, "" if none (`hub_repo_id(...)`, not the raw
+            config value, which belongs to the script's default model).
+
+    Returns:
+        A Hub id ("HuggingFaceTB/SmolLM2-135M-Instruct") or an absolute directory path.
+    """
+    path = Path(model).expanduser()
+    if (path / "config.json").is_file():  # resolve_model_dir's first choice too
+        return str(path.absolute())
+    return hf_repo_id or str(model_dir)
+
+
 def resolve_model_dir(
     model: str, hf_repo_id: str = "", flags: tuple[str, str] = ("--model", "--hf_repo_id")
 ) -> Path:

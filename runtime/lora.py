@@ -60,7 +60,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from runtime.checkpoint import tensors_to_save
+from runtime.checkpoint import apply_umask_modes, tensors_to_save
 from runtime.dtensors import ComputedTensor, copy_into, global_rank, reshard_fsdp
 
 # HF module names a LoRA adapter may target (the decoder's linear layers and the output head).
@@ -481,6 +481,7 @@ def save_adapter(
             (tmp / ADAPTER_CONFIG_NAME).write_text(
                 json.dumps(config, indent=2, sort_keys=True) + "\n"
             )
+            apply_umask_modes(tmp)  # safetensors writes 0o600; the user's umask decides
             for name in (ADAPTER_WEIGHTS_NAME, ADAPTER_CONFIG_NAME):
                 os.replace(tmp / name, out_dir / name)
         finally:

@@ -74,6 +74,7 @@ from runtime import (
     adapters_disabled,
     add_lora,
     all_reduce_sum,
+    base_model_id,
     build_mesh,
     build_model,
     cast_frozen_params,
@@ -717,9 +718,11 @@ def save(
     """The adapters in PEFT layout (adapter_config.json, adapter_model.safetensors: load them
     with `peft.PeftModel.from_pretrained(base, path)` or --resume_adapter), the tokenizer and the
     resolved config; with save_merged also the merged model in HF layout (path / "merged")."""
-    save_adapter(
-        model, path, base_model_name_or_path=str(model_dir)
-    )  # gathers shards; rank 0 writes
+    # the base named in adapter_config.json: the Hub id for a cached or downloaded base (the adapter then
+    # loads on any machine), the directory itself for a local one passed as --model
+    repo_id = hub_repo_id(cfg.model, cfg.hf_repo_id, Config.model, Config.hf_repo_id)
+    base_id = base_model_id(cfg.model, model_dir, repo_id)
+    save_adapter(model, path, base_model_name_or_path=base_id)  # gathers shards; rank 0 writes
     if is_main:
         copy_tokenizer_files(model_dir, path)
         (path / "training_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))

@@ -60,7 +60,6 @@ import torch
 from torch.distributed._composable import checkpoint
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.utils.data import DataLoader
-from torchao.optim import AdamW4bit
 from tqdm import tqdm
 
 from runtime import (
@@ -306,6 +305,10 @@ def build_optimizer(cfg: Config, model: torch.nn.Module):
     # torchao: both AdamW moments stored in 4 bits with block-wise scales (blocks of 128; 8x less
     # optimizer state than fp32); tensors under 4096 elements keep fp32 state. Its first step compiles
     # (seconds on CPU).
+    # Imported here, after `runtime`, so torchao's import does not print its CUDA kernels' failed
+    # loads under a CPU-only torch (runtime/quiet.py).
+    from torchao.optim import AdamW4bit
+
     optimizer_cls = AdamW4bit
     # PyTorch 2.13's on-disk AOTAutograd cache keys a DTensor (FSDP2) input by its global spec only, not
     # by the torchao state subclass inside it, so a cached 8-bit step is served to the 4-bit optimizer

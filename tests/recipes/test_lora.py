@@ -82,6 +82,42 @@ def test_trained_adapter_matches_peft_and_merged_export_matches_transformers(
         torch.testing.assert_close(merged(ids).logits, ours, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "model, hf_repo_id, expected",
+    [
+        ("<local>", None, "<local>"),  # a directory passed as --model: that directory
+        ("smollm2-135m", None, "HuggingFaceTB/SmolLM2-135M-Instruct"),  # the cached default
+        ("my-tiny", "me/my-tiny", "me/my-tiny"),  # another cached model, given its Hub id
+        ("my-tiny", None, "<cache>"),  # ... given none: only its cache directory names it
+    ],
+    ids=["local-path", "catalog-default", "cached-with-id", "cached-without-id"],
+)
+def test_adapter_config_names_the_hub_id_or_the_local_base(
+    model, hf_repo_id, expected, lora_script, tiny_model_dir, small_dataset, tmp_path, monkeypatch
+):
+    """adapter_config.json's base_model_name_or_path (what peft's PeftConfig reads): the Hub id
+    when the base came from $SCAFFOLD_HOME/models, the directory when the user passed one."""
+    s = lora_script
+    home = tmp_path / "home"
+    monkeypatch.setenv("SCAFFOLD_HOME", str(home))
+    for name in ("smollm2-135m", "my-tiny"):
+        (home / "models").mkdir(parents=True, exist_ok=True)
+        (home / "models" / name).symlink_to(tiny_model_dir, target_is_directory=True)
+    overrides = {} if model == "<local>" else {"model": model}
+    if hf_repo_id:
+        overrides["hf_repo_id"] = hf_repo_id
+    cfg, model_obj, *_ = _setup(s, tiny_model_dir, small_dataset, **overrides, save_merged=False)
+    model_dir = s.resolve_model_dir(
+        cfg.model, s.hub_repo_id(cfg.model, cfg.hf_repo_id, s.Config.model, s.Config.hf_repo_id)
+    )
+    s.save(model_obj, None, model_dir, cfg, tmp_path / "out", is_main=True)
+    want = {"<local>": str(tiny_model_dir), "<cache>": str(home / "models" / model)}.get(
+        expected, expected
+    )
+    assert peft.PeftConfig.from_pretrained(tmp_path / "out").base_model_name_or_path == want
+
+
 def test_save_resume_gives_the_identical_next_step_loss(
     lora_script, tiny_model_dir, small_dataset, tmp_path
 ):

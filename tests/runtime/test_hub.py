@@ -6,7 +6,7 @@ import pytest
 
 huggingface_hub = pytest.importorskip("huggingface_hub")
 
-from runtime.hub import HF_ALLOW_PATTERNS, resolve_model_dir  # noqa: E402
+from runtime.hub import HF_ALLOW_PATTERNS, base_model_id, resolve_model_dir  # noqa: E402
 
 pytestmark = pytest.mark.fast  # in `make test-fast` (tests/README.md)
 
@@ -88,3 +88,17 @@ def test_missing_dataset_file_names_each_place_once(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError) as err:
         resolve_data_path("nope.json")
     assert f"and {tmp_path / 'home' / 'data' / 'nope.json'})" in str(err.value)
+
+
+def test_base_model_id_is_the_local_directory_given_else_the_hub_id(tmp_path, monkeypatch):
+    """A relative local directory is named absolute (it must load from elsewhere on this machine);
+    a name that is not a local directory is named by its Hub id, else by where it was found."""
+    local = tmp_path / "base"
+    local.mkdir()
+    (local / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    assert base_model_id("base", local, "org/base") == str(local)
+    assert base_model_id("./base", local, "") == str(local)
+    cached = tmp_path / "home" / "models" / "qwen3-0.6b"
+    assert base_model_id("qwen3-0.6b", cached, "Qwen/Qwen3-0.6B") == "Qwen/Qwen3-0.6B"
+    assert base_model_id("qwen3-0.6b", cached, "") == str(cached)
