@@ -349,36 +349,81 @@ _SET_HELP = (
 @click.option(
     "--check",
     is_flag=True,
-    help="Exit non-zero if any train.py under PATHS differs from a fresh render of its spec.",
+    help="Exit non-zero if any train.py under PATHS differs from a fresh render of its spec "
+    "(or a regen there is unfinished).",
+)
+@click.option(
+    "--continue",
+    "continue_",
+    is_flag=True,
+    help="Finish a regen that left conflicts, once its markers are gone: the new spec and "
+    "merge bases become DIR's.",
+)
+@click.option(
+    "--abort",
+    is_flag=True,
+    help="Undo a regen that left conflicts: train.py, launch files, spec and bases as before it.",
 )
 @_friendly
-def regen(paths, settings, to_version, check):
+def regen(paths, settings, to_version, check, continue_, abort):
     """Merge a new render of DIR's spec (changed by --set) into DIR/train.py, keeping your edits.
 
     \b
     3-way merge: base = DIR/.scaffold/train.py.base (the render you started from), yours =
-    DIR/train.py, new = the render of the updated spec. On a conflict train.py gets
-    <<<<<<< / ||||||| / ======= / >>>>>>> markers, your previous file is kept as train.py.orig,
-    the exit status is 1, and regen refuses to run again until the markers are gone.
+    DIR/train.py, new = the render of the updated spec (launch/ files likewise). On a conflict
+    train.py gets <<<<<<< / ||||||| / ======= / >>>>>>> markers, your previous file is kept as
+    train.py.orig, the exit status is 1, and the new spec and bases wait in .scaffold/pending/:
+    resolve the markers and run `scaffold regen DIR --continue`, or undo the regen with
+    `scaffold regen DIR --abort`. Until then regen, diff and plan on DIR refuse.
 
     \b
     Examples:
       scaffold regen runs/demo --set tricks=ac --set gpus=8
+      scaffold regen runs/demo --continue  # after resolving the conflicts
+      scaffold regen runs/demo --abort     # or: back to before the regen
       scaffold regen --check examples      # CI: every example matches a fresh render
     """
-    if check:
-        if settings:
-            raise ScaffoldError(
-                "--check re-renders the recorded specs as they are; it takes no --set"
+    flags = [
+        f for f, on in (("--check", check), ("--continue", continue_), ("--abort", abort)) if on
+    ]
+    if len(flags) > 1:
+        raise ScaffoldError(f"{' and '.join(flags)} exclude each other; give one")
+    if flags and settings:
+        raise ScaffoldError(
+            f"{flags[0]} takes no --set: "
+            + (
+                "it re-renders the recorded specs as they are"
+                if check
+                else "it finishes or undoes the regen already started"
             )
+        )
+    if check:
         _regen_check(paths)
         return
-    from generator.regen import ConflictError, apply, plan
+    from generator.regen import ConflictError, abort_regen, apply, continue_regen, plan
 
     if len(paths) != 1:
         raise ScaffoldError(
             f"regen merges into one DIR at a time; got {len(paths)} ({' '.join(paths)})"
         )
+    if continue_:
+        done = continue_regen(paths[0])
+        click.echo(
+            f"finished the regen of {done.directory} ({done.changes}): its spec and merge bases "
+            "are the new render's; your resolved files are kept"
+        )
+        return
+    if abort:
+        done = abort_regen(paths[0])
+        restored = sorted(n for n, was in done.written.items() if was["existed"])
+        removed = sorted(n for n, was in done.written.items() if not was["existed"])
+        click.echo(
+            f"aborted the regen of {done.directory} ({done.changes}): restored "
+            f"{', '.join(restored) or 'nothing'}"
+            + (f", removed {', '.join(removed)}" if removed else "")
+            + "; spec and merge bases as before"
+        )
+        return
     p = plan(paths[0], settings, to_version)
     script = p.directory / SCRIPT
     if p.up_to_date:
@@ -398,21 +443,33 @@ def regen(paths, settings, to_version, check):
     for path, c in conflicts:
         click.echo(c.describe(str(path)), err=True)
     files = sorted({str(path) for path, _ in conflicts})
+    d = p.directory
     raise ConflictError(
         f"{len(conflicts)} conflicting region(s) in {', '.join(files)} ({changes}): edit each "
-        "marked region and delete the markers; your previous file(s): "
+        f"marked region, delete the markers and run `scaffold regen {d} --continue`, or undo "
+        f"the regen with `scaffold regen {d} --abort`; your previous file(s): "
         f"{', '.join(f + '.orig' for f in files)}"
     )
 
 
 def _regen_check(paths) -> None:
+    from generator.regen import read_pending
     from generator.render import render, render_launch
 
     dirs = find_run_dirs(paths)
     if not dirs:
         raise ScaffoldError(f"no {SPEC_FILE} under {', '.join(paths)}")
-    drifted = []
+    drifted, unfinished = [], []
     for d in dirs:
+        pending = read_pending(d)
+        if pending is not None:  # its files are half the new render's: comparing them says nothing
+            click.echo(
+                f"unfinished: {d} has a regen in progress ({pending.changes}); run "
+                f"{pending.ways_out()}",
+                err=True,
+            )
+            unfinished.append(d)
+            continue
         spec = Spec.from_json((d / SPEC_FILE).read_text(), source=str(d / SPEC_FILE))
         for name, content in rendered_files(render(spec), render_launch(spec)).items():
             path = d / name
@@ -420,11 +477,17 @@ def _regen_check(paths) -> None:
                 drifted.append(str(path))
     for d in drifted:
         click.echo(f"drift: {d} differs from a fresh render of its spec", err=True)
-    if drifted:
+    if unfinished and not drifted:
         raise click.ClickException(
-            f"{len(drifted)} file(s) out of date; update each directory with `scaffold regen DIR` "
-            "(keeps your edits), or overwrite it with the `scaffold new ... --force` command in its "
-            "train.py header"
+            f"{len(unfinished)} directory(ies) with an unfinished regen (listed above); finish "
+            "or undo each with `scaffold regen DIR --continue` / `--abort`"
+        )
+    if drifted:
+        also = f" and {len(unfinished)} directory(ies) with an unfinished regen" * bool(unfinished)
+        raise click.ClickException(
+            f"{len(drifted)} file(s) out of date{also}; update each directory with `scaffold regen "
+            "DIR` (keeps your edits), or overwrite it with the `scaffold new ... --force` command "
+            "in its train.py header"
         )
     click.echo(f"{len(dirs)} script(s) match their templates")
 
