@@ -15,7 +15,7 @@ import click
 from generator import __version__
 from generator.catalog import MODELS
 from generator.features import ALGOS, PEFT_ALGOS, PEFT_METHODS, TRICKS, support_table
-from generator.options import spec_from_options, spec_options
+from generator.options import SPEC_OPTION_NAMES, spec_from_options, spec_options
 from generator.plan import GPU_MEMORY_GIB, parse_gpu_memory
 from generator.rundir import (
     SCRIPT,
@@ -180,6 +180,7 @@ def _plan_summary(spec: Spec, gpu: tuple[str, float] | None) -> None:
 
 
 @cli.command()
+@click.argument("directory", required=False, metavar="[DIR]")
 @spec_options
 @click.option(
     "--micro-batch-size",
@@ -220,10 +221,10 @@ def _plan_summary(spec: Spec, gpu: tuple[str, float] | None) -> None:
 )
 @_friendly
 def plan(
-    algo, peft, model, tricks, gpus, nodes, tp, cp, dp_replicate, dtype, engine_gpus, engine_tp,
-    micro_batch_size, max_seq_len, kl_coef, gpu_memory, suggest,
+    directory, algo, peft, model, tricks, gpus, nodes, tp, cp, dp_replicate, dtype, engine_gpus,
+    engine_tp, micro_batch_size, max_seq_len, kl_coef, gpu_memory, suggest,
 ):  # fmt: skip
-    """Per-GPU peak memory of the script `scaffold new` would write, simulated.
+    """Per-GPU peak memory of the script `scaffold new` would write (or of DIR/train.py), simulated.
 
     \b
     Runs the rendered script's own model build and two training steps under fake tensors
@@ -235,8 +236,16 @@ def plan(
     it.
 
     \b
+    With DIR (a directory `scaffold new` wrote): DIR's spec and DIR/train.py as you edited it,
+    its own functions and Config defaults (micro_batch_size, max_seq_len, dtype, lora_rank,
+    kl_coef, ...); --micro-batch-size, --max-seq-len and --kl-coef still override, the spec
+    options do not apply (change those with `scaffold regen DIR --set`). Suggestions are
+    renders with your Config edits carried over, printed as the `scaffold regen` to run.
+
+    \b
     Examples:
       scaffold plan --model llama3.3-70b --gpus 8 --gpu-memory h200-141
+      scaffold plan runs/demo --gpu-memory 24
       scaffold plan --model smollm2-135m --tricks ac,lce --micro-batch-size 8 --gpu-memory 24
       scaffold plan --algo grpo --model llama3.3-70b --gpus 8 --gpu-memory h200-141
     """
@@ -246,22 +255,69 @@ def plan(
     from generator.spec import build_answers
 
     gpu_label, gpu_gib = parse_gpu_memory(gpu_memory)
-    spec = spec_from_options(
-        algo, peft, model, tricks, gpus, nodes, tp, cp, dp_replicate, 1, dtype, None, None,
-        engine_gpus, engine_tp,
-    )  # fmt: skip
-    answers = build_answers(spec)  # validates the spec
     mbs, seq = micro_batch_size, max_seq_len
-    if not is_grpo(spec):  # GRPO's defaults are its script's Config (rollout lengths)
-        mbs = answers["micro_batch_size"] if mbs is None else mbs
-        seq = answers["max_seq_len"] if seq is None else seq
+    script = None
+    if directory is not None:  # the script's Config gives what the options leave None
+        spec, script = _planned_dir(directory, click.get_current_context())
+        build_answers(spec)  # validates the spec
+    else:
+        spec = spec_from_options(
+            algo, peft, model, tricks, gpus, nodes, tp, cp, dp_replicate, 1, dtype, None, None,
+            engine_gpus, engine_tp,
+        )  # fmt: skip
+        answers = build_answers(spec)  # validates the spec
+        if not is_grpo(spec):  # GRPO's defaults are its script's Config (rollout lengths)
+            mbs = answers["micro_batch_size"] if mbs is None else mbs
+            seq = answers["max_seq_len"] if seq is None else seq
     check_simulable(spec, mbs, seq, kl_coef)
     progress = lambda line: click.echo(f"simulating {line} ...", err=True)  # noqa: E731
-    (result,) = simulate([spec], mbs, seq, progress, kl_coef)
+    (result,) = simulate([spec], mbs, seq, progress, kl_coef, scripts=[script])
     click.echo(format_result(result, gpu_label, gpu_gib))
     if suggest and not plan_fits(result, gpu_gib):
         s = plan_suggest(result, gpu_gib, mbs, seq, progress)
-        click.echo(format_suggestion(s, spec))
+        click.echo(format_suggestion(s, result.spec, directory))
+
+
+def _planned_dir(directory: str, ctx: click.Context) -> tuple[Spec, Path]:
+    """`scaffold plan DIR`: DIR's spec and the path of its train.py, checked.
+
+    Raises:
+        ScaffoldError: a spec option given beside DIR, DIR without a spec or a train.py, a
+            pending regen, or conflict markers in train.py.
+    """
+    from generator.regen import marker_lines, refuse_if_pending
+
+    d = Path(directory)
+    given = [
+        f"--{p.name.replace('_', '-')}"
+        for p in ctx.command.params
+        if p.name in SPEC_OPTION_NAMES
+        and ctx.get_parameter_source(p.name) is not click.core.ParameterSource.DEFAULT
+    ]
+    if given:
+        raise ScaffoldError(
+            f"{', '.join(given)} given with DIR: `scaffold plan {d}` plans the spec recorded in "
+            f"{d / SPEC_FILE} and {d / SCRIPT}; change it with `scaffold regen {d} --set ...` "
+            "first, or plan the options without DIR"
+        )
+    spec_path, script = d / SPEC_FILE, d / SCRIPT
+    if not spec_path.is_file():
+        raise ScaffoldError(
+            f"scaffold plan {d}: {spec_path} is missing, so {d} is not a directory `scaffold new` "
+            "wrote; give one that is, or plan options without DIR (scaffold plan --model ...)"
+        )
+    spec = Spec.from_json(spec_path.read_text(), source=str(spec_path))
+    refuse_if_pending(d)  # its train.py is (half) a render of the staged spec, not of this one
+    if not script.is_file():
+        raise ScaffoldError(f"scaffold plan {d}: {script} is missing; the plan simulates it")
+    with open(script, newline="") as f:
+        markers = marker_lines(f.read().replace("\r\n", "\n"))
+    if markers:
+        raise ScaffoldError(
+            f"scaffold plan {d}: {script} has conflict markers at line(s) "
+            f"{', '.join(map(str, markers))}; resolve them first (it must run to be planned)"
+        )
+    return spec, script
 
 
 @cli.command("list")

@@ -204,9 +204,9 @@ def test_overlapping_edit_conflicts_stages_the_new_spec_and_blocks_other_command
     assert "            checkpoint(layer)" in text
 
     # While the regen is pending, regen and diff refuse, naming the markers and both ways out,
-    # and write nothing.
+    # and write nothing; so does `plan DIR` (it would plan the old spec).
     snapshot = _snapshot(out)
-    for command in (["regen", str(out), "--set", "gpus=2"], ["diff", str(out)]):
+    for command in (["regen", str(out), "--set", "gpus=2"], ["diff", str(out)], ["plan", str(out)]):
         refused = CliRunner().invoke(cli, command)
         assert refused.exit_code == 1, refused.output
         assert f"conflict markers at line(s) {', '.join(map(str, markers))}" in refused.output
