@@ -494,8 +494,8 @@ def continue_regen(directory: str | Path) -> Pending:
     """Finish a conflicted regen: promote the staged spec and bases over `.scaffold/`.
 
     Raises:
-        ScaffoldError: no regen in progress, train.py missing, or a conflict marker left (the
-            file and line).
+        ScaffoldError: no regen in progress, train.py missing or back to its pre-regen bytes
+            (that is --abort), or a conflict marker left (the file and line).
     """
     d = Path(directory)
     pending = read_pending(d)
@@ -506,6 +506,16 @@ def continue_regen(directory: str | Path) -> Pending:
             f"--continue: {d / SCRIPT} is missing; put the resolved script there, or run "
             f"`scaffold regen {d} --abort`"
         )
+    before = d / PENDING_BEFORE / SCRIPT
+    if SCRIPT in pending.conflicted and before.is_file():
+        if (d / SCRIPT).read_bytes() == before.read_bytes():
+            # e.g. train.py.orig copied back: promoting the spec would record options the script
+            # does not have (and `diff` would then see nothing to change)
+            raise ScaffoldError(
+                f"--continue: {d / SCRIPT} is byte for byte what it was before the regen "
+                f"({d / ORIG}), so it has none of the new render's changes; run `scaffold regen "
+                f"{d} --abort` to undo the regen, or keep the new render's side where it applies"
+            )
     left = pending.markers_left()
     if left:
         path, lines = left[0]

@@ -17,6 +17,7 @@ DIR/.scaffold/pending/             a regen that left conflicts, until `--continu
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from generator.spec import ScaffoldError, Spec
@@ -59,6 +60,8 @@ def write_run_dir(out_dir: Path, spec: Spec, text: str, launch: dict[str, str]) 
         ScaffoldError: out_dir is not writable (names the path and the OS error).
     """
     try:
+        # `new --force` over a directory with a pending regen: what it staged is of the old files
+        shutil.rmtree(out_dir / PENDING_DIR, ignore_errors=True)
         (out_dir / STATE_DIR).mkdir(parents=True, exist_ok=True)
         for name, content in rendered_files(text, launch).items():
             path = out_dir / name

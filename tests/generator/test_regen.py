@@ -280,6 +280,29 @@ def test_continue_refuses_markers_then_promotes_spec_and_bases(tmp_path):
     assert "--nproc-per-node 3" in slurm.read_text()  # the user's resolution, kept
 
 
+def test_orig_copied_back_cannot_be_continued_and_new_force_drops_the_pending_regen(tmp_path):
+    """The issue's trap: after a conflict, the user copies train.py.orig back. --continue would
+    record options the script lacks, so it refuses and points to --abort; `diff` refuses too
+    (it used to report nothing to change). `scaffold new --force` starts over: no pending regen."""
+    out = _new(tmp_path)
+    _edit(out / "train.py", DEVICE_LINE, '    device: str = "cuda"  # user\n')
+    assert CliRunner().invoke(cli, ["regen", str(out), "--set", "tricks=ac"]).exit_code == 1
+    shutil.copy(out / "train.py.orig", out / "train.py")
+    refusals = [
+        (["regen", str(out), "--continue"], "train.py is byte for byte what it was before"),
+        (["diff", str(out)], "has a regen in progress (tricks: (none) -> ac)"),
+    ]
+    for command, message in refusals:
+        refused = CliRunner().invoke(cli, command)
+        assert refused.exit_code == 1 and refused.output.count("\n") == 1, refused.output
+        assert message in refused.output and f"scaffold regen {out} --abort" in refused.output
+    assert _spec_of(out).tricks == ()
+    forced = CliRunner().invoke(cli, ["new", "--out", "run", "--tricks", "ac", "--force"])
+    assert forced.exit_code == 0, forced.output
+    assert not (out / ".scaffold" / "pending").exists()
+    assert CliRunner().invoke(cli, ["regen", str(out)]).exit_code == 0
+
+
 def test_regen_check_reports_an_unfinished_regen(tmp_path):
     out, _, _ = _conflicted(tmp_path)
     result = CliRunner().invoke(cli, ["regen", "--check", str(out)])
