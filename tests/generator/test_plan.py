@@ -579,6 +579,7 @@ def test_plan_dir_plans_its_spec_and_its_edited_script(tiny_real_vocab_dir, tmp_
     assert f"  {'peak':16} {options4.peak / GIB:9.2f} GiB" not in planned.output
 
 
+@pytest.mark.fast
 def test_plan_dir_suggestions_carry_its_config_edits(tiny_real_vocab_dir, monkeypatch):
     """The candidates of a DIR's suggestion take DIR's Config edits (simulations replaced by a
     peak that lce removes), and the suggestion is printed as the regen that makes it."""
@@ -604,6 +605,7 @@ def test_plan_dir_suggestions_carry_its_config_edits(tiny_real_vocab_dir, monkey
     assert "fits with --tricks lce (`scaffold regen runs/x --set tricks=lce`" in line
 
 
+@pytest.mark.fast
 def test_config_with_applies_edits_where_the_config_has_them(tmp_path):
     """A candidate's render takes DIR's edits of the fields it has; a field only the user's
     script has is skipped; later overrides win; the render's other defaults stay."""

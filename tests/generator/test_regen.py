@@ -172,6 +172,7 @@ def _conflicted(tmp_path: Path) -> tuple[Path, dict, str]:
     return out, before, before_text
 
 
+@pytest.mark.fast
 def test_overlapping_edit_conflicts_stages_the_new_spec_and_blocks_other_commands(tmp_path):
     out = _new(tmp_path)
     script = out / "train.py"
@@ -221,6 +222,7 @@ def test_overlapping_edit_conflicts_stages_the_new_spec_and_blocks_other_command
     assert f"scaffold regen {out} --continue" in refused.output
 
 
+@pytest.mark.fast
 def test_abort_restores_script_launch_files_spec_and_bases_byte_for_byte(tmp_path):
     out, before, _ = _conflicted(tmp_path)
     assert marker_lines((out / "train.py").read_text())
@@ -243,6 +245,7 @@ def test_abort_restores_script_launch_files_spec_and_bases_byte_for_byte(tmp_pat
     assert redo.exit_code == 1 and "2 conflicting region(s)" in redo.output
 
 
+@pytest.mark.fast
 def test_continue_refuses_markers_then_promotes_spec_and_bases(tmp_path):
     out, _, _ = _conflicted(tmp_path)
     script, slurm = out / "train.py", out / "launch" / "slurm.sbatch"
@@ -280,6 +283,7 @@ def test_continue_refuses_markers_then_promotes_spec_and_bases(tmp_path):
     assert "--nproc-per-node 3" in slurm.read_text()  # the user's resolution, kept
 
 
+@pytest.mark.fast
 def test_orig_copied_back_cannot_be_continued_and_new_force_drops_the_pending_regen(tmp_path):
     """The issue's trap: after a conflict, the user copies train.py.orig back. --continue would
     record options the script lacks, so it refuses and points to --abort; `diff` refuses too
@@ -303,6 +307,7 @@ def test_orig_copied_back_cannot_be_continued_and_new_force_drops_the_pending_re
     assert CliRunner().invoke(cli, ["regen", str(out)]).exit_code == 0
 
 
+@pytest.mark.fast
 def test_regen_check_reports_an_unfinished_regen(tmp_path):
     out, _, _ = _conflicted(tmp_path)
     result = CliRunner().invoke(cli, ["regen", "--check", str(out)])
