@@ -15,7 +15,7 @@ import click
 from generator import __version__
 from generator.catalog import MODELS
 from generator.features import ALGOS, PEFT_ALGOS, PEFT_METHODS, TRICKS, support_table
-from generator.options import spec_from_options, spec_options
+from generator.options import SPEC_OPTION_NAMES, spec_from_options, spec_options
 from generator.plan import GPU_MEMORY_GIB, parse_gpu_memory
 from generator.rundir import (
     SCRIPT,
@@ -180,6 +180,7 @@ def _plan_summary(spec: Spec, gpu: tuple[str, float] | None) -> None:
 
 
 @cli.command()
+@click.argument("directory", required=False, metavar="[DIR]")
 @spec_options
 @click.option(
     "--micro-batch-size",
@@ -220,10 +221,10 @@ def _plan_summary(spec: Spec, gpu: tuple[str, float] | None) -> None:
 )
 @_friendly
 def plan(
-    algo, peft, model, tricks, gpus, nodes, tp, cp, dp_replicate, dtype, engine_gpus, engine_tp,
-    micro_batch_size, max_seq_len, kl_coef, gpu_memory, suggest,
+    directory, algo, peft, model, tricks, gpus, nodes, tp, cp, dp_replicate, dtype, engine_gpus,
+    engine_tp, micro_batch_size, max_seq_len, kl_coef, gpu_memory, suggest,
 ):  # fmt: skip
-    """Per-GPU peak memory of the script `scaffold new` would write, simulated.
+    """Per-GPU peak memory of the script `scaffold new` would write (or of DIR/train.py), simulated.
 
     \b
     Runs the rendered script's own model build and two training steps under fake tensors
@@ -235,8 +236,16 @@ def plan(
     it.
 
     \b
+    With DIR (a directory `scaffold new` wrote): DIR's spec and DIR/train.py as you edited it,
+    its own functions and Config defaults (micro_batch_size, max_seq_len, dtype, lora_rank,
+    kl_coef, ...); --micro-batch-size, --max-seq-len and --kl-coef still override, the spec
+    options do not apply (change those with `scaffold regen DIR --set`). Suggestions are
+    renders with your Config edits carried over, printed as the `scaffold regen` to run.
+
+    \b
     Examples:
       scaffold plan --model llama3.3-70b --gpus 8 --gpu-memory h200-141
+      scaffold plan runs/demo --gpu-memory 24
       scaffold plan --model smollm2-135m --tricks ac,lce --micro-batch-size 8 --gpu-memory 24
       scaffold plan --algo grpo --model llama3.3-70b --gpus 8 --gpu-memory h200-141
     """
@@ -246,22 +255,69 @@ def plan(
     from generator.spec import build_answers
 
     gpu_label, gpu_gib = parse_gpu_memory(gpu_memory)
-    spec = spec_from_options(
-        algo, peft, model, tricks, gpus, nodes, tp, cp, dp_replicate, 1, dtype, None, None,
-        engine_gpus, engine_tp,
-    )  # fmt: skip
-    answers = build_answers(spec)  # validates the spec
     mbs, seq = micro_batch_size, max_seq_len
-    if not is_grpo(spec):  # GRPO's defaults are its script's Config (rollout lengths)
-        mbs = answers["micro_batch_size"] if mbs is None else mbs
-        seq = answers["max_seq_len"] if seq is None else seq
+    script = None
+    if directory is not None:  # the script's Config gives what the options leave None
+        spec, script = _planned_dir(directory, click.get_current_context())
+        build_answers(spec)  # validates the spec
+    else:
+        spec = spec_from_options(
+            algo, peft, model, tricks, gpus, nodes, tp, cp, dp_replicate, 1, dtype, None, None,
+            engine_gpus, engine_tp,
+        )  # fmt: skip
+        answers = build_answers(spec)  # validates the spec
+        if not is_grpo(spec):  # GRPO's defaults are its script's Config (rollout lengths)
+            mbs = answers["micro_batch_size"] if mbs is None else mbs
+            seq = answers["max_seq_len"] if seq is None else seq
     check_simulable(spec, mbs, seq, kl_coef)
     progress = lambda line: click.echo(f"simulating {line} ...", err=True)  # noqa: E731
-    (result,) = simulate([spec], mbs, seq, progress, kl_coef)
+    (result,) = simulate([spec], mbs, seq, progress, kl_coef, scripts=[script])
     click.echo(format_result(result, gpu_label, gpu_gib))
     if suggest and not plan_fits(result, gpu_gib):
         s = plan_suggest(result, gpu_gib, mbs, seq, progress)
-        click.echo(format_suggestion(s, spec))
+        click.echo(format_suggestion(s, result.spec, directory))
+
+
+def _planned_dir(directory: str, ctx: click.Context) -> tuple[Spec, Path]:
+    """`scaffold plan DIR`: DIR's spec and the path of its train.py, checked.
+
+    Raises:
+        ScaffoldError: a spec option given beside DIR, DIR without a spec or a train.py, a
+            pending regen, or conflict markers in train.py.
+    """
+    from generator.regen import marker_lines, refuse_if_pending
+
+    d = Path(directory)
+    given = [
+        f"--{p.name.replace('_', '-')}"
+        for p in ctx.command.params
+        if p.name in SPEC_OPTION_NAMES
+        and ctx.get_parameter_source(p.name) is not click.core.ParameterSource.DEFAULT
+    ]
+    if given:
+        raise ScaffoldError(
+            f"{', '.join(given)} given with DIR: `scaffold plan {d}` plans the spec recorded in "
+            f"{d / SPEC_FILE} and {d / SCRIPT}; change it with `scaffold regen {d} --set ...` "
+            "first, or plan the options without DIR"
+        )
+    spec_path, script = d / SPEC_FILE, d / SCRIPT
+    if not spec_path.is_file():
+        raise ScaffoldError(
+            f"scaffold plan {d}: {spec_path} is missing, so {d} is not a directory `scaffold new` "
+            "wrote; give one that is, or plan options without DIR (scaffold plan --model ...)"
+        )
+    spec = Spec.from_json(spec_path.read_text(), source=str(spec_path))
+    refuse_if_pending(d)  # its train.py is (half) a render of the staged spec, not of this one
+    if not script.is_file():
+        raise ScaffoldError(f"scaffold plan {d}: {script} is missing; the plan simulates it")
+    with open(script, newline="") as f:
+        markers = marker_lines(f.read().replace("\r\n", "\n"))
+    if markers:
+        raise ScaffoldError(
+            f"scaffold plan {d}: {script} has conflict markers at line(s) "
+            f"{', '.join(map(str, markers))}; resolve them first (it must run to be planned)"
+        )
+    return spec, script
 
 
 @cli.command("list")
@@ -349,36 +405,81 @@ _SET_HELP = (
 @click.option(
     "--check",
     is_flag=True,
-    help="Exit non-zero if any train.py under PATHS differs from a fresh render of its spec.",
+    help="Exit non-zero if any train.py under PATHS differs from a fresh render of its spec "
+    "(or a regen there is unfinished).",
+)
+@click.option(
+    "--continue",
+    "continue_",
+    is_flag=True,
+    help="Finish a regen that left conflicts, once its markers are gone: the new spec and "
+    "merge bases become DIR's.",
+)
+@click.option(
+    "--abort",
+    is_flag=True,
+    help="Undo a regen that left conflicts: train.py, launch files, spec and bases as before it.",
 )
 @_friendly
-def regen(paths, settings, to_version, check):
+def regen(paths, settings, to_version, check, continue_, abort):
     """Merge a new render of DIR's spec (changed by --set) into DIR/train.py, keeping your edits.
 
     \b
     3-way merge: base = DIR/.scaffold/train.py.base (the render you started from), yours =
-    DIR/train.py, new = the render of the updated spec. On a conflict train.py gets
-    <<<<<<< / ||||||| / ======= / >>>>>>> markers, your previous file is kept as train.py.orig,
-    the exit status is 1, and regen refuses to run again until the markers are gone.
+    DIR/train.py, new = the render of the updated spec (launch/ files likewise). On a conflict
+    train.py gets <<<<<<< / ||||||| / ======= / >>>>>>> markers, your previous file is kept as
+    train.py.orig, the exit status is 1, and the new spec and bases wait in .scaffold/pending/:
+    resolve the markers and run `scaffold regen DIR --continue`, or undo the regen with
+    `scaffold regen DIR --abort`. Until then regen, diff and plan on DIR refuse.
 
     \b
     Examples:
       scaffold regen runs/demo --set tricks=ac --set gpus=8
+      scaffold regen runs/demo --continue  # after resolving the conflicts
+      scaffold regen runs/demo --abort     # or: back to before the regen
       scaffold regen --check examples      # CI: every example matches a fresh render
     """
-    if check:
-        if settings:
-            raise ScaffoldError(
-                "--check re-renders the recorded specs as they are; it takes no --set"
+    flags = [
+        f for f, on in (("--check", check), ("--continue", continue_), ("--abort", abort)) if on
+    ]
+    if len(flags) > 1:
+        raise ScaffoldError(f"{' and '.join(flags)} exclude each other; give one")
+    if flags and settings:
+        raise ScaffoldError(
+            f"{flags[0]} takes no --set: "
+            + (
+                "it re-renders the recorded specs as they are"
+                if check
+                else "it finishes or undoes the regen already started"
             )
+        )
+    if check:
         _regen_check(paths)
         return
-    from generator.regen import ConflictError, apply, plan
+    from generator.regen import ConflictError, abort_regen, apply, continue_regen, plan
 
     if len(paths) != 1:
         raise ScaffoldError(
             f"regen merges into one DIR at a time; got {len(paths)} ({' '.join(paths)})"
         )
+    if continue_:
+        done = continue_regen(paths[0])
+        click.echo(
+            f"finished the regen of {done.directory} ({done.changes}): its spec and merge bases "
+            "are the new render's; your resolved files are kept"
+        )
+        return
+    if abort:
+        done = abort_regen(paths[0])
+        restored = sorted(n for n, was in done.written.items() if was["existed"])
+        removed = sorted(n for n, was in done.written.items() if not was["existed"])
+        click.echo(
+            f"aborted the regen of {done.directory} ({done.changes}): restored "
+            f"{', '.join(restored) or 'nothing'}"
+            + (f", removed {', '.join(removed)}" if removed else "")
+            + "; spec and merge bases as before"
+        )
+        return
     p = plan(paths[0], settings, to_version)
     script = p.directory / SCRIPT
     if p.up_to_date:
@@ -398,21 +499,33 @@ def regen(paths, settings, to_version, check):
     for path, c in conflicts:
         click.echo(c.describe(str(path)), err=True)
     files = sorted({str(path) for path, _ in conflicts})
+    d = p.directory
     raise ConflictError(
         f"{len(conflicts)} conflicting region(s) in {', '.join(files)} ({changes}): edit each "
-        "marked region and delete the markers; your previous file(s): "
+        f"marked region, delete the markers and run `scaffold regen {d} --continue`, or undo "
+        f"the regen with `scaffold regen {d} --abort`; your previous file(s): "
         f"{', '.join(f + '.orig' for f in files)}"
     )
 
 
 def _regen_check(paths) -> None:
+    from generator.regen import read_pending
     from generator.render import render, render_launch
 
     dirs = find_run_dirs(paths)
     if not dirs:
         raise ScaffoldError(f"no {SPEC_FILE} under {', '.join(paths)}")
-    drifted = []
+    drifted, unfinished = [], []
     for d in dirs:
+        pending = read_pending(d)
+        if pending is not None:  # its files are half the new render's: comparing them says nothing
+            click.echo(
+                f"unfinished: {d} has a regen in progress ({pending.changes}); run "
+                f"{pending.ways_out()}",
+                err=True,
+            )
+            unfinished.append(d)
+            continue
         spec = Spec.from_json((d / SPEC_FILE).read_text(), source=str(d / SPEC_FILE))
         for name, content in rendered_files(render(spec), render_launch(spec)).items():
             path = d / name
@@ -420,11 +533,17 @@ def _regen_check(paths) -> None:
                 drifted.append(str(path))
     for d in drifted:
         click.echo(f"drift: {d} differs from a fresh render of its spec", err=True)
-    if drifted:
+    if unfinished and not drifted:
         raise click.ClickException(
-            f"{len(drifted)} file(s) out of date; update each directory with `scaffold regen DIR` "
-            "(keeps your edits), or overwrite it with the `scaffold new ... --force` command in its "
-            "train.py header"
+            f"{len(unfinished)} directory(ies) with an unfinished regen (listed above); finish "
+            "or undo each with `scaffold regen DIR --continue` / `--abort`"
+        )
+    if drifted:
+        also = f" and {len(unfinished)} directory(ies) with an unfinished regen" * bool(unfinished)
+        raise click.ClickException(
+            f"{len(drifted)} file(s) out of date{also}; update each directory with `scaffold regen "
+            "DIR` (keeps your edits), or overwrite it with the `scaffold new ... --force` command "
+            "in its train.py header"
         )
     click.echo(f"{len(dirs)} script(s) match their templates")
 

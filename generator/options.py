@@ -112,3 +112,8 @@ def spec_from_options(
         return spec
     engine_gpus, engine_tp = resolve_engine_layout(spec, engine_gpus, engine_tp)
     return replace(spec, engine_gpus=engine_gpus, engine_tp=engine_tp)
+
+
+# their parameter names (`scaffold plan DIR` refuses them: DIR's spec is recorded); click's
+# option decorators collect the parameters on the function they decorate
+SPEC_OPTION_NAMES = frozenset(p.name for p in spec_options(lambda: None).__click_params__)

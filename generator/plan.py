@@ -18,6 +18,7 @@ from generator.plan_harness import (
     PlanError,
     PlanResult,
     check_simulable,
+    config_with,
     describe_spec,
     engine_layout,
     import_script,
@@ -48,6 +49,7 @@ __all__ = [
     "PlanResult",
     "Suggestion",
     "check_simulable",
+    "config_with",
     "describe_spec",
     "engine_estimate",
     "engine_layout",
@@ -126,7 +128,9 @@ def suggest(
     GPU count per node doubles until the run fits (up to MAX_SUGGESTED_WORLD ranks in all).
     GRPO: more GPUs must be more trainer GPUs, so the node count doubles instead (each node
     keeps its engine GPUs; --gpus per node stays what the machines have). Every candidate is a
-    spec `validate_spec` accepts; others are skipped.
+    spec `validate_spec` accepts; others are skipped. A base planned from a user's script
+    (`scaffold plan DIR`) passes its Config edits to every candidate's render, so the candidates
+    differ from it only in what is suggested.
 
     Returns:
         The Suggestion, or None if nothing tried fits.
@@ -137,7 +141,10 @@ def suggest(
     everything = candidates[-1] if candidates else ()
 
     def sim(candidate: Spec) -> PlanResult:
-        (result,) = simulate([candidate], micro_batch_size, max_seq_len, progress, kl_coef)
+        (result,) = simulate(
+            [candidate], micro_batch_size, max_seq_len, progress, kl_coef,
+            config=base.config_edits,
+        )  # fmt: skip
         return result
 
     if candidates:
@@ -164,7 +171,9 @@ def suggest(
     return None
 
 
-def format_suggestion(s: Suggestion | None, base: Spec) -> str:
+def format_suggestion(s: Suggestion | None, base: Spec, directory: str | None = None) -> str:
+    """The suggestion's line; with `directory` (`scaffold plan DIR`) as the `scaffold regen`
+    command that makes the change in DIR (its edits kept)."""
     if s is None:
         if is_grpo(base):
             tricks = [t for t in FIT_TRICKS if refusal(t, base.algo) is None]
@@ -187,7 +196,17 @@ def format_suggestion(s: Suggestion | None, base: Spec) -> str:
     if s.nodes is not None and s.nodes != base.nodes:
         parts.append(f"--nodes {s.nodes}")
     per = "trainer rank" if is_grpo(base) else "rank"
+    change = " ".join(parts)
+    if directory is not None:
+        sets = [f"tricks={','.join(r.spec.tricks)}"] if s.added_tricks else []
+        sets += [f"gpus={s.gpus}"] if s.gpus != base.gpus else []
+        sets += [f"nodes={s.nodes}"] if s.nodes is not None and s.nodes != base.nodes else []
+        change = (
+            f"{change} (`scaffold regen {directory} "
+            + " ".join(f"--set {s}" for s in sets)
+            + "`, your Config edits kept)"
+        )
     return (
-        f"fits with {' '.join(parts)}: peak {r.peak / GIB:.2f} GiB per {per} "
+        f"fits with {change}: peak {r.peak / GIB:.2f} GiB per {per} "
         f"(smallest change tried, cheapest first)"
     )

@@ -17,14 +17,22 @@ category. The answer is therefore the memory of what the script does (its FSDP2 
 shards evenly, so every rank holds the same bytes up to rounding (and rank 0 gets the largest
 share of GRPO's rollouts).
 
+`scaffold plan DIR` simulates DIR/train.py itself under DIR's recorded spec: the user's functions
+as edited, and its Config defaults (micro_batch_size, max_seq_len, dtype, lora_rank, kl_coef, ...:
+the planner reads every size from the script's Config, the plan's options overriding). The fresh
+render of the spec is still imported, to tell which Config defaults the user changed
+(`config_edits`); the suggestion's candidates are renders of other specs and take those edits
+(`config_with`), since a user's code edits cannot be carried into another spec's render.
+
 What is simulated, and what is not:
 - Device: tensors live on a fake CPU device (FSDP2's CUDA path creates CUDA streams and
   events, which need a CUDA build and device; its CPU path runs anywhere). The bytes per tensor
   are the same on a GPU; not modelled: stream-ordered reuse of FSDP's all-gather buffers, the CUDA
   context and NCCL buffers (about 0.5-1 GiB), caching-allocator fragmentation, cuBLAS workspaces.
   The verdict therefore keeps `plan_report.HEADROOM` of the GPU's memory free.
-- The synthetic batch: micro_batch_size rows of max_seq_len tokens, every position supervised
-  (the largest logits a batch of that size can produce), gradient_accumulation_steps = 1.
+- The synthetic batch: micro_batch_size rows of max_seq_len tokens (the options, else the
+  script's Config defaults), every position supervised (the largest logits a batch of that size
+  can produce), gradient_accumulation_steps = 1.
 - GRPO: the trainer's step on synthetic rollouts, built as the script's loop builds them:
   prompts_per_step * num_generations `Rollout`s of max_prompt_len prompt and max_new_tokens
   completion tokens (the longest rows the script trains on; the script's Config defaults, or
@@ -122,6 +130,10 @@ class PlanResult:
     seconds: float  # wall time of the simulation
     # GRPO: the step's rollouts and the engines' numbers (`measure_grpo_step`); None otherwise
     rollout: dict | None = None
+    # `scaffold plan DIR`: the train.py simulated (the user's, as edited; None: a fresh render)
+    # and its Config defaults that differ from a fresh render of its spec ({field: value})
+    script: str | None = None
+    config_edits: dict | None = None
 
     def to_json(self) -> dict:
         return {**asdict(self), "spec": asdict(self.spec)}
@@ -149,7 +161,7 @@ def check_simulable(
 ) -> None:
     """Raise PlanError when the planner cannot give a right number for `spec` (names why).
 
-    micro_batch_size / max_seq_len None: the script's Config defaults (GRPO only).
+    micro_batch_size / max_seq_len None: the script's Config defaults.
     """
     validate_spec(spec)
     unsimulated = dict(UNSIMULATED_ALGOS)
@@ -170,9 +182,6 @@ def check_simulable(
             "grpo, a no-grad forward with the adapters off for grpo-lora; 0 has none); give it "
             "with --algo grpo or grpo-lora, as a number >= 0"
         )
-    assert is_grpo(spec) or None not in (micro_batch_size, max_seq_len), (
-        "only GRPO reads its micro-batch and lengths from the script's Config"
-    )
     blocked = [t for t in spec.tricks if t in UNSIMULATED_TRICKS]
     if blocked:
         why = "; ".join(f"{t}: {UNSIMULATED_TRICKS[t]}" for t in blocked)
@@ -499,21 +508,30 @@ def _simulated_build(script, fake: bool):
 
 
 def measure_step(
-    script, model_dir: Path, micro_batch_size: int, max_seq_len: int, spec: Spec, fake: bool
-) -> dict:
+    script, model_dir: Path, micro_batch_size: int | None, max_seq_len: int | None, spec: Spec,
+    fake: bool, config: dict | None = None,
+) -> dict:  # fmt: skip
     """Build the script's model and optimizer and run two `train_step`s under `MemTracker`.
 
     Needs a default process group (fake for the plan, gloo for a real measurement). With
     fake=True everything runs under FakeTensorMode and the weights are not loaded; with
     fake=False the same calls run on real CPU tensors (tests compare the two).
 
+    Args:
+        micro_batch_size, max_seq_len: None = the script's Config default.
+        config: Config values to use instead of the script's defaults (`config_with`), below
+            the two above.
+
     Returns:
-        {"categories": {row: bytes}, "peak": bytes, "logits": bytes} of this rank at the peak.
+        {"categories": {row: bytes}, "peak": bytes, "logits": bytes} of this rank at the peak,
+        and the "micro_batch_size", "max_seq_len" and "dtype" the step ran with.
     """
-    cfg = script.Config(
-        model=str(model_dir), micro_batch_size=micro_batch_size, max_seq_len=max_seq_len,
-        device="cpu", dtype=spec.dtype,
+    sizes = {"micro_batch_size": micro_batch_size, "max_seq_len": max_seq_len}
+    cfg = config_with(
+        script, config, model=str(model_dir), device="cpu",
+        **{k: v for k, v in sizes.items() if v is not None},
     )  # fmt: skip
+    micro_batch_size, max_seq_len = cfg.micro_batch_size, cfg.max_seq_len
     packing = "packing" in spec.tricks
     script.validate(cfg)
     dist_info, mesh = script.setup_distributed(cfg)
@@ -542,24 +560,61 @@ def measure_step(
         hook.remove()
         categories, peak = _peak_rows(tracker)
     del model, optimizer, scheduler
-    return {"categories": categories, "peak": peak, "logits": logits[0]}
+    return {
+        "categories": categories, "peak": peak, "logits": logits[0],
+        "micro_batch_size": micro_batch_size, "max_seq_len": max_seq_len, "dtype": cfg.dtype,
+    }  # fmt: skip
+
+
+def config_with(script, config: dict | None = None, **overrides):
+    """The script's Config: its defaults, then `config` where the Config has such a field (a
+    rendered candidate keeps the user's edits of `scaffold plan DIR`; a field only the user's
+    script has is skipped; a JSON list becomes a tuple where the default is one), then
+    `overrides`.
+
+    dtype is the Config's too: a fresh render's default is the spec's, an edited script's is
+    what `python train.py` would run.
+    """
+    import dataclasses
+
+    defaults = script.Config()
+    names = {f.name for f in dataclasses.fields(defaults)}
+    values = {}
+    for name, value in (config or {}).items():
+        if name in names:
+            default = getattr(defaults, name)
+            values[name] = tuple(value) if isinstance(default, tuple) else value
+    return script.Config(**{**values, **overrides})
+
+
+def config_edits(script, rendered) -> dict:
+    """{field: value} of `script`'s Config defaults that differ from `rendered`'s (the fresh
+    render of the same spec), JSON-ready: what the user edited in the Config."""
+    import dataclasses
+
+    mine, pristine = dataclasses.asdict(script.Config()), dataclasses.asdict(rendered.Config())
+    return {
+        name: list(value) if isinstance(value, tuple) else value
+        for name, value in mine.items()
+        if name in pristine and value != pristine[name]
+    }
 
 
 def grpo_config(
     script, model_dir: Path, spec: Spec, micro_batch_size: int | None, max_seq_len: int | None,
-    kl_coef: float | None,
+    kl_coef: float | None, config: dict | None = None,
 ):  # fmt: skip
     """The GRPO script's Config for the plan: its defaults, with the plan's options applied.
 
     max_seq_len is the row the trainer sees, prompt + completion tokens: the prompt keeps the
     Config's max_prompt_len and the completion gets the rest (max_new_tokens); None keeps both
-    defaults. micro_batch_size / kl_coef None: the Config's.
+    defaults. micro_batch_size / kl_coef None: the Config's. config: as `config_with`.
 
     Raises:
         PlanError: max_seq_len leaves no completion token.
     """
-    defaults = script.Config()
-    overrides = dict(model=str(model_dir), device="cpu", dtype=spec.dtype)
+    defaults = config_with(script, config)
+    overrides = dict(model=str(model_dir), device="cpu")
     if max_seq_len is not None:
         if max_seq_len <= defaults.max_prompt_len:
             raise PlanError(
@@ -574,7 +629,7 @@ def grpo_config(
         overrides["micro_batch_size"] = micro_batch_size
     if kl_coef is not None:
         overrides["kl_coef"] = kl_coef
-    cfg = script.Config(**overrides)
+    cfg = config_with(script, config, **overrides)
     # the trainer does not depend on the engine: validate it as if the engines were the runtime's,
     # so planning a vLLM spec needs no vllm here (the engine estimate reads cfg.engine)
     script.validate(replace(cfg, engine="runtime", engine_tensor_parallel_size=1))
@@ -639,6 +694,7 @@ def engine_layout(spec: Spec, cfg, model_dir: Path) -> dict:
 def measure_grpo_step(
     script, model_dir: Path, micro_batch_size: int | None, max_seq_len: int | None, spec: Spec,
     fake: bool, kl_coef: float | None = None, max_micro_batches: int = SIMULATED_MICRO_BATCHES,
+    config: dict | None = None,
 ) -> dict:  # fmt: skip
     """The GRPO script's `setup_distributed`, `setup_model` (and, for grpo, the frozen
     reference when kl_coef > 0, as its main() does; grpo-lora's reference is the policy with its
@@ -650,7 +706,8 @@ def measure_grpo_step(
     weights loaded; fake=False: the same calls on real CPU tensors (tests compare the two).
 
     Args:
-        micro_batch_size, max_seq_len, kl_coef: see `grpo_config` (None = the Config's).
+        micro_batch_size, max_seq_len, kl_coef, config: see `grpo_config` (None = the
+            Config's).
 
     Returns:
         {"categories", "peak", "logits"} as `measure_step`, plus the resolved
@@ -659,7 +716,7 @@ def measure_grpo_step(
     """
     import torch
 
-    cfg = grpo_config(script, model_dir, spec, micro_batch_size, max_seq_len, kl_coef)
+    cfg = grpo_config(script, model_dir, spec, micro_batch_size, max_seq_len, kl_coef, config)
     dist_info, mesh = script.setup_distributed(cfg)
     rank, world = mesh["dp_shard"].get_local_rank(), mesh["dp_shard"].size()
     share, num_tokens, num_micro = synthetic_rollouts(cfg, rank, world)
@@ -718,7 +775,7 @@ def measure_grpo_step(
     }
     return {
         "categories": categories, "peak": peak, "logits": logits[0], "rollout": rollout,
-        "micro_batch_size": cfg.micro_batch_size, "max_seq_len": row,
+        "micro_batch_size": cfg.micro_batch_size, "max_seq_len": row, "dtype": cfg.dtype,
     }  # fmt: skip
 
 
@@ -737,9 +794,11 @@ def model_dir_for(spec: Spec, tmp: Path) -> Path:
 
 def _simulate_here(
     spec: Spec, micro_batch_size: int | None, max_seq_len: int | None, index: int,
-    kl_coef: float | None = None,
+    kl_coef: float | None = None, script_path: str | None = None, config: dict | None = None,
 ) -> PlanResult:  # fmt: skip
-    """One simulation in this process (which must have no process group yet)."""
+    """One simulation in this process (which must have no process group yet): of the render of
+    `spec`, or of the train.py at `script_path` (`scaffold plan DIR`: the user's own script, so
+    its edited functions and Config defaults are what is planned)."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -751,44 +810,67 @@ def _simulate_here(
         tmp = Path(tmp)
         (tmp / "train.py").write_text(render(spec))
         script = import_script(tmp / "train.py", f"scaffold_plan_{index}")
+        edits = None
+        if script_path is not None:  # the fresh render above only tells what the user edited
+            rendered = script
+            script = import_script(Path(script_path), f"scaffold_plan_user_{index}")
+            edits = config_edits(script, rendered)
         model_dir = model_dir_for(spec, tmp)
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world))
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
         try:
             if is_grpo(spec):
                 measured = measure_grpo_step(
-                    script, model_dir, micro_batch_size, max_seq_len, spec, True, kl_coef
-                )
+                    script, model_dir, micro_batch_size, max_seq_len, spec, True, kl_coef,
+                    config=config,
+                )  # fmt: skip
             else:
                 measured = measure_step(
-                    script, model_dir, micro_batch_size, max_seq_len, spec, fake=True
+                    script, model_dir, micro_batch_size, max_seq_len, spec, True, config
                 )
         finally:
             dist.destroy_process_group()
-    measured = {"micro_batch_size": micro_batch_size, "max_seq_len": max_seq_len, **measured}
-    return PlanResult(spec=spec, world_size=world, seconds=time.perf_counter() - start, **measured)
+    # the spec as simulated: dtype is the script's Config default (an edit of it counts)
+    spec = replace(spec, dtype=measured.pop("dtype"))
+    return PlanResult(
+        spec=spec, world_size=world, seconds=time.perf_counter() - start, script=script_path,
+        config_edits=edits, **measured,
+    )  # fmt: skip
 
 
 def simulate(
     specs: list[Spec], micro_batch_size: int | None, max_seq_len: int | None, progress=None,
-    kl_coef: float | None = None,
+    kl_coef: float | None = None, scripts: list[str | None] | None = None,
+    config: dict | None = None,
 ) -> list[PlanResult]:  # fmt: skip
     """Simulate each spec in one child process (the fake process group and the imported scripts
     stay out of the caller). `progress(line)` receives one line per spec as it starts.
 
-    GRPO specs: micro_batch_size / max_seq_len (prompt + completion) / kl_coef None take the
-    script's Config defaults (`grpo_config`).
+    micro_batch_size / max_seq_len / kl_coef None take the script's Config defaults (GRPO:
+    max_seq_len is prompt + completion, `grpo_config`).
+
+    Args:
+        scripts: per spec, a train.py to simulate instead of the spec's render (`scaffold plan
+            DIR`: DIR/train.py, whose spec is DIR's), or None for the render.
+        config: Config values every rendered script takes instead of its defaults (a plan of
+            DIR's suggestions: the `config_edits` of DIR's script), below the options above.
 
     Raises:
         PlanError: a spec the planner cannot simulate, or the child failed (its last line).
     """
+    scripts = list(scripts) if scripts is not None else [None] * len(specs)
+    if len(scripts) != len(specs):
+        raise ValueError(f"{len(scripts)} scripts for {len(specs)} specs")
     for spec in specs:
         check_simulable(spec, micro_batch_size, max_seq_len, kl_coef)
     request = {
         "specs": [asdict(s) for s in specs],
+        # paths as given: the child runs in this process's working directory
+        "scripts": [str(s) if s is not None else None for s in scripts],
         "micro_batch_size": micro_batch_size,
         "max_seq_len": max_seq_len,
         "kl_coef": kl_coef,
+        "config": config,
     }
     env = {
         **os.environ,
@@ -835,10 +917,11 @@ def _child() -> None:
     for index, data in enumerate(request["specs"]):
         spec = Spec(**dict(data, tricks=tuple(data["tricks"])))
         print(_MESSAGE + json.dumps({"start": describe_spec(spec)}), flush=True)
+        script = request["scripts"][index]
         try:
             result = _simulate_here(
                 spec, request["micro_batch_size"], request["max_seq_len"], index,
-                request["kl_coef"],
+                request["kl_coef"], script, request["config"],
             )  # fmt: skip
         except PlanError as e:
             print(_MESSAGE + json.dumps({"error": str(e)}), flush=True)
@@ -846,7 +929,8 @@ def _child() -> None:
         except Exception as e:
             if os.environ.get("SCAFFOLD_DEBUG"):
                 raise
-            msg = f"simulating {describe_spec(spec)} failed: {type(e).__name__}: {e}"
+            what = f"{script} ({describe_spec(spec)})" if script else describe_spec(spec)
+            msg = f"simulating {what} failed: {type(e).__name__}: {e}"
             print(_MESSAGE + json.dumps({"error": " ".join(msg.split())[:2000]}), flush=True)
             return
         print(_MESSAGE + json.dumps({"result": result.to_json()}), flush=True)

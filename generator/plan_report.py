@@ -164,6 +164,12 @@ def format_result(result: PlanResult, gpu_label: str, gpu_gib: float) -> str:
             f"memory per rank: {describe_spec(r.spec)}; micro-batch {r.micro_batch_size} x "
             f"{r.max_seq_len} tokens (every position supervised)"
         )
+    if r.script is not None:  # `scaffold plan DIR`: the user's script, not a fresh render
+        edits = ", ".join(f"{k}={v!r}" for k, v in (r.config_edits or {}).items())
+        head += (
+            f"; simulated {r.script} as it is (its Config defaults that differ from a fresh "
+            f"render: {edits or 'none'})"
+        )
     lines = [
         f"{head}; 2 simulated steps ({r.seconds:.1f} s, fake tensors on CPU); what is live at the "
         "peak moment (parameters include gathered bf16 copies in flight; gradients and "

@@ -5,32 +5,50 @@ started from (`.scaffold/train.py.base`), ours = the user's `train.py`, theirs =
 (possibly `--set`-changed) spec with the installed templates. Regions only one side changed are taken
 from that side; regions both changed differently (or changes that touch, with no unchanged line
 between them) become a conflict, written with diff3-style markers (yours / base / new render), so a
-user's edit is never dropped silently.
+user's edit is never dropped silently. The launch files are merged by the same rules, each against
+its own base under `.scaffold/launch/`.
 
-Merge base after a conflict: `.scaffold/train.py.base` and `spec.json` move to the new render at once,
-exactly as after a clean merge. The marked `train.py` already contains every line of the new render
-(clean regions, or the `new render` side of each conflict), so once the user resolves the markers,
-whatever differs from the new render is by definition the user's choice, and the next regen must
-merge against the new render. Keeping the old base would re-apply the same option change to the
-resolved file and conflict (or duplicate lines) a second time. To back out instead, restore
-`train.py.orig` and run `scaffold regen DIR --set` with the old values: that merge reverts the
-option on both sides and keeps the edits.
+A clean merge moves `spec.json` and the bases to the new render at once. A merge with conflicts
+does not: like `git rebase`, it writes the marked files (and each one's `.orig`) and stages the new
+spec and bases in `.scaffold/pending/`, beside a copy of every file it overwrote or created. The
+directory's recorded state is then still the old render's, so nothing can merge against a base
+the user has not reached yet:
+
+- `scaffold regen DIR --continue`, once no marker is left, promotes the staged spec and bases
+  (the resolved file contains the new render's lines, so later regens must merge against it;
+  keeping the old base would re-apply the same option change and conflict a second time).
+- `scaffold regen DIR --abort` puts every file back byte for byte (script, launch files, `.orig`
+  files, modes) and drops the staged state: spec and bases were never touched.
+- Until one of them runs, `regen`, `diff` and `plan` on DIR refuse, naming both; `regen --check`
+  reports the directory as unfinished.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import json
 import os
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import merge3
 
 from generator import __version__
-from generator.rundir import BASE_FILE, LAUNCH_BASE_DIR, ORIG, SCRIPT, SPEC_FILE
+from generator.rundir import (
+    BASE_FILE,
+    LAUNCH_BASE_DIR,
+    ORIG,
+    PENDING_BEFORE,
+    PENDING_DIR,
+    PENDING_MANIFEST,
+    SCRIPT,
+    SPEC_FILE,
+    STATE_DIR,
+)
 from generator.spec import (
     ROLLOUT_ALGOS,
     ScaffoldError,
@@ -294,6 +312,7 @@ def plan(directory: str | Path, settings=(), to_version: str = "current") -> Pla
             f"--to-version {to_version!r}: only 'current' (scaffold {__version__}) can be rendered"
         )
     d = Path(directory)
+    refuse_if_pending(d)
     script, spec_path, base_path = d / SCRIPT, d / SPEC_FILE, d / BASE_FILE
     for path in (spec_path, base_path):
         if not path.is_file():
@@ -327,25 +346,230 @@ def plan(directory: str | Path, settings=(), to_version: str = "current") -> Pla
 
 
 def apply(p: Plan) -> None:
-    """Write the merge: train.py (+ train.py.orig on conflict), then the new base and spec."""
+    """Write the merge. Without conflicts: the merged files, then the new bases and spec. With
+    conflicts: first stage the new spec and bases and a copy of every file about to be
+    overwritten or created in `.scaffold/pending/` (`PENDING_MANIFEST` last: it marks the staging
+    complete), then the marked files and their `.orig`; spec and bases stay as they are until
+    `continue_regen`."""
     d = p.directory
+    files: dict[str, tuple[str, int | None]] = {}  # user file -> (new text, mode to set)
     if p.result.conflicts:
-        _write(d / ORIG, p.ours)
+        files[ORIG] = (p.ours, None)
     if p.result.text != p.ours:
-        _write(d / SCRIPT, p.result.text)
+        files[SCRIPT] = (p.result.text, None)
+    state = {str(BASE_FILE): p.theirs}  # the new spec and merge bases
     for m in p.launch:
-        path = d / m.name
         if m.result is not None and m.result.conflicts:
-            _write(path.with_name(path.name + ".orig"), m.ours)
+            files[m.name + ".orig"] = (m.ours, None)
         if m.result is not None and m.result.text != m.ours:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            _write(path, m.result.text)
-            path.chmod(0o755)
+            files[m.name] = (m.result.text, 0o755)
         if m.base != m.theirs:
-            (d / LAUNCH_BASE_DIR / m.name).parent.mkdir(parents=True, exist_ok=True)
-            _write(d / LAUNCH_BASE_DIR / m.name, m.theirs)
-    _write(d / BASE_FILE, p.theirs)
-    _write(d / SPEC_FILE, p.new_spec.to_json())
+            state[str(LAUNCH_BASE_DIR / m.name)] = m.theirs
+    state[str(SPEC_FILE)] = p.new_spec.to_json()  # last: a spec is never newer than its bases
+    if p.conflicts():
+        _stage(d, files, state, "; ".join(p.spec_changes()) or "template update only")
+        state = {}  # promoted by continue_regen
+    for name, (text, mode) in files.items():
+        path = d / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write(path, text)
+        if mode is not None:
+            path.chmod(mode)
+    for name, text in state.items():
+        (d / name).parent.mkdir(parents=True, exist_ok=True)
+        _write(d / name, text)
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A regen that left conflicts (`.scaffold/pending/regen.json`)."""
+
+    directory: Path
+    changes: str  # the spec changes it merged, as `Plan.spec_changes` printed them
+    conflicted: tuple[str, ...]  # files (relative to directory) that got conflict markers
+    written: dict  # file it wrote -> {"existed": bool, "mode": int | None}: what --abort undoes
+    created_dirs: tuple[str, ...] = ()  # directories it created for them (launch/ of an old DIR)
+
+    def markers_left(self) -> list[tuple[Path, list[int]]]:
+        """(file, 1-based marker lines) of each conflicted file that still has markers."""
+        left = []
+        for name in self.conflicted:
+            path = self.directory / name
+            if path.is_file():
+                with open(path, newline="") as f:
+                    lines = marker_lines(f.read().replace("\r\n", "\n"))
+                if lines:
+                    left.append((path, lines))
+        return left
+
+    def ways_out(self) -> str:
+        d = self.directory
+        return (
+            f"`scaffold regen {d} --continue` once the markers are gone, or "
+            f"`scaffold regen {d} --abort` to put {d} back as it was before the regen"
+        )
+
+
+def _stage(d: Path, files: dict, state: dict, changes: str) -> None:
+    """Write `.scaffold/pending/`: the new state files, each user file in `files` as it is now
+    (bytes and mode; or that it does not exist), then the manifest."""
+    pending = d / PENDING_DIR
+    if pending.exists():  # an interrupted staging (no manifest: refuse_if_pending let it through)
+        shutil.rmtree(pending)
+    written = {}
+    created_dirs = sorted(
+        {str(parent.relative_to(d)) for name in files for parent in (d / name).parents
+         if parent != d and d in parent.parents and not parent.exists()}
+    )  # fmt: skip
+    for name in files:
+        path = d / name
+        existed = path.is_file()
+        written[name] = {
+            "existed": existed,
+            "mode": path.stat().st_mode & 0o777 if existed else None,
+        }
+        if existed:
+            copy = d / PENDING_BEFORE / name
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            copy.write_bytes(path.read_bytes())
+    for name, text in state.items():
+        target = d / PENDING_DIR / Path(name).relative_to(STATE_DIR)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _write(target, text)
+    conflicted = [n for n in files if n.endswith(".orig")]
+    manifest = {
+        "changes": changes,
+        "conflicted": [n.removesuffix(".orig") for n in conflicted],
+        "written": written,
+        "created_dirs": created_dirs,
+    }
+    _write(d / PENDING_MANIFEST, json.dumps(manifest, indent=1) + "\n")
+
+
+def read_pending(directory: str | Path) -> Pending | None:
+    """The regen in progress in `directory`, or None.
+
+    Raises:
+        ScaffoldError: the manifest exists but is not one regen wrote (names the file).
+    """
+    d = Path(directory)
+    path = d / PENDING_MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        return Pending(
+            d, data["changes"], tuple(data["conflicted"]), dict(data["written"]),
+            tuple(data["created_dirs"]),
+        )  # fmt: skip
+    except (ValueError, KeyError, TypeError) as e:
+        raise ScaffoldError(
+            f"{path}: not a pending regen's manifest ({type(e).__name__}: {e}); delete "
+            f"{d / PENDING_DIR} to drop the pending regen (spec.json and the bases are the "
+            "last finished render's)"
+        ) from None
+
+
+def refuse_if_pending(directory: str | Path) -> None:
+    """Raise ConflictError, naming `--continue` and `--abort`, when a regen is in progress: its
+    spec and bases are staged, not recorded, so nothing may merge against (or plan) the old ones.
+    """
+    pending = read_pending(directory)
+    if pending is None:
+        return
+    left = pending.markers_left()
+    where = (
+        "; ".join(f"{path} still has conflict markers at line(s) {', '.join(map(str, lines))}"
+                  for path, lines in left)
+        if left
+        else "its conflicts are resolved"
+    )  # fmt: skip
+    raise ConflictError(
+        f"{pending.directory} has a regen in progress ({pending.changes}); its new spec and "
+        f"merge bases wait in {pending.directory / PENDING_DIR}: {where}; run {pending.ways_out()}"
+    )
+
+
+def continue_regen(directory: str | Path) -> Pending:
+    """Finish a conflicted regen: promote the staged spec and bases over `.scaffold/`.
+
+    Raises:
+        ScaffoldError: no regen in progress, train.py missing or back to its pre-regen bytes
+            (that is --abort), or a conflict marker left (the file and line).
+    """
+    d = Path(directory)
+    pending = read_pending(d)
+    if pending is None:
+        raise ScaffoldError(f"--continue: no regen in progress in {d} (nothing to continue)")
+    if SCRIPT in pending.conflicted and not (d / SCRIPT).is_file():
+        raise ScaffoldError(
+            f"--continue: {d / SCRIPT} is missing; put the resolved script there, or run "
+            f"`scaffold regen {d} --abort`"
+        )
+    before = d / PENDING_BEFORE / SCRIPT
+    if SCRIPT in pending.conflicted and before.is_file():
+        if (d / SCRIPT).read_bytes() == before.read_bytes():
+            # e.g. train.py.orig copied back: promoting the spec would record options the script
+            # does not have (and `diff` would then see nothing to change)
+            raise ScaffoldError(
+                f"--continue: {d / SCRIPT} is byte for byte what it was before the regen "
+                f"({d / ORIG}), so it has none of the new render's changes; run `scaffold regen "
+                f"{d} --abort` to undo the regen, or keep the new render's side where it applies"
+            )
+    left = pending.markers_left()
+    if left:
+        path, lines = left[0]
+        more = sum(len(n) for _, n in left) - 1
+        raise ConflictError(
+            f"--continue: {path}:{lines[0]}: conflict marker left"
+            + (f" (and {more} more marker line(s))" if more else "")
+            + "; edit each marked region, delete the markers, then run --continue again "
+            f"(or `scaffold regen {d} --abort`)"
+        )
+    staged = d / PENDING_DIR
+    spec = staged / SPEC_FILE.relative_to(STATE_DIR)
+    promoted = [
+        path for path in sorted(staged.rglob("*"))
+        if path.is_file() and path not in (spec, d / PENDING_MANIFEST)
+        and path.relative_to(staged).parts[0] != PENDING_BEFORE.name
+    ]  # fmt: skip
+    # the spec last, so a spec is never newer than its bases; the staged files stay until every
+    # one is promoted, so an interrupted --continue is finished by running it again
+    for path in [*promoted, spec]:
+        target = d / STATE_DIR / path.relative_to(staged)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _write(target, path.read_text())
+    shutil.rmtree(staged)
+    return pending
+
+
+def abort_regen(directory: str | Path) -> Pending:
+    """Undo a conflicted regen: every file it wrote back as it was (bytes and mode), the files
+    it created removed, the staged state dropped. spec.json and the bases were not touched.
+
+    Raises:
+        ScaffoldError: no regen in progress.
+    """
+    d = Path(directory)
+    pending = read_pending(d)
+    if pending is None:
+        raise ScaffoldError(f"--abort: no regen in progress in {d} (nothing to abort)")
+    for name, was in pending.written.items():
+        path = d / name
+        if was["existed"]:
+            with open(d / PENDING_BEFORE / name, "rb") as f:
+                data = f.read()
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_bytes(data)
+            tmp.chmod(was["mode"])
+            os.replace(tmp, path)
+        elif path.exists():
+            path.unlink()
+    for name in sorted(pending.created_dirs, key=len, reverse=True):  # deepest first
+        with contextlib.suppress(OSError):  # not empty: the user put a file there since
+            (d / name).rmdir()
+    shutil.rmtree(d / PENDING_DIR)
+    return pending
 
 
 def _write(path: Path, text: str) -> None:

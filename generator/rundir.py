@@ -6,10 +6,18 @@ DIR/.scaffold/spec.json            the Spec it was rendered from (`Spec.to_json`
 DIR/.scaffold/train.py.base        the pristine render: regen's 3-way merge base for train.py
 DIR/.scaffold/launch/...           the pristine launch files, the merge bases for those
 DIR/train.py.orig                  the user's train.py before a regen that left conflicts
+                                   (DIR/launch/<name>.orig likewise for a conflicted launch file)
+DIR/.scaffold/pending/             a regen that left conflicts, until `--continue` or `--abort`:
+    regen.json                     what it wrote (each file's name, whether it existed, its mode)
+    spec.json, train.py.base,      the new spec and merge bases, promoted over DIR/.scaffold/ by
+    launch/...                     `scaffold regen DIR --continue`
+    before/...                     every file the regen overwrote or created, as it was, which
+                                   `scaffold regen DIR --abort` puts back
 """
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from generator.spec import ScaffoldError, Spec
@@ -22,6 +30,12 @@ BASE_FILE = STATE_DIR / "train.py.base"
 # pristine render of each launch file (`launch/slurm.sbatch` -> `.scaffold/launch/slurm.sbatch`):
 # the merge base for `scaffold regen`, as BASE_FILE is for train.py
 LAUNCH_BASE_DIR = STATE_DIR
+# a conflicted regen's staged state (docs/DESIGN.md#regen): the spec and bases it will promote,
+# the files it overwrote as they were, and its manifest (the one file whose presence means "a
+# regen is in progress")
+PENDING_DIR = STATE_DIR / "pending"
+PENDING_MANIFEST = PENDING_DIR / "regen.json"
+PENDING_BEFORE = PENDING_DIR / "before"
 
 
 def rendered_files(text: str, launch: dict[str, str]) -> dict[str, str]:
@@ -46,6 +60,8 @@ def write_run_dir(out_dir: Path, spec: Spec, text: str, launch: dict[str, str]) 
         ScaffoldError: out_dir is not writable (names the path and the OS error).
     """
     try:
+        # `new --force` over a directory with a pending regen: what it staged is of the old files
+        shutil.rmtree(out_dir / PENDING_DIR, ignore_errors=True)
         (out_dir / STATE_DIR).mkdir(parents=True, exist_ok=True)
         for name, content in rendered_files(text, launch).items():
             path = out_dir / name

@@ -176,6 +176,31 @@ def script(id, argv, *expect, **kw) -> Case:
     return Case(id, "script", tuple(argv), expect, **kw)
 
 
+# a run directory as `scaffold new` leaves it (the smallest one regen accepts), and the state a
+# conflicted regen of it leaves: marked train.py, staged spec, manifest (generator/regen.py)
+RUN_DIR = {
+    "run/.scaffold/spec.json": json.dumps({"spec": {"out": "run"}}),
+    "run/.scaffold/train.py.base": "x = 1\n",
+    "run/train.py": "x = 1\n",
+}
+PENDING_REGEN = {
+    "run/train.py": "y = 0\n<<<<<<< yours\nx = 2\n||||||| base (last render)\nx = 1\n=======\n"
+    "x = 3\n>>>>>>> new render\n",
+    "run/train.py.orig": "y = 0\nx = 2\n",
+    "run/.scaffold/pending/before/train.py": "y = 0\nx = 2\n",
+    "run/.scaffold/pending/spec.json": json.dumps({"spec": {"out": "run", "dtype": "fp32"}}),
+    "run/.scaffold/pending/regen.json": json.dumps(
+        {
+            "changes": "dtype: 'bf16' -> 'fp32'",
+            "conflicted": ["train.py"],
+            "created_dirs": [],
+            "written": {
+                "train.py": {"existed": True, "mode": 0o644},
+                "train.py.orig": {"existed": False, "mode": None},
+            },
+        }
+    ),
+}
 GPT2 = ModelVariant(config={"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
 LONG_PROMPT = "Please read this long question carefully before answering it. " * 8
 
@@ -243,6 +268,30 @@ CASES = [
              r"--set: unknown key 'lr'", r"valid keys: .*tricks",
              files={"run/.scaffold/spec.json": json.dumps({"spec": {"out": "run"}}),
                     "run/.scaffold/train.py.base": "x = 1\n", "run/train.py": "x = 1\n"}),
+    scaffold("regen-abort-nothing-pending", ["regen", "{tmp}/run", "--abort"],
+             r"--abort: no regen in progress in {tmp}/run \(nothing to abort\)", files=RUN_DIR),
+    scaffold("regen-continue-markers-left", ["regen", "{tmp}/run", "--continue"],
+             r"--continue: {tmp}/run/train\.py:2: conflict marker left \(and 3 more",
+             r"delete the markers", r"--abort", files={**RUN_DIR, **PENDING_REGEN}),
+    scaffold("regen-while-pending", ["regen", "{tmp}/run", "--set", "gpus=2"],
+             r"{tmp}/run has a regen in progress \(dtype: 'bf16' -> 'fp32'\)",
+             r"train\.py still has conflict markers at line\(s\) 2, 4, 6, 8",
+             r"scaffold regen {tmp}/run --continue", r"scaffold regen {tmp}/run --abort",
+             files={**RUN_DIR, **PENDING_REGEN}),
+    scaffold("regen-pending-manifest-corrupt", ["regen", "{tmp}/run", "--abort"],
+             r"{tmp}/run/\.scaffold/pending/regen\.json: not a pending regen's manifest",
+             r"delete {tmp}/run/\.scaffold/pending",
+             files={**RUN_DIR, "run/.scaffold/pending/regen.json": '{"changes": '}),
+    scaffold("plan-dir-without-spec", ["plan", "{tmp}"],
+             r"scaffold plan {tmp}: {tmp}/\.scaffold/spec\.json is missing",
+             r"not a directory `scaffold new` wrote", files={"train.py": "x = 1\n"}),
+    scaffold("plan-dir-with-spec-option", ["plan", "{tmp}/run", "--tricks", "lce", "--gpus", "2"],
+             r"--tricks, --gpus given with DIR",
+             r"plans the spec recorded in {tmp}/run/\.scaffold/spec\.json",
+             r"scaffold regen {tmp}/run --set", files=RUN_DIR),
+    scaffold("plan-dir-while-pending", ["plan", "{tmp}/run"],
+             r"{tmp}/run has a regen in progress", r"--continue", r"--abort",
+             files={**RUN_DIR, **PENDING_REGEN}),
     scaffold("diff-one-spec", ["diff", "--spec", "{tmp}"],
              r"--spec compares two renders: give exactly two --spec"),
     # --- train.py overrides: keys, types, files --------------------------------------------------

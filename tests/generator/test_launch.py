@@ -130,6 +130,7 @@ def test_regen_adds_launch_files_to_an_older_directory(tmp_path):
     shutil.rmtree(out / ".scaffold" / "launch")
     (out / "launch").mkdir()
     (out / "launch" / "slurm.sbatch").write_text("#!/bin/bash\nsrun python train.py\n")
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     result = CliRunner().invoke(cli, ["regen", str(out)])
     assert result.exit_code == 1, result.output  # the user's own slurm.sbatch conflicts
     new = render_launch(Spec(out=str(out)))
@@ -138,6 +139,11 @@ def test_regen_adds_launch_files_to_an_older_directory(tmp_path):
     assert (
         out / "launch" / "slurm.sbatch.orig"
     ).read_text() == "#!/bin/bash\nsrun python train.py\n"
+    # --abort takes back what the regen created too: the other launch files and their bases
+    result = CliRunner().invoke(cli, ["regen", str(out), "--abort"])
+    assert result.exit_code == 0, result.output
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert not (out / ".scaffold" / "launch").exists()
 
 
 def test_regen_check_sees_launch_drift(tmp_path):

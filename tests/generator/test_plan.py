@@ -497,7 +497,7 @@ def test_grpo_lora_suggestions_are_valid_specs(tiny_real_vocab_dir, monkeypatch)
     spec = _grpo_spec(tiny_real_vocab_dir, algo="grpo-lora", gpus=2, engine_gpus=1)
     tried = []
 
-    def fake_simulate(specs, mbs, seq, progress=None, kl_coef=None):
+    def fake_simulate(specs, mbs, seq, progress=None, kl_coef=None, config=None):
         tried.extend(specs)
         return [
             PlanResult(
@@ -532,3 +532,90 @@ def test_cli_new_grpo_lora_prints_its_plan_command(tiny_real_vocab_dir, tmp_path
         result.output
     )
     check_simulable(Spec(algo="grpo-lora", model=str(tiny_real_vocab_dir)), None, None, kl_coef=0.1)
+
+
+# --- `scaffold plan DIR`: DIR's spec and its train.py as the user edited it --------------------
+
+
+def test_plan_dir_plans_its_spec_and_its_edited_script(tiny_real_vocab_dir, tmp_path):
+    """As written, DIR plans to the same numbers as the options of its spec; an edited Config
+    default (micro_batch_size 4 -> 2 in DIR/train.py) changes the plan exactly as the option
+    would; an option given beside DIR still overrides the script's default."""
+    from generator.spec import build_answers
+
+    runner = CliRunner()
+    fresh, edited = tmp_path / "fresh", tmp_path / "edited"
+    for d in (fresh, edited):
+        made = runner.invoke(cli, ["new", "--model", str(tiny_real_vocab_dir), "--out", str(d)])
+        assert made.exit_code == 0, made.output
+    default = "    micro_batch_size: int = 4  "
+    text = (edited / "train.py").read_text()
+    assert text.count(default) == 1
+    (edited / "train.py").write_text(text.replace(default, "    micro_batch_size: int = 2  "))
+    spec = Spec(model=str(tiny_real_vocab_dir))
+    seq = build_answers(spec)["max_seq_len"]
+
+    planned = runner.invoke(cli, ["plan", str(edited), "--gpu-memory", "80", "--no-suggest"])
+    assert planned.exit_code == 0, planned.output
+    assert f"micro-batch 2 x {seq} tokens" in planned.output
+    assert f"simulated {edited / 'train.py'} as it is" in planned.output
+    assert "differ from a fresh render: micro_batch_size=2)" in planned.output
+
+    # one child each: the options, DIR as written and the edited DIR under --micro-batch-size 4;
+    # then the options at micro-batch 2
+    scripts = [None, fresh / "train.py", edited / "train.py"]
+    options4, fresh_dir, overridden = simulate([spec] * 3, 4, seq, scripts=scripts)
+    (options2,) = simulate([spec], 2, seq)
+    assert fresh_dir.config_edits == {} and overridden.config_edits == {"micro_batch_size": 2}
+    for result in (fresh_dir, overridden):
+        assert (result.categories, result.peak, result.logits) == (
+            options4.categories, options4.peak, options4.logits,
+        )  # fmt: skip
+    assert options2.peak < options4.peak
+    # the edited default's plan is the option's: every row the CLI printed
+    rows = {**options2.categories, "of which logits": options2.logits, "peak": options2.peak}
+    for row, nbytes in rows.items():
+        assert f"  {row:16} {nbytes / GIB:9.2f} GiB" in planned.output, row
+    assert f"  {'peak':16} {options4.peak / GIB:9.2f} GiB" not in planned.output
+
+
+@pytest.mark.fast
+def test_plan_dir_suggestions_carry_its_config_edits(tiny_real_vocab_dir, monkeypatch):
+    """The candidates of a DIR's suggestion take DIR's Config edits (simulations replaced by a
+    peak that lce removes), and the suggestion is printed as the regen that makes it."""
+    import generator.plan as plan
+    from generator.plan import format_suggestion
+
+    spec = Spec(model=str(tiny_real_vocab_dir))
+    calls = []
+
+    def fake_simulate(specs, mbs, seq, progress=None, kl_coef=None, scripts=None, config=None):
+        calls.append(config)
+        return [
+            PlanResult(s, 2, 128, 1, {}, 0 if "lce" in s.tricks else 10 * GIB, 0, 0.0)
+            for s in specs
+        ]
+
+    monkeypatch.setattr(plan, "simulate", fake_simulate)
+    base = replace(fake_simulate([spec], None, None)[0], config_edits={"micro_batch_size": 2})
+    calls.clear()
+    s = suggest(base, 8.0, None, None)
+    assert s.added_tricks == ("lce",) and calls and all(c == {"micro_batch_size": 2} for c in calls)
+    line = format_suggestion(s, spec, "runs/x")
+    assert "fits with --tricks lce (`scaffold regen runs/x --set tricks=lce`" in line
+
+
+@pytest.mark.fast
+def test_config_with_applies_edits_where_the_config_has_them(tmp_path):
+    """A candidate's render takes DIR's edits of the fields it has; a field only the user's
+    script has is skipped; later overrides win; the render's other defaults stay."""
+    from generator.plan import config_with
+
+    path = tmp_path / "train.py"
+    path.write_text(render(Spec(algo="lora", tricks=("ac",))))
+    script = import_script(path, "plan_config_with")
+    cfg = config_with(
+        script, {"micro_batch_size": 2, "lora_rank": 16, "only_in_mine": 1}, max_seq_len=64
+    )
+    assert (cfg.micro_batch_size, cfg.lora_rank, cfg.max_seq_len) == (2, 16, 64)
+    assert cfg.enable_activation_checkpointing is True  # the render's own default, untouched

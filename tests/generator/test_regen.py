@@ -128,10 +128,56 @@ def test_regen_keeps_edits_and_gains_the_option(tmp_path):
     )
 
 
-def test_overlapping_edit_conflicts_keeps_orig_and_blocks_next_regen(tmp_path):
+def _files(directory: Path) -> dict:
+    """{path: (bytes, mode)} of every file under `directory`: what an undo must give back."""
+    return {
+        p: (p.read_bytes(), p.stat().st_mode & 0o777)
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
+
+
+def _resolve(text: str, theirs_too: bool = True) -> str:
+    """Each conflict region resolved as a user would: yours, plus (theirs_too) the lines the new
+    render added."""
+    lines = text.splitlines(keepends=True)
+    out, i = [], 0
+    while i < len(lines):
+        if not lines[i].startswith("<<<<<<< "):
+            out.append(lines[i])
+            i += 1
+            continue
+        base_at = next(k for k in range(i, len(lines)) if lines[k].startswith("||||||| "))
+        mid_at = next(k for k in range(base_at, len(lines)) if lines[k] == "=======\n")
+        end_at = next(k for k in range(mid_at, len(lines)) if lines[k].startswith(">>>>>>> "))
+        old = lines[base_at + 1 : mid_at]
+        added = [n for n in lines[mid_at + 1 : end_at] if n not in old] if theirs_too else []
+        out += lines[i + 1 : base_at] + added
+        i = end_at + 1
+    return "".join(out)
+
+
+def _conflicted(tmp_path: Path) -> tuple[Path, dict, str]:
+    """A run whose regen (tricks=ac, gpus=2) conflicts in train.py's Config and in the Slurm
+    file: (directory, its files before the regen, the edited train.py)."""
+    out = _new(tmp_path)
+    before_text = _edit(
+        out / "train.py", DEVICE_LINE, '    device: str = "cuda"  # user: GPUs only\n'
+    )
+    _edit(out / "launch" / "slurm.sbatch", "--nproc-per-node 1", "--nproc-per-node 3")
+    (out / "launch" / "torchrun.sh").chmod(0o700)  # a mode of the user's, which regen changes
+    before = _files(out)
+    result = CliRunner().invoke(cli, ["regen", str(out), "--set", "tricks=ac", "--set", "gpus=2"])
+    assert result.exit_code == 1, result.output
+    return out, before, before_text
+
+
+@pytest.mark.fast
+def test_overlapping_edit_conflicts_stages_the_new_spec_and_blocks_other_commands(tmp_path):
     out = _new(tmp_path)
     script = out / "train.py"
     before = _edit(script, DEVICE_LINE, '    device: str = "cuda"  # user: GPUs only\n')
+    old_state = {n: (out / ".scaffold" / n).read_bytes() for n in ("spec.json", "train.py.base")}
 
     result = CliRunner().invoke(cli, ["regen", str(out), "--set", "tricks=ac"])
     assert result.exit_code == 1
@@ -142,43 +188,139 @@ def test_overlapping_edit_conflicts_keeps_orig_and_blocks_next_regen(tmp_path):
     start, end = markers[0], markers[-1]
     assert f"train.py:{start}-{end}: conflict in # === 2. Config ===" in result.output
     assert "1 conflicting region(s)" in result.output and "train.py.orig" in result.output
+    assert f"scaffold regen {out} --continue" in result.output
+    assert f"scaffold regen {out} --abort" in result.output
     lines = text.splitlines()
     assert lines[start - 1] == "<<<<<<< yours" and lines[end - 1] == ">>>>>>> new render"
     region = "\n".join(lines[start - 1 : end])
     assert '"cuda"  # user: GPUs only' in region and "enable_activation_checkpointing" in region
     assert (out / "train.py.orig").read_text() == before
-    # The merge base moves to the new render (see generator/regen.py): the spec records the change.
-    new_render = _cached_render(dataclasses.replace(_spec_of(out), tricks=("ac",)))
-    assert _spec_of(out).tricks == ("ac",)
-    assert (out / ".scaffold" / "train.py.base").read_text() == new_render
+    # The recorded spec and base stay the old render's; the new ones are staged.
+    assert {n: (out / ".scaffold" / n).read_bytes() for n in old_state} == old_state
+    new_spec = dataclasses.replace(_spec_of(out), tricks=("ac",))
+    pending = out / ".scaffold" / "pending"
+    assert Spec.from_json((pending / "spec.json").read_text()) == new_spec
+    assert (pending / "train.py.base").read_text() == _cached_render(new_spec)
     # Clean regions merged anyway: the other ac lines are in.
     assert "            checkpoint(layer)" in text
 
-    # While markers remain, regen and diff refuse, naming the lines, and write nothing.
+    # While the regen is pending, regen and diff refuse, naming the markers and both ways out,
+    # and write nothing; so does `plan DIR` (it would plan the old spec).
     snapshot = _snapshot(out)
-    for command in (["regen", str(out), "--set", "gpus=2"], ["diff", str(out)]):
+    for command in (["regen", str(out), "--set", "gpus=2"], ["diff", str(out)], ["plan", str(out)]):
         refused = CliRunner().invoke(cli, command)
-        assert refused.exit_code == 1
+        assert refused.exit_code == 1, refused.output
         assert f"conflict markers at line(s) {', '.join(map(str, markers))}" in refused.output
+        assert "--continue" in refused.output and "--abort" in refused.output
         assert refused.output.count("\n") == 1
     assert _snapshot(out) == snapshot
 
-    # Resolve (yours, plus what the new render added), then later regens merge against the new
-    # render: no second conflict.
-    base_at = lines.index("||||||| base (last render)", start)
-    mid_at = lines.index("=======", base_at)
-    yours, old, new = lines[start:base_at], lines[base_at + 1 : mid_at], lines[mid_at + 1 : end - 1]
-    resolved = text.replace(
-        region + "\n", "".join(x + "\n" for x in yours + [n for n in new if n not in old])
-    )
-    script.write_text(resolved)
-    assert not marker_lines(resolved)
-    up_to_date = CliRunner().invoke(cli, ["regen", str(out)])
-    assert up_to_date.exit_code == 0 and "nothing to merge" in up_to_date.output
-    more = CliRunner().invoke(cli, ["regen", str(out), "--set", "gpus=2"])
+    # Resolved but not continued: still refused (the base is still the old render), saying so.
+    script.write_text(_resolve(text))
+    refused = CliRunner().invoke(cli, ["regen", str(out)])
+    assert refused.exit_code == 1 and "its conflicts are resolved" in refused.output
+    assert f"scaffold regen {out} --continue" in refused.output
+
+
+@pytest.mark.fast
+def test_abort_restores_script_launch_files_spec_and_bases_byte_for_byte(tmp_path):
+    out, before, _ = _conflicted(tmp_path)
+    assert marker_lines((out / "train.py").read_text())
+    assert marker_lines((out / "launch" / "slurm.sbatch").read_text())
+    assert (out / "launch" / "torchrun.sh").stat().st_mode & 0o777 == 0o755  # merged cleanly
+    # a half-resolved file is discarded too: --abort means "as before the regen"
+    (out / "train.py").write_text(_resolve((out / "train.py").read_text()))
+
+    result = CliRunner().invoke(cli, ["regen", str(out), "--abort"])
+    assert result.exit_code == 0, result.output
+    assert "restored launch/slurm.sbatch, launch/torchrun.sh" in result.output
+    assert "removed launch/slurm.sbatch.orig, train.py.orig" in result.output
+    assert _files(out) == before  # every file, its bytes and its mode; nothing left over
+
+    again = CliRunner().invoke(cli, ["regen", str(out), "--abort"])
+    assert again.exit_code == 1 and again.output.count("\n") == 1
+    assert f"--abort: no regen in progress in {out} (nothing to abort)" in again.output
+    # and the directory is a normal one again: the same regen conflicts the same way
+    redo = CliRunner().invoke(cli, ["regen", str(out), "--set", "tricks=ac", "--set", "gpus=2"])
+    assert redo.exit_code == 1 and "2 conflicting region(s)" in redo.output
+
+
+@pytest.mark.fast
+def test_continue_refuses_markers_then_promotes_spec_and_bases(tmp_path):
+    out, _, _ = _conflicted(tmp_path)
+    script, slurm = out / "train.py", out / "launch" / "slurm.sbatch"
+    first = marker_lines(script.read_text())[0]
+    refused = CliRunner().invoke(cli, ["regen", str(out), "--continue"])
+    assert refused.exit_code == 1 and refused.output.count("\n") == 1
+    assert f"--continue: {script}:{first}: conflict marker left" in refused.output
+
+    script.write_text(_resolve(script.read_text()))  # train.py done, the Slurm file not yet
+    slurm_first = marker_lines(slurm.read_text())[0]
+    refused = CliRunner().invoke(cli, ["regen", str(out), "--continue"])
+    assert refused.exit_code == 1
+    assert f"--continue: {slurm}:{slurm_first}: conflict marker left" in refused.output
+    assert _spec_of(out) == Spec(out="run")  # nothing promoted by a refused --continue
+
+    slurm.write_text(_resolve(slurm.read_text(), theirs_too=False))  # keeps --nproc-per-node 3
+    done = CliRunner().invoke(cli, ["regen", str(out), "--continue"])
+    assert done.exit_code == 0, done.output
+    new_spec = Spec(out="run", tricks=("ac",), gpus=2)
+    assert _spec_of(out) == new_spec
+    assert (out / ".scaffold" / "train.py.base").read_text() == _cached_render(new_spec)
+    launch = generator.render.render_launch(new_spec)
+    for name, text in launch.items():
+        assert (out / ".scaffold" / name).read_text() == text
+    assert not (out / ".scaffold" / "pending").exists()
+
+    # the next diff is empty, and the next regen merges against the new render: no conflict
+    empty = CliRunner().invoke(cli, ["diff", str(out)])
+    assert empty.exit_code == 0 and empty.output == f"regen would not change {script}\n"
+    more = CliRunner().invoke(cli, ["regen", str(out), "--set", "dataset=mine.jsonl"])
     assert more.exit_code == 0, more.output
-    assert '"cuda"  # user: GPUs only' in script.read_text()
-    assert "torchrun --nproc-per-node 2" in script.read_text()
+    text = script.read_text()
+    assert '"cuda"  # user: GPUs only' in text and "enable_activation_checkpointing" in text
+    assert 'dataset: str = "mine.jsonl"' in text and "torchrun --nproc-per-node 2" in text
+    assert "--nproc-per-node 3" in slurm.read_text()  # the user's resolution, kept
+
+
+@pytest.mark.fast
+def test_orig_copied_back_cannot_be_continued_and_new_force_drops_the_pending_regen(tmp_path):
+    """The issue's trap: after a conflict, the user copies train.py.orig back. --continue would
+    record options the script lacks, so it refuses and points to --abort; `diff` refuses too
+    (it used to report nothing to change). `scaffold new --force` starts over: no pending regen."""
+    out = _new(tmp_path)
+    _edit(out / "train.py", DEVICE_LINE, '    device: str = "cuda"  # user\n')
+    assert CliRunner().invoke(cli, ["regen", str(out), "--set", "tricks=ac"]).exit_code == 1
+    shutil.copy(out / "train.py.orig", out / "train.py")
+    refusals = [
+        (["regen", str(out), "--continue"], "train.py is byte for byte what it was before"),
+        (["diff", str(out)], "has a regen in progress (tricks: (none) -> ac)"),
+    ]
+    for command, message in refusals:
+        refused = CliRunner().invoke(cli, command)
+        assert refused.exit_code == 1 and refused.output.count("\n") == 1, refused.output
+        assert message in refused.output and f"scaffold regen {out} --abort" in refused.output
+    assert _spec_of(out).tricks == ()
+    forced = CliRunner().invoke(cli, ["new", "--out", "run", "--tricks", "ac", "--force"])
+    assert forced.exit_code == 0, forced.output
+    assert not (out / ".scaffold" / "pending").exists()
+    assert CliRunner().invoke(cli, ["regen", str(out)]).exit_code == 0
+
+
+@pytest.mark.fast
+def test_regen_check_reports_an_unfinished_regen(tmp_path):
+    out, _, _ = _conflicted(tmp_path)
+    result = CliRunner().invoke(cli, ["regen", "--check", str(out)])
+    assert result.exit_code == 1
+    assert f"unfinished: {out} has a regen in progress" in result.output
+    assert "1 directory(ies) with an unfinished regen" in result.output
+    for flags in (
+        ["--continue", "--abort"],
+        ["--abort", "--set", "gpus=2"],
+        ["--check", "--abort"],
+    ):
+        refused = CliRunner().invoke(cli, ["regen", str(out), *flags])
+        assert refused.exit_code == 1 and refused.output.count("\n") == 1, refused.output
 
 
 def test_edit_of_the_header_command_line_conflicts(tmp_path):
