@@ -451,11 +451,11 @@ class _Discard(io.TextIOBase):
 def _progress_bar(on_progress: Callable[[int], None]) -> Callable:
     """What `LLM.generate(use_tqdm=...)` takes to report finished completions to `on_progress`.
 
-    vLLM calls it twice (vllm/entrypoints/llm.py): over the prompts while adding them ("Adding
-    requests"), passed through here silently, and as `tqdm(total=...)` for the requests, whose
-    `update(len(request_output.outputs))` it calls as each request (a prompt's n completions)
-    finishes. That bar is a live tqdm writing nowhere: vLLM reads its `format_dict` and `n`,
-    which a disabled tqdm does not keep.
+    vLLM 0.32 calls it twice (`vllm/entrypoints/common/offline.py`): over the prompts while
+    rendering them (`maybe_tqdm`), passed through here silently, and in `_run_engine` as
+    `tqdm(total=...)` for the requests, whose `update(len(request_output.outputs))` it calls as
+    each request (a prompt's n completions) finishes. That bar is a live tqdm writing nowhere:
+    vLLM reads its `format_dict` and `n`, which a disabled tqdm does not keep.
     """
     from tqdm import tqdm
 
