@@ -626,11 +626,6 @@ class RolloutStep(NamedTuple):
     position: tuple[int, int]
 
 
-def _print_count(label: str, job: _Pending, done: int) -> None:
-    elapsed = time.perf_counter() - job.submitted_s
-    tqdm.write(f"rollout | {label}: {done}/{job.completions} completions ({elapsed:.1f} s)")
-
-
 class ProgressBoard:
     """The completions each engine call has finished so far, posted by the engines while they
     generate and read by the driver while it waits for the batch.
@@ -688,6 +683,11 @@ class _Pending:
     index: int = 0  # submission number, from 0
     keys: list = field(default_factory=list)  # per engine chunk: its ProgressBoard key
     completions: int = 0  # N * G
+
+
+def _print_count(label: str, job: _Pending, done: int) -> None:
+    elapsed = time.perf_counter() - job.submitted_s
+    tqdm.write(f"rollout | {label}: {done}/{job.completions} completions ({elapsed:.1f} s)")
 
 
 @dataclass
