@@ -744,7 +744,7 @@ class RolloutPipeline:
         names = {e.policy_version.remote(): i for i, e in enumerate(self.engines)}
         waiting = list(names)
         # the board's process starts alongside the engines, so it answers from the first batch on
-        board_ready = self._start_board() and self.board.read.remote([])
+        board_ready = self.board.read.remote([]) if self._start_board() else None
         while waiting:
             left = self.rollout_timeout_s - (time.perf_counter() - self.started_s)
             ready, waiting = ray.wait(waiting, num_returns=1, timeout=max(left, 0))
@@ -756,7 +756,7 @@ class RolloutPipeline:
             ray.get(ready)  # raises the engine's start error
             elapsed = time.perf_counter() - self.started_s
             tqdm.write(f"rollout | engine {names[ready[0]]} ready ({elapsed:.1f} s)")
-        if board_ready:
+        if board_ready is not None:
             ray.get(board_ready)
 
     def _start_board(self) -> bool:
@@ -845,8 +845,8 @@ class RolloutPipeline:
 
     def _wait(self, job: _Pending, label: str) -> int | None:
         """Block until every part of `job` is ready, printing the completions the engines have
-        finished every progress_every_s when the count moved; returns the last count printed
-        (None: no line)."""
+        finished every progress_every_s (also when unchanged: a long prefill still shows the
+        run is alive); returns the last count printed (None: no line)."""
         import ray
 
         start, printed = time.perf_counter(), None
@@ -861,10 +861,8 @@ class RolloutPipeline:
                     f"a rollout batch (policy version {job.version}) did not finish within "
                     f"rollout_timeout_s={self.rollout_timeout_s} s; raise it or lower max_new_tokens"
                 )
-            done = sum(ray.get(self.board.read.remote(job.keys)))
-            if done != printed:
-                _print_count(label, job, done)
-                printed = done
+            printed = sum(ray.get(self.board.read.remote(job.keys)))
+            _print_count(label, job, printed)
 
     def next_groups(
         self,

@@ -466,8 +466,9 @@ def test_slow_engine_start_and_slow_batch_are_timeouts(ray_session, fake_actors)
         pipeline.wait_engines()
     ray.kill(slow_start)
     ray.kill(pipeline.board)
-    # one completion of 1.5 s: the module's engine is free again soon after
-    sampling = {"n": 1, "delay_s": 1.5}
+    # one completion of 5 s (a wide margin over 0.5 s on a loaded machine); the module's last
+    # test, so no later test waits behind it on this engine
+    sampling = {"n": 1, "delay_s": 5.0}
     pipeline = RolloutPipeline(engines[:1], workers, sampling, rollout_timeout_s=0.5)
     with pytest.raises(
         TimeoutError, match=r"policy version 0\) did not finish within rollout_timeout_s=0.5 s"
