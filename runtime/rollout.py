@@ -861,8 +861,9 @@ class RolloutPipeline:
                     f"a rollout batch (policy version {job.version}) did not finish within "
                     f"rollout_timeout_s={self.rollout_timeout_s} s; raise it or lower max_new_tokens"
                 )
-            printed = sum(ray.get(self.board.read.remote(job.keys)))
-            _print_count(label, job, printed)
+            if self.board is not None:  # else ray.wait returned a hair before the deadline
+                printed = sum(ray.get(self.board.read.remote(job.keys)))
+                _print_count(label, job, printed)
 
     def next_groups(
         self,

@@ -22,6 +22,7 @@ from runtime.grpo import (
     scatter_completion_values,
 )
 from runtime.rollout import (
+    ProgressBoard,
     ReplayBuffer,
     Rollout,
     RolloutPipeline,
@@ -216,19 +217,21 @@ def _prompt_batches(per_batch: int = 2, per_epoch: int = 6):
 
 @pytest.fixture(scope="module")
 def fake_actors(ray_session):
-    """Two RecordingEngines and one ZeroRewards worker, started once for the module."""
+    """Two RecordingEngines, one ZeroRewards worker and a ProgressBoard, started once for the
+    module (together: their processes start in parallel)."""
     ray = ray_session
     engines = [ray.remote(num_cpus=0.1)(RecordingEngine).remote() for _ in range(2)]
     workers = [ray.remote(num_cpus=0.1)(ZeroRewards).remote()]
-    yield engines, workers
-    for actor in [*engines, *workers]:
+    board = ray.remote(num_cpus=0)(ProgressBoard).remote()
+    yield engines, workers, board
+    for actor in [*engines, *workers, board]:
         ray.kill(actor)
 
 
 @pytest.fixture
 def fake_pipeline(ray_session, fake_actors):
     """A fresh RolloutPipeline (G = 2) over the module's stand-in actors, engines at version 0."""
-    engines, workers = fake_actors
+    engines, workers, _ = fake_actors
     ray_session.get([e.update_weights.remote({}, 0) for e in engines])  # behind earlier calls
     return RolloutPipeline(engines, workers, {"n": 2}, rollout_timeout_s=60, progress_every_s=0)
 
@@ -420,58 +423,54 @@ def _progress_lines(text: str) -> list[str]:
 
 
 def test_progress_reaches_the_driver_from_engine_actors(ray_session, fake_actors, capsys):
-    """Two engine actors generating 4 completions each, 0.3 s apart: while the driver waits it
+    """Two engine actors generating 4 completions each, 0.15 s apart: while the driver waits it
     prints the completions finished so far (rising, some between 0 and 8), then the batch's end
     and its scoring; a quick later batch prints nothing."""
     import re
 
-    ray, (engines, workers) = ray_session, fake_actors
-    sampling = {"n": 2, "delay_s": 0.3}
+    engines, workers, board = fake_actors
+    sampling = {"n": 2, "delay_s": 0.15}
     pipeline = RolloutPipeline(
-        engines, workers, sampling, rollout_timeout_s=60, progress_every_s=0.2
+        engines, workers, sampling, rollout_timeout_s=60, progress_every_s=0.1, board=board
     )
-    try:
-        pipeline.wait_engines()
-        pipeline.next_groups(_prompt_batches(4, 8), 4, train_version=0, max_staleness=0, seed=0)
-        lines = _progress_lines(capsys.readouterr().out)
-        assert lines[0] == "rollout | starting 2 engine(s)"
-        assert sorted(re.sub(r" \(.*", "", line) for line in lines[1:3]) == [
-            "rollout | engine 0 ready",
-            "rollout | engine 1 ready",
-        ]
-        counts = [
-            re.fullmatch(r"rollout \| step 1: (\d+)/8 completions \([\d.]+ s\)", line)
-            for line in lines[3:-1]
-        ]
-        assert all(counts), lines
-        counts = [int(m.group(1)) for m in counts]
-        assert counts == sorted(counts) and counts[-1] == 8 and any(0 < c < 8 for c in counts)
-        assert re.fullmatch(r"rollout \| step 1: scored 8 completions \([\d.]+ s\)", lines[-1])
-        sampling["delay_s"], pipeline.progress_every_s = 0.0, 5.0
-        pipeline.next_groups(_prompt_batches(4, 8), 4, train_version=0, max_staleness=0, seed=0)
-        assert _progress_lines(capsys.readouterr().out) == []
-    finally:
-        ray.kill(pipeline.board)
+    pipeline.wait_engines()
+    pipeline.next_groups(_prompt_batches(4, 8), 4, train_version=0, max_staleness=0, seed=0)
+    lines = _progress_lines(capsys.readouterr().out)
+    assert lines[0] == "rollout | starting 2 engine(s)"
+    assert sorted(re.sub(r" \(.*", "", line) for line in lines[1:3]) == [
+        "rollout | engine 0 ready",
+        "rollout | engine 1 ready",
+    ]
+    counts = [
+        re.fullmatch(r"rollout \| step 1: (\d+)/8 completions \([\d.]+ s\)", line)
+        for line in lines[3:-1]
+    ]
+    assert all(counts), lines
+    counts = [int(m.group(1)) for m in counts]
+    assert counts == sorted(counts) and counts[-1] == 8 and any(0 < c < 8 for c in counts)
+    assert re.fullmatch(r"rollout \| step 1: scored 8 completions \([\d.]+ s\)", lines[-1])
+    sampling["delay_s"], pipeline.progress_every_s = 0.0, 5.0
+    pipeline.next_groups(_prompt_batches(4, 8), 4, train_version=0, max_staleness=0, seed=0)
+    assert _progress_lines(capsys.readouterr().out) == []
 
 
 def test_slow_engine_start_and_slow_batch_are_timeouts(ray_session, fake_actors):
     """An engine still loading after rollout_timeout_s, and a batch still generating after it,
     are errors that name what was waited for, not a silent wait."""
-    ray, (engines, workers) = ray_session, fake_actors
+    ray, (engines, workers, _) = ray_session, fake_actors
     slow_start = ray.remote(num_cpus=0.1)(RecordingEngine).remote(start_s=30)
-    pipeline = RolloutPipeline([slow_start], workers, {"n": 1}, rollout_timeout_s=0.5)
+    timeouts = dict(rollout_timeout_s=0.5, progress_every_s=0)  # no progress board
+    pipeline = RolloutPipeline([slow_start], workers, {"n": 1}, **timeouts)
     with pytest.raises(
         TimeoutError, match=r"engine\(s\) \[0\] did not start within rollout_timeout_s=0.5 s"
     ):
         pipeline.wait_engines()
     ray.kill(slow_start)
-    ray.kill(pipeline.board)
     # one completion of 5 s (a wide margin over 0.5 s on a loaded machine); the module's last
     # test, so no later test waits behind it on this engine
     sampling = {"n": 1, "delay_s": 5.0}
-    pipeline = RolloutPipeline(engines[:1], workers, sampling, rollout_timeout_s=0.5)
+    pipeline = RolloutPipeline(engines[:1], workers, sampling, **timeouts)
     with pytest.raises(
         TimeoutError, match=r"policy version 0\) did not finish within rollout_timeout_s=0.5 s"
     ):
         pipeline.next_groups(_prompt_batches(1), 1, train_version=0, max_staleness=0, seed=0)
-    ray.kill(pipeline.board)
