@@ -11,7 +11,7 @@ https://arxiv.org/abs/1904.09751 sec. 3.1 (nucleus / top-p sampling).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -187,12 +187,19 @@ def generate_with_logprobs(
     stop_token_ids: Sequence[int],
     pad_token_id: int,
     generator: torch.Generator | None = None,
+    on_progress: Callable[[int], None] | None = None,
 ) -> list[tuple[list[int], list[float]]]:
     """`generate`, also returning each sampled token's log-prob under softmax(logits /
     temperature) (temperature 0: under softmax(logits)); the RL rollouts' CPU engine.
 
     The log-prob is of the full tempered distribution, before top-p truncation (vLLM's
     `logprobs` convention), so it is comparable with the trainer's `completion_logprobs`.
+
+    Args:
+        on_progress: called after every decoding step with the number of rows that have
+            produced a stop token so far, and once more with B when decoding ends (rows cut
+            at max_new_tokens are finished then); the rollout engines report it to the driver.
+        (the others as `generate`)
 
     Returns:
         per prompt: (completion ids, stop token kept; log-probs [C] as floats).
@@ -201,16 +208,18 @@ def generate_with_logprobs(
         ValueError: empty prompts or out-of-range sampling settings.
     """
     sampling = (max_new_tokens, temperature, top_p, stop_token_ids, pad_token_id, generator)
-    return _decode(model, prompts, *sampling, with_logprobs=True)
+    return _decode(model, prompts, *sampling, with_logprobs=True, on_progress=on_progress)
 
 
 def _decode(
     model, prompts, max_new_tokens, temperature, top_p, stop_token_ids, pad_token_id, generator,
-    with_logprobs: bool = False,
+    with_logprobs: bool = False, on_progress: Callable[[int], None] | None = None,
 ) -> list[tuple[list[int], list[float]]]:  # fmt: skip
     """The KV-cache decoding loop of both entry points: per prompt (tokens, log-probs or [])."""
     _validate(prompts, max_new_tokens, temperature, top_p)
     if max_new_tokens == 0:
+        if on_progress is not None:
+            on_progress(len(prompts))
         return [([], []) for _ in prompts]
     weight = model.model.embed_tokens.weight  # a DTensor under FSDP2: same device and dtype
     input_ids, valid = _left_pad(prompts, pad_token_id, weight.device)
@@ -234,11 +243,15 @@ def _decode(
             logps.append(torch.log_softmax(scaled, dim=-1).gather(1, token[:, None]).squeeze(1))
         tokens.append(token)
         finished |= torch.isin(token, stop)
+        if on_progress is not None:  # one more host sync per step, as the break test below
+            on_progress(int(finished.sum()))
         if bool(finished.all()) or step == max_new_tokens - 1:
             break
         mask = key_valid[:, None, None, : cache.seq_len + 1]  # [B, S_kv] -> [B, 1, 1, S_kv]
         logits = model(token[:, None], position_ids=next_pos, attention_mask=mask, kv_cache=cache)
         next_pos = next_pos + 1
+    if on_progress is not None:
+        on_progress(B)  # rows cut at max_new_tokens are finished too
     rows = torch.stack(tokens, dim=1).tolist()
     row_logps = torch.stack(logps, dim=1).tolist() if with_logprobs else [[] for _ in rows]
     stop_set = set(stop_token_ids)

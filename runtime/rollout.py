@@ -17,19 +17,28 @@ Engines (duck-typed, one interface):
 - `runtime.rollout_vllm.VLLMEngine`: vLLM (`vllm.LLM`), imported only when asked for.
 Both implement `generate`, `update_weights`, `score`, `policy_version` with the signatures below.
 
+Progress: the driver prints one line per event on stdout (`rollout | ...`): each engine ready,
+while it waits for a batch the completions finished so far every `progress_every_s`, and the
+batch's reward scoring. Engines run in actors and cannot call into the driver, so `generate`
+takes an `on_progress` callable (a `ProgressReporter`) that posts the finished count to a small
+`ProgressBoard` actor, which the driver reads while it waits.
+
 Shape legend: N prompts, G = n completions per prompt, C completion length (tokens).
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from runtime.checkpoint import TIED_KEYS, is_tied, tensors_to_save
 from runtime.dtensors import ComputedTensor, gather_for_save, reshard_fsdp
@@ -84,9 +93,11 @@ class RuntimeEngine:
         top_p: float,
         stop_token_ids: list[int],
         seed: int,
+        on_progress: Callable[[int], None] | None = None,
     ) -> list[list[tuple[list[int], list[float]]]]:
         """Per prompt, n sampled completions: (completion token ids, per-token log-probs of the
-        sampled tokens under softmax(logits / temperature)), stop token kept."""
+        sampled tokens under softmax(logits / temperature)), stop token kept. `on_progress`, if
+        given, is called with the completions finished so far (of N * n) as decoding goes."""
         device = self.model.model.embed_tokens.weight.device
         generator = torch.Generator(device).manual_seed(seed)
         flat = [p for p in prompts for _ in range(n)]  # each prompt's n samples contiguous
@@ -99,6 +110,7 @@ class RuntimeEngine:
             stop_token_ids,
             self.pad_token_id,
             generator,
+            on_progress,
         )
         return [out[i * n : (i + 1) * n] for i in range(len(prompts))]
 
@@ -301,8 +313,10 @@ class RewardWorker:
 
         Returns:
             {"generations": the input (so the driver fetches one object), "rewards": [N*G] total,
-            "per_func": {name: [N*G]}, "completions": [N*G] decoded texts}.
+            "per_func": {name: [N*G]}, "completions": [N*G] decoded texts, "score_s": seconds
+            spent decoding and scoring}.
         """
+        start = time.perf_counter()
         totals, texts = [], []
         per_func = {fn.__name__: [] for fn in self.funcs}
         for prompt, answer, group in zip(prompts, answers, generations, strict=True):
@@ -321,6 +335,7 @@ class RewardWorker:
             "rewards": totals,
             "per_func": per_func,
             "completions": texts,
+            "score_s": time.perf_counter() - start,
         }
 
 
@@ -611,12 +626,68 @@ class RolloutStep(NamedTuple):
     position: tuple[int, int]
 
 
+class ProgressBoard:
+    """The completions each engine call has finished so far, posted by the engines while they
+    generate and read by the driver while it waits for the batch.
+
+    A Ray actor of its own: an engine actor cannot call into the driver, and asking the engine
+    itself would need a second thread in it, where Ray no longer promises that calls run in
+    submission order (which the weight versions rely on).
+    """
+
+    def __init__(self):
+        self.done: dict = {}
+
+    def report(self, key, done: int) -> None:
+        self.done[key] = done
+
+    def read(self, keys: list) -> list[int]:
+        """The last count reported under each key (0 before the first report)."""
+        return [self.done.get(k, 0) for k in keys]
+
+    def forget(self, keys: list) -> None:
+        for k in keys:
+            self.done.pop(k, None)
+
+
+class ProgressReporter:
+    """The `on_progress` an engine's `generate` calls with the completions finished so far:
+    posts the count to a `ProgressBoard` under `key` (a non-blocking actor call), at most once
+    per `every_s` seconds except the final count (`total`). Picklable: it travels to the engine
+    with the generate call.
+
+    Args:
+        board: the ProgressBoard actor handle.
+        key: this engine call's name on the board.
+        total: completions the call makes.
+        every_s: seconds between posts at least.
+    """
+
+    def __init__(self, board, key, total: int, every_s: float):
+        self.board, self.key, self.total, self.every_s = board, key, total, every_s
+        self.sent, self.sent_at = -1, -float("inf")
+
+    def __call__(self, done: int) -> None:
+        now = time.monotonic()
+        if done != self.sent and (done == self.total or now - self.sent_at >= self.every_s):
+            self.board.report.remote(self.key, done)
+            self.sent, self.sent_at = done, now
+
+
 @dataclass
 class _Pending:
     refs: list  # per engine chunk: ObjectRef of RewardWorker.score's dict
     version: int
     prompts: list[list[int]]
     submitted_s: float = 0.0
+    index: int = 0  # submission number, from 0
+    keys: list = field(default_factory=list)  # per engine chunk: its ProgressBoard key
+    completions: int = 0  # N * G
+
+
+def _print_count(label: str, job: _Pending, done: int) -> None:
+    elapsed = time.perf_counter() - job.submitted_s
+    tqdm.write(f"rollout | {label}: {done}/{job.completions} completions ({elapsed:.1f} s)")
 
 
 @dataclass
@@ -631,9 +702,13 @@ class RolloutPipeline:
         engines, reward_workers: actor handles.
         sampling: keyword arguments of `generate` except prompts and seed (n, max_new_tokens,
             temperature, top_p, stop_token_ids); `next_groups` reads n (G).
-        rollout_timeout_s: how long to wait for one batch (generation + rewards).
+        rollout_timeout_s: how long to wait for one batch (generation + rewards), and for the
+            engines to start (`wait_engines`).
         weight_sync_timeout_s: how long a weight push may stay unconfirmed (from the push,
             including generations queued on the engine before it).
+        progress_every_s: while waiting for a batch, print its finished completions this often
+            (0: no progress lines and no ProgressBoard actor). The first batch, and any batch
+            whose wait printed a line, also print a line when generated and when scored.
     """
 
     engines: list
@@ -649,31 +724,85 @@ class RolloutPipeline:
     position: tuple = (0, 0)  # the caller's data position after the last submitted batch
     owns_ray: bool = False  # shutdown() also stops Ray
     weight_transfer: object = None  # vLLM trainer-side transfer engine, made by the first transfer
+    progress_every_s: float = 10.0
+    board: object = None  # the ProgressBoard actor, started by the first submit
+    batches_collected: int = 0
+    # engine start times count from here (the template makes the pipeline right after the actors)
+    started_s: float = field(default_factory=time.perf_counter)
+
+    def wait_engines(self) -> None:
+        """Block until every engine has started, printing `rollout | engine i ready (t s)` as
+        each does (t: seconds since this pipeline was made, right after the actors).
+
+        Raises:
+            TimeoutError: engines still starting after rollout_timeout_s (names them).
+            ray.exceptions.RayActorError: an engine's constructor failed (its error inside).
+        """
+        import ray
+
+        tqdm.write(f"rollout | starting {len(self.engines)} engine(s)")
+        names = {e.policy_version.remote(): i for i, e in enumerate(self.engines)}
+        waiting = list(names)
+        # the board's process starts alongside the engines, so it answers from the first batch on
+        board_ready = self.board.read.remote([]) if self._start_board() else None
+        while waiting:
+            left = self.rollout_timeout_s - (time.perf_counter() - self.started_s)
+            ready, waiting = ray.wait(waiting, num_returns=1, timeout=max(left, 0))
+            if not ready:
+                raise TimeoutError(
+                    f"engine(s) {sorted(names[r] for r in waiting)} did not start within "
+                    f"rollout_timeout_s={self.rollout_timeout_s} s; raise it or check the engine logs"
+                )
+            ray.get(ready)  # raises the engine's start error
+            elapsed = time.perf_counter() - self.started_s
+            tqdm.write(f"rollout | engine {names[ready[0]]} ready ({elapsed:.1f} s)")
+        if board_ready is not None:
+            ray.get(board_ready)
+
+    def _start_board(self) -> bool:
+        """Start the ProgressBoard actor unless there is one or progress is off; whether one runs."""
+        import ray
+
+        if self.board is None and self.progress_every_s > 0:
+            self.board = ray.remote(num_cpus=0)(ProgressBoard).remote()
+        return self.board is not None
 
     def submit(
         self, prompt_ids: list[list[int]], prompt_texts: list[str], answers: list[str], seed: int
     ) -> None:
         """Start generating one batch with the current `version` (returns at once)."""
-        import time
-
-        k = len(self.engines)
-        refs = []
+        self._start_board()
+        k, n = len(self.engines), self.sampling["n"]
+        job = _Pending([], self.version, prompt_ids, time.perf_counter(), self.batches_submitted)
         for e in range(k):
             sl = slice(e * len(prompt_ids) // k, (e + 1) * len(prompt_ids) // k)
             if sl.start == sl.stop:
                 continue
+            key, size = (self.batches_submitted, e), (sl.stop - sl.start) * n
+            # posts at least twice per progress line, so a printed count is at most half a
+            # line's interval old
+            reporter = None
+            if self.board is not None:
+                reporter = ProgressReporter(self.board, key, size, self.progress_every_s / 2)
             gen = self.engines[e].generate.remote(
-                prompt_ids[sl], seed=seed * 1000 + e, **self.sampling
+                prompt_ids[sl], seed=seed * 1000 + e, on_progress=reporter, **self.sampling
             )
             worker = self.reward_workers[
                 (self.batches_submitted * k + e) % len(self.reward_workers)
             ]
-            refs.append(worker.score.remote(gen, prompt_texts[sl], answers[sl]))
-        self.pending.append(_Pending(refs, self.version, prompt_ids, time.perf_counter()))
+            job.refs.append(worker.score.remote(gen, prompt_texts[sl], answers[sl]))
+            job.keys.append(key)
+            job.completions += size
+        self.pending.append(job)
         self.batches_submitted += 1
 
-    def collect(self) -> int:
-        """Wait for the oldest submitted batch and put its groups into the buffer.
+    def collect(self, label: str = "") -> int:
+        """Wait for the oldest submitted batch and put its groups into the buffer, printing its
+        progress (`progress_every_s`) as `rollout | {label}: done/total completions (t s)`.
+
+        Args:
+            label: what the progress lines call the batch (`next_groups`: "step S"); "": "batch
+                B", B its submission number from 0.
 
         Returns:
             its policy version.
@@ -682,16 +811,20 @@ class RolloutPipeline:
             TimeoutError: the batch took longer than rollout_timeout_s.
         """
         import ray
-        from ray.exceptions import GetTimeoutError
 
         job = self.pending.popleft()
-        try:
-            parts = ray.get(job.refs, timeout=self.rollout_timeout_s)
-        except GetTimeoutError:
-            raise TimeoutError(
-                f"a rollout batch (policy version {job.version}) did not finish within "
-                f"rollout_timeout_s={self.rollout_timeout_s} s; raise it or lower max_new_tokens"
-            ) from None
+        label = label or f"batch {job.index}"
+        printed = self._wait(job, label)
+        parts = ray.get(job.refs)  # ready: raises an engine's or reward worker's error
+        if self.board is not None:
+            self.board.forget.remote(job.keys)
+        # a quick batch says nothing (the step line follows); the first one shows what a step costs
+        if self.progress_every_s > 0 and (printed is not None or self.batches_collected == 0):
+            if printed != job.completions:
+                _print_count(label, job, job.completions)
+            score_s = sum(part["score_s"] for part in parts)  # reward workers' own time
+            tqdm.write(f"rollout | {label}: scored {job.completions} completions ({score_s:.1f} s)")
+        self.batches_collected += 1
         groups, i = [], 0
         for part in parts:
             names = list(part["per_func"])
@@ -709,6 +842,28 @@ class RolloutPipeline:
                 i += 1
         self.buffer.put(groups)
         return job.version
+
+    def _wait(self, job: _Pending, label: str) -> int | None:
+        """Block until every part of `job` is ready, printing the completions the engines have
+        finished every progress_every_s (also when unchanged: a long prefill still shows the
+        run is alive); returns the last count printed (None: no line)."""
+        import ray
+
+        start, printed = time.perf_counter(), None
+        while True:
+            left = self.rollout_timeout_s - (time.perf_counter() - start)
+            wait_s = min(left, self.progress_every_s) if self.board is not None else left
+            ready, _ = ray.wait(job.refs, num_returns=len(job.refs), timeout=max(wait_s, 0))
+            if len(ready) == len(job.refs):
+                return printed
+            if time.perf_counter() - start >= self.rollout_timeout_s:
+                raise TimeoutError(
+                    f"a rollout batch (policy version {job.version}) did not finish within "
+                    f"rollout_timeout_s={self.rollout_timeout_s} s; raise it or lower max_new_tokens"
+                )
+            if self.board is not None:  # else ray.wait returned a hair before the deadline
+                printed = sum(ray.get(self.board.read.remote(job.keys)))
+                _print_count(label, job, printed)
 
     def next_groups(
         self,
@@ -750,8 +905,6 @@ class RolloutPipeline:
                 waiting would loop forever; or a batch took longer than rollout_timeout_s
                 (`collect`).
         """
-        import time
-
         prefetch = max_staleness if prefetch is None else prefetch
         # at most the batches already in flight can be too old; more means the engines' weights
         # stopped advancing, and waiting would loop forever
@@ -775,7 +928,7 @@ class RolloutPipeline:
                 )
             if len(self.buffer) < num_groups - len(groups):
                 start = time.perf_counter()
-                self.collect()
+                self.collect(f"step {train_version + 1}")
                 waited += time.perf_counter() - start
             got, n_dropped = self.buffer.take(
                 num_groups - len(groups), train_version, max_staleness
@@ -791,16 +944,12 @@ class RolloutPipeline:
         that finished are checked (an engine error surfaces here), and one still unconfirmed
         `weight_sync_timeout_s` after it was pushed is a TimeoutError naming the engine.
         """
-        import time
-
         self._check_pushes()
         refs = push_weights(self.engines, state, version)
         self.sync_refs.append((refs, version, time.perf_counter()))
         self.version = version
 
     def _check_pushes(self) -> None:
-        import time
-
         import ray
 
         still = []
@@ -860,9 +1009,9 @@ class RolloutPipeline:
         if self.weight_transfer is not None:
             self.weight_transfer.shutdown()
             self.weight_transfer = None
-        for actor in [*self.engines, *self.reward_workers]:
+        for actor in [*self.engines, *self.reward_workers, *([self.board] if self.board else [])]:
             ray.kill(actor)
-        self.engines, self.reward_workers, self.pending = [], [], deque()
+        self.engines, self.reward_workers, self.pending, self.board = [], [], deque(), None
         if self.owns_ray:
             ray.shutdown()
 

@@ -42,7 +42,9 @@ from __future__ import annotations
 
 import difflib
 import functools
+import io
 import os
+from collections.abc import Callable
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -208,6 +210,7 @@ class VLLMEngine:
         top_p: float,
         stop_token_ids: list[int],
         seed: int,
+        on_progress: Callable[[int], None] | None = None,
     ) -> list[list[tuple[list[int], list[float]]]]:
         """Sample `n` completions per prompt, with the log-prob of every sampled token.
 
@@ -222,6 +225,8 @@ class VLLMEngine:
                 `runtime.generate.generate`).
             seed: sampling seed; prompt i, completion j uses seed + i * n + j (reproducible
                 per request, independent of batching).
+            on_progress: called with the completions finished so far (of N * n) each time a
+                prompt's n completions finish (vLLM's progress-bar hook, `_progress_bar`).
 
         Returns:
             N lists of G tuples (token_ids [T_i] int, logprobs [T_i] float nats). The log-probs are
@@ -240,6 +245,8 @@ class VLLMEngine:
                 "temperature >= 0 (0 = greedy) and 0 < top_p <= 1."
             )
         if max_new_tokens == 0:  # vLLM requires max_tokens >= 1
+            if on_progress is not None:
+                on_progress(len(prompts) * n)
             return [[([], []) for _ in range(n)] for _ in prompts]
         params = [
             self._vllm.SamplingParams(
@@ -255,7 +262,8 @@ class VLLMEngine:
             )
             for i in range(len(prompts))
         ]
-        outputs = self.llm.generate(_token_prompts(prompts), params, use_tqdm=False)
+        bar = False if on_progress is None else _progress_bar(on_progress)
+        outputs = self.llm.generate(_token_prompts(prompts), params, use_tqdm=bar)
         results = []
         for out in outputs:
             completions = sorted(out.outputs, key=lambda c: c.index)
@@ -431,6 +439,38 @@ class VLLMEngine:
                 f"update_weights: shape (given, checkpoint) differs for {bad}; send full "
                 "(unsharded) tensors, e.g. DTensor.full_tensor()."
             )
+
+
+class _Discard(io.TextIOBase):
+    """A text stream that drops what is written (the progress bar's output)."""
+
+    def write(self, s: str) -> int:
+        return len(s)
+
+
+def _progress_bar(on_progress: Callable[[int], None]) -> Callable:
+    """What `LLM.generate(use_tqdm=...)` takes to report finished completions to `on_progress`.
+
+    vLLM 0.32 calls it twice (`vllm/entrypoints/common/offline.py`): over the prompts while
+    rendering them (`maybe_tqdm`), passed through here silently, and in `_run_engine` as
+    `tqdm(total=...)` for the requests, whose `update(len(request_output.outputs))` it calls as
+    each request (a prompt's n completions) finishes. That bar is a live tqdm writing nowhere:
+    vLLM reads its `format_dict` and `n`, which a disabled tqdm does not keep.
+    """
+    from tqdm import tqdm
+
+    class CompletionBar(tqdm):
+        def update(self, n=1):
+            shown = super().update(n)
+            on_progress(int(self.n))
+            return shown
+
+    def make(*args, **kwargs):
+        if args or "iterable" in kwargs:
+            return tqdm(*args, **kwargs, disable=True)
+        return CompletionBar(**kwargs, file=_Discard())
+
+    return make
 
 
 def _on_cpu() -> bool:

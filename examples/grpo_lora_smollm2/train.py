@@ -638,7 +638,7 @@ def start_rollout(
         n=cfg.num_generations, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
         top_p=cfg.top_p, stop_token_ids=tokenizer.stop_token_ids,
     )  # fmt: skip
-    return RolloutPipeline(
+    pipeline = RolloutPipeline(
         engines,
         workers,
         sampling,
@@ -646,6 +646,8 @@ def start_rollout(
         cfg.weight_sync_timeout_s,
         owns_ray=owns_ray,
     )
+    pipeline.wait_engines()  # prints each engine's start; a failed start stops the run here
+    return pipeline
 
 
 def sync_weights(

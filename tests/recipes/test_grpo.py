@@ -116,6 +116,38 @@ def test_reward_workers_run_script_functions(grpo_script, ray_session, smollm2_d
     ray.kill(worker)
 
 
+def test_rollout_progress_is_printed_before_the_first_step(
+    grpo_script, ray_session, even_model_dir, chain_sum_64, tmp_path, capsys
+):
+    """The first step's wait says what it waits for, on stdout in plain lines: the engine's
+    start, then the step's 2 prompts x 4 generations = 8 completions generated and scored, all
+    before the step's own log line. The run's metrics.jsonl plots GRPO's panels."""
+    import re
+
+    from generator.plot import make_figure, read_metrics
+
+    run_grpo(
+        grpo_script, even_model_dir, chain_sum_64, tmp_path, "--rollout", "sync", "--max_steps", "1"
+    )
+    out = capsys.readouterr().out
+    assert "\r" not in out
+    lines = [line for line in out.splitlines() if line.startswith(("rollout |", "step "))]
+    patterns = [
+        r"rollout \| starting 1 engine\(s\)",
+        r"rollout \| engine 0 ready \([\d.]+ s\)",
+        r"rollout \| step 1: 8/8 completions \([\d.]+ s\)",
+        r"rollout \| step 1: scored 8 completions \([\d.]+ s\)",
+        r"step +1 \| reward .*",
+    ]
+    assert len(lines) == len(patterns), lines
+    assert all(re.fullmatch(p, line) for p, line in zip(patterns, lines, strict=True)), lines
+    fig = make_figure(read_metrics(tmp_path / "metrics.jsonl"))
+    assert [ax.get_title() for ax in fig.axes] == [
+        "loss", "reward / rewards/even_token_reward", "kl", "clip_frac", "completion_len", "lr",
+        "samples_per_s", "grad_norm",
+    ]  # fmt: skip
+
+
 def test_sync_is_on_policy_and_reproducible(
     grpo_script, ray_session, even_model_dir, chain_sum_64, tmp_path
 ):

@@ -36,22 +36,6 @@ def test_jsonl_logger_and_plot(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
-def test_plot_curves_take_the_last_value_of_a_relogged_step_and_dpo_panels():
-    from generator.plot import curves
-
-    rows = [
-        {"step": 1, "loss": 0.69, "rewards/accuracies": 0.0, "rewards/margins": 0.0},
-        {"step": 2, "loss": 0.65, "rewards/accuracies": 0.5, "rewards/margins": 0.1},
-        {"step": 3, "loss": 9.9},  # killed after logging step 3, resumed from step 2's checkpoint
-        {"step": 3, "loss": 0.60, "rewards/accuracies": 1.0, "rewards/margins": 0.3},
-    ]
-    panels = curves(rows)
-    assert list(panels)[-2:] == [("rewards/accuracies",), ("rewards/margins",)]
-    assert ("reward",) not in panels  # GRPO's panel only when logged
-    assert panels[("loss", "val_loss")]["loss"] == [(1, 0.69), (2, 0.65), (3, 0.60)]
-    assert panels[("loss", "val_loss")]["val_loss"] == []
-
-
 def test_plot_errors_are_one_line(tmp_path):
     result = CliRunner().invoke(cli, ["plot", str(tmp_path)])
     assert (

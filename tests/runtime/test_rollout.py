@@ -3,8 +3,9 @@ log-probs equal the trainer's completion log-probs, the replay buffer's stalenes
 local Ray (2 CPUs), weight sync through the object store (the engine then scores a fixed sequence
 exactly as the trainer does) and its timeout error, and the pipeline's own scheduling
 (`RolloutPipeline.next_groups`, with stand-in engines that report the seed and weights they
-sampled with): per-batch seeds, prefetch by mode, stale groups dropped and replaced, and the
-error when the engines' weights stop advancing."""
+sampled with): per-batch seeds, prefetch by mode, stale groups dropped and replaced, the
+error when the engines' weights stop advancing, and the progress lines it prints while engines
+in actors start and generate."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from runtime.grpo import (
     scatter_completion_values,
 )
 from runtime.rollout import (
+    ProgressBoard,
     ReplayBuffer,
     Rollout,
     RolloutPipeline,
@@ -82,6 +84,27 @@ def test_sampled_logprobs_equal_trainer_logprobs(tiny_model_dir):
     assert (batch["labels"] != -100).sum() == sum(len(c) for c in completions)
 
 
+def test_generation_reports_finished_completions(tiny_model_dir):
+    """`on_progress` gets, after every decoding step, the rows that have sampled a stop token
+    so far, and all rows at the end (those cut at max_new_tokens too)."""
+    model = _tiny_model(tiny_model_dir)
+    prompts, stop, max_new = (
+        [[5, 6, 7], [9, 10], [11], [12, 13, 14, 15]] * 2,
+        list(range(0, 512, 6)),
+        8,
+    )
+    counts = []
+    out = generate_with_logprobs(
+        model, prompts, max_new, temperature=1.0, top_p=1.0, stop_token_ids=stop, pad_token_id=0,
+        generator=torch.Generator().manual_seed(0), on_progress=counts.append,
+    )  # fmt: skip
+    stopped = [len(ids) for ids, _ in out if ids[-1] in stop]
+    assert 0 < len(stopped) < len(prompts)  # some rows stop early, some run to max_new_tokens
+    steps = max(len(ids) for ids, _ in out)
+    want = [sum(n <= t for n in stopped) for t in range(1, steps + 1)]
+    assert counts == [*want, len(prompts)]
+
+
 def _group(version: int, n: int = 2) -> list[Rollout]:
     return [Rollout([1], [2], [-0.1], 0.0, {}, version, 0) for _ in range(n)]
 
@@ -137,17 +160,26 @@ def test_weight_sync_timeout_names_engine(ray_session):
 
 class RecordingEngine:
     """Stands in for a generator engine: each completion is [seed, the engine's weight version],
-    so a test reads what every rollout was sampled with."""
+    so a test reads what every rollout was sampled with. With `delay_s` it finishes its
+    completions one per delay_s, reporting each to `on_progress` as the real engines do."""
 
-    def __init__(self):
+    def __init__(self, start_s: float = 0.0):
+        time.sleep(start_s)  # > 0: an engine still loading its model
         self.version = 0
 
-    def generate(self, prompts, n, seed, **sampling):
+    def generate(self, prompts, n, seed, on_progress=None, delay_s=0.0, **sampling):
+        for done in range(1, len(prompts) * n + 1):
+            time.sleep(delay_s)
+            if on_progress is not None:
+                on_progress(done)
         return [[([seed, self.version], [-0.5, -0.5]) for _ in range(n)] for _ in prompts]
 
     def update_weights(self, named_tensors, version):
         self.version = version
         return version
+
+    def policy_version(self):
+        return self.version
 
 
 class ZeroRewards:
@@ -160,6 +192,7 @@ class ZeroRewards:
             "rewards": [0.0] * n,
             "per_func": {"zero": [0.0] * n},
             "completions": [""] * n,
+            "score_s": 0.0,
         }
 
 
@@ -184,21 +217,23 @@ def _prompt_batches(per_batch: int = 2, per_epoch: int = 6):
 
 @pytest.fixture(scope="module")
 def fake_actors(ray_session):
-    """Two RecordingEngines and one ZeroRewards worker, started once for the module."""
+    """Two RecordingEngines, one ZeroRewards worker and a ProgressBoard, started once for the
+    module (together: their processes start in parallel)."""
     ray = ray_session
     engines = [ray.remote(num_cpus=0.1)(RecordingEngine).remote() for _ in range(2)]
     workers = [ray.remote(num_cpus=0.1)(ZeroRewards).remote()]
-    yield engines, workers
-    for actor in [*engines, *workers]:
+    board = ray.remote(num_cpus=0)(ProgressBoard).remote()
+    yield engines, workers, board
+    for actor in [*engines, *workers, board]:
         ray.kill(actor)
 
 
 @pytest.fixture
 def fake_pipeline(ray_session, fake_actors):
     """A fresh RolloutPipeline (G = 2) over the module's stand-in actors, engines at version 0."""
-    engines, workers = fake_actors
+    engines, workers, _ = fake_actors
     ray_session.get([e.update_weights.remote({}, 0) for e in engines])  # behind earlier calls
-    return RolloutPipeline(engines, workers, {"n": 2}, rollout_timeout_s=60)
+    return RolloutPipeline(engines, workers, {"n": 2}, rollout_timeout_s=60, progress_every_s=0)
 
 
 def _summary(groups):
@@ -381,3 +416,61 @@ def test_weight_source_yields_the_gathered_state_one_tensor_at_a_time(tiny_model
     q = "model.layers.1.self_attn.q_proj.weight"
     assert (merged[q] - got[q]).abs().max() > 1e-3  # the adapters are in (got: before LoRA)
     assert all(torch.equal(merged[k], want[k]) for k in want)
+
+
+def _progress_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("rollout |")]
+
+
+def test_progress_reaches_the_driver_from_engine_actors(ray_session, fake_actors, capsys):
+    """Two engine actors generating 4 completions each, 0.15 s apart: while the driver waits it
+    prints the completions finished so far (rising, some between 0 and 8), then the batch's end
+    and its scoring; a quick later batch prints nothing."""
+    import re
+
+    engines, workers, board = fake_actors
+    sampling = {"n": 2, "delay_s": 0.15}
+    pipeline = RolloutPipeline(
+        engines, workers, sampling, rollout_timeout_s=60, progress_every_s=0.1, board=board
+    )
+    pipeline.wait_engines()
+    pipeline.next_groups(_prompt_batches(4, 8), 4, train_version=0, max_staleness=0, seed=0)
+    lines = _progress_lines(capsys.readouterr().out)
+    assert lines[0] == "rollout | starting 2 engine(s)"
+    assert sorted(re.sub(r" \(.*", "", line) for line in lines[1:3]) == [
+        "rollout | engine 0 ready",
+        "rollout | engine 1 ready",
+    ]
+    counts = [
+        re.fullmatch(r"rollout \| step 1: (\d+)/8 completions \([\d.]+ s\)", line)
+        for line in lines[3:-1]
+    ]
+    assert all(counts), lines
+    counts = [int(m.group(1)) for m in counts]
+    assert counts == sorted(counts) and counts[-1] == 8 and any(0 < c < 8 for c in counts)
+    assert re.fullmatch(r"rollout \| step 1: scored 8 completions \([\d.]+ s\)", lines[-1])
+    sampling["delay_s"], pipeline.progress_every_s = 0.0, 5.0
+    pipeline.next_groups(_prompt_batches(4, 8), 4, train_version=0, max_staleness=0, seed=0)
+    assert _progress_lines(capsys.readouterr().out) == []
+
+
+def test_slow_engine_start_and_slow_batch_are_timeouts(ray_session, fake_actors):
+    """An engine still loading after rollout_timeout_s, and a batch still generating after it,
+    are errors that name what was waited for, not a silent wait."""
+    ray, (engines, workers, _) = ray_session, fake_actors
+    slow_start = ray.remote(num_cpus=0.1)(RecordingEngine).remote(start_s=30)
+    timeouts = dict(rollout_timeout_s=0.5, progress_every_s=0)  # no progress board
+    pipeline = RolloutPipeline([slow_start], workers, {"n": 1}, **timeouts)
+    with pytest.raises(
+        TimeoutError, match=r"engine\(s\) \[0\] did not start within rollout_timeout_s=0.5 s"
+    ):
+        pipeline.wait_engines()
+    ray.kill(slow_start)
+    # one completion of 5 s (a wide margin over 0.5 s on a loaded machine); the module's last
+    # test, so no later test waits behind it on this engine
+    sampling = {"n": 1, "delay_s": 5.0}
+    pipeline = RolloutPipeline(engines[:1], workers, sampling, **timeouts)
+    with pytest.raises(
+        TimeoutError, match=r"policy version 0\) did not finish within rollout_timeout_s=0.5 s"
+    ):
+        pipeline.next_groups(_prompt_batches(1), 1, train_version=0, max_staleness=0, seed=0)

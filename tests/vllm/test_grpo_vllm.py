@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -94,6 +95,14 @@ def test_grpo_with_vllm_engines_and_collective_weight_transfer(model_dir, tmp_pa
         capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, (proc.stderr + proc.stdout)[-4000:]
+    # the engine actor's start and the first batch are announced before step 1's line
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(("rollout |", "step "))]
+    first = [r"rollout \| starting 1 engine\(s\)", r"rollout \| engine 0 ready \([\d.]+ s\)"]
+    first += [r"rollout \| step 1: (8/8|scored 8) completions \([\d.]+ s\)"] * 2 + [
+        r"step +1 \| .*"
+    ]
+    assert len(lines) > len(first), lines
+    assert all(re.fullmatch(p, line) for p, line in zip(first, lines, strict=False)), lines
     out = json.loads(result.read_text())
     history, gaps = out["history"], out["gaps"]
     versions = [0, 1, 2] if rollout == "sync" else [0, 0, 1]

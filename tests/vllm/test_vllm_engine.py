@@ -106,6 +106,16 @@ def test_sampled_logprobs_match_runtime(setup, temperature):
     assert engine.generate(PROMPTS, n, 10, temperature, 1.0, [], seed=123) == got
 
 
+def test_generate_reports_finished_completions(setup):
+    """`on_progress` (through vLLM's progress-bar hook) gets the completions finished so far, one
+    prompt's n at a time, and does not change what is sampled."""
+    engine, _ = setup
+    counts = []
+    got = engine.generate(PROMPTS, 4, 10, 1.0, 1.0, [], seed=5, on_progress=counts.append)
+    assert counts == [4, 8, 12]
+    assert got == engine.generate(PROMPTS, 4, 10, 1.0, 1.0, [], seed=5)
+
+
 def test_top_p_logprobs_are_renormalised_over_the_nucleus(setup):
     """With top_p < 1 vLLM returns log-probs of the distribution it sampled from: softmax(logits /
     T) cut to the nucleus (the smallest top set with mass >= top_p, as runtime.generate's
