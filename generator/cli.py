@@ -614,7 +614,8 @@ def assets():
 @click.option("--out", "out", default=None, help="PNG path (default RUN_DIR/metrics.png).")
 @_friendly
 def plot(run_dir, out):
-    """Draw loss, validation loss, lr and tokens/s from RUN_DIR/metrics.jsonl into a PNG."""
+    """Draw what RUN_DIR/metrics.jsonl (or RUN_DIR/out/metrics.jsonl) logs into a PNG: one panel
+    per logged quantity, smoothed train curves over the raw ones, the run's command as title."""
     from generator.plot import plot_metrics
 
     path = plot_metrics(Path(run_dir), Path(out) if out else None)
