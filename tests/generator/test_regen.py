@@ -759,7 +759,13 @@ def test_no_edit_is_lost_silently(scenario):
 # (the skeletons were pasted copies then): a user's edited script of that time must regenerate
 # onto today's templates with the edit kept.
 BEFORE_SHARED_PARTIALS = "cc53fd5"
-EDIT = ("    seed: int = 0\n", "    seed: int = 1234  # user edit: another seed\n")
+# A Config default a user changes. (Not `seed`: its line is next to `sample_prompt`, whose default
+# changed since, and a 3-way merge rightly calls two changes with no unchanged line between them a
+# conflict; `scaffold regen --abort` / `--continue` handle that one.)
+EDIT = (
+    "    keep_last_checkpoints: int = 2  # older complete checkpoints are deleted\n",
+    "    keep_last_checkpoints: int = 5  # user edit: keep more\n",
+)
 
 
 def _git_show(rev: str, path: str) -> str:
