@@ -63,3 +63,31 @@ def test_gpu_check_refuses_without_cuda_in_one_line():
     assert proc.stderr.strip().splitlines() == [
         f"gpu_check: no CUDA GPU visible to {sys.executable}'s torch; on CPU run: python benchmarks/gpu_check.py --smoke"
     ]
+
+
+def _driver():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", DRIVER)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    "peak, bound, status",
+    [(1050, False, "pass"), (920, False, "pass"), (1200, False, "fail"), (850, False, "fail"),
+     (500, True, "pass"), (1090, True, "pass"), (1200, True, "fail")],
+)  # fmt: skip
+def test_cuda_peak_is_judged_against_the_plan(peak, bound, status):
+    """On CUDA a run passes within 10% of its plan; against an upper bound (compile, planned
+    without it) only above 1.10x fails."""
+    g = _driver()
+    row = g.Row("c", status="pass", steps=10, peak_mib=peak, planned_mib=1000)
+    row.extra = {"plan": "planned in 3 s", "bound": bound}
+    g.judge(row, "cuda")
+    assert row.status == status
+    if status == "fail":
+        bar = "at most 1.10x" if bound else "within 10%"
+        assert row.note == f"peak {peak / 1000:.2f}x the plan (bar: {bar}); planned in 3 s"
