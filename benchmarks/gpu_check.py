@@ -435,9 +435,9 @@ def section(rows: list[Row], env: dict, command: str, sizes: Sizes, device: str)
     what = "CUDA `max_memory_allocated`" if device == "cuda" else "CPU RSS (smoke run)"
     envline = ", ".join(f"{k} {v}" for k, v in env.items())
     return (
-        f"## GPU check ({now}, `benchmarks/gpu_check.py`)\n\n"
+        f"## GPU check{', CPU smoke run' if device != 'cuda' else ''} ({now}, `benchmarks/gpu_check.py`)\n\n"
         f"Command: `{command}`. Environment: {envline}.\n"
-        f"Random-weight SmolLM2-135M-sized models ({json.dumps(sizes.model) if sizes.model else 'its config'}), "
+        f"Random weights (seed 0) at SmolLM2-135M's config{' with ' + json.dumps(sizes.model) if sizes.model else ''}, "
         f"real tokenizer and data; micro batch {sizes.micro_batch_size}, max_seq_len {sizes.max_seq_len}. "
         f"peak = the largest logged `peak_mem_mib` ({what}); planned = `scaffold plan`'s simulated peak "
         f"of the same spec, model and sizes; tokens/s = the median past the first two steps.\n\n"

@@ -39,7 +39,9 @@ def test_smoke_run_writes_measured_and_planned_figures(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "runtime probe: bf16 forward + backward on cpu ok" in proc.stdout
     text = results.read_text()
-    assert text.startswith("# earlier figures\n") and "## GPU check (" in text  # appended
+    assert (
+        text.startswith("# earlier figures\n") and "## GPU check, CPU smoke run (" in text
+    )  # appended
     assert (out / "gpu_check.md").read_text().strip() in text
     case, status, steps, rate, peak, planned, ratio, _, note = _row(text, "sft-bf16")
     assert (status, steps) == ("pass", "3")
