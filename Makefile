@@ -36,7 +36,7 @@ test: install
 	$(BIN)/python -m pytest -q --durations=20
 
 # The fast tier (marker `fast`, tests/README.md): every model block's and loss's parity, every render,
-# the bad-input corpus in one process, one short end-to-end run; about 1.5 min on 2 cores.
+# the bad-input corpus in one process, one short end-to-end run; about 4 min on 2 cores (tests/README.md).
 test-fast: install
 	$(BIN)/pip install --quiet -e '.[test]'
 	$(BIN)/scaffold assets

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shlex
 from pathlib import Path
 
 import click
@@ -128,15 +129,15 @@ def new(
     text = render(spec)
     launch = render_launch(spec)
     write_run_dir(out_dir, spec, text, launch)
-    launch_dir = out_dir / "launch"
+    # from inside the directory: out_dir ("out") is relative to where the script runs, and
+    # `scaffold plot DIR` looks in DIR/out
+    cd = f"cd {shlex.quote(str(out_dir))} && "
     if spec.nodes > 1:
-        run = f"sbatch {launch_dir / 'slurm.sbatch'}   (or: {launch_dir / 'torchrun_multinode.sh'})"
+        run = f"{cd}sbatch launch/slurm.sbatch   (or: launch/torchrun_multinode.sh)"
     elif trainer_gpus(spec) > 1:  # the mesh needs that many processes: `python train.py` refuses
-        run = (
-            f"bash {launch_dir / 'torchrun.sh'}   (torchrun --nproc-per-node {trainer_gpus(spec)})"
-        )
+        run = f"{cd}bash launch/torchrun.sh   (torchrun --nproc-per-node {trainer_gpus(spec)})"
     else:
-        run = f"python {script}   (or: bash {launch_dir / 'torchrun.sh'})"
+        run = f"{cd}python train.py   (or: bash launch/torchrun.sh)"
     click.echo(
         f"wrote {script} ({len(text.splitlines())} lines) and {', '.join(launch)}\nrun: {run}"
     )

@@ -179,7 +179,9 @@ def make_figure(
         for i, key in enumerate(panel.keys):
             steps, values = zip(*points[key], strict=True)
             color = f"C{i}"
-            if key in panel.points:
+            if len(steps) == 1:  # a 1-step run: a line through one point would draw nothing
+                ax.plot(steps, values, "o", color=color, ms=5, label=key)
+            elif key in panel.points:
                 ax.plot(steps, values, "o--", color=color, ms=4, lw=1, label=key)
             elif panel.smooth and smoothing > 0:
                 ax.plot(steps, values, color=color, alpha=0.3, lw=1, label=key)
@@ -194,6 +196,9 @@ def make_figure(
                 ax.plot(steps, values, color=color, lw=1.5, label=key)
         ax.set_title(textwrap.fill(" / ".join(panel.keys), 40), fontsize="medium")
         ax.set_xlabel("step")
+        first, last = min(p[0][0] for p in points.values()), max(p[-1][0] for p in points.values())
+        if last - first < 2:  # matplotlib pads one step to 0.95..1.05, which holds no integer tick
+            ax.set_xlim(first - 1, last + 1)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         if len(panel.keys) > 1:

@@ -518,7 +518,9 @@ def copy_tokenizer_files(src_dir: str | os.PathLike, dst_dir: str | os.PathLike)
     copied = []
     for name in TOKENIZER_FILES:
         if (src_dir / name).is_file():
-            shutil.copy2(src_dir / name, dst_dir / name)
+            # content only: a new file with the user's umask, not the source's mode and time
+            # (the cache's files may be 0o600, or 0o644 where the user asked for private files)
+            shutil.copyfile(src_dir / name, dst_dir / name)
             copied.append(name)
     return copied
 

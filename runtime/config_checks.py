@@ -75,7 +75,8 @@ def config_notes(cfg) -> list[str]:
     if {"warmup_steps", "max_steps"} <= has and cfg.warmup_steps > cfg.max_steps >= 1:
         notes.append(
             f"warmup_steps={cfg.warmup_steps} is longer than max_steps={cfg.max_steps}: the lr "
-            f"warms up over all {cfg.max_steps} steps (set --warmup_steps to choose)"
+            f"warms up over the whole run ({cfg.max_steps} step{'s' * (cfg.max_steps != 1)}; "
+            "set --warmup_steps to choose)"
         )
     return notes
 

@@ -496,7 +496,8 @@ def resume_training(
 
     Collective when there is a checkpoint (every rank loads its shards): call it on every rank.
     Rank 0 (`is_main`) prints one line, e.g. `resuming from out/checkpoints/step_000010: step 10,
-    epoch 0, sample 80; config changed: lr 1e-05 -> 2e-05, max_steps 10 -> 20`.
+    epoch 0, sample 80; config changed: lr 1e-05 -> 2e-05, max_steps 10 -> 20`, and says so when
+    the checkpoint is already at max_steps (a finished run rerun: no step to train).
 
     Args:
         resume: "auto", "none" or a checkpoint directory (`resolve_resume`).
@@ -518,9 +519,17 @@ def resume_training(
     state = load_train_state(path, model, optimizer, scheduler)
     if is_main:
         changed = _config_changes(read_checkpoint_config(path), config)
+        done = config.get("max_steps") is not None and state.step >= config["max_steps"]
         print(
             f"resuming from {path}: step {state.step}, epoch {state.epoch}, "
-            f"sample {state.samples_consumed}" + (f"; config changed: {changed}" if changed else "")
+            f"sample {state.samples_consumed}"
+            + (f"; config changed: {changed}" if changed else "")
+            + (
+                f"; max_steps={config['max_steps']} is reached: no step to train (raise "
+                "--max_steps to train on, or pass --overwrite to start anew)"
+                if done
+                else ""
+            )
         )
     return state
 

@@ -229,3 +229,24 @@ def test_slurm_activates_the_gpu_env_above_the_run_dir(tmp_path):
     lone.mkdir()
     proc = _run_sbatch(tmp_path, lone, {})
     assert proc.returncode == 0 and "environment:" not in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "options, run",
+    [
+        ([], "cd {out} && python train.py   (or: bash launch/torchrun.sh)"),
+        (["--gpus", "2"], "cd {out} && bash launch/torchrun.sh   (torchrun --nproc-per-node 2)"),
+        (["--gpus", "2", "--nodes", "2"],
+         "cd {out} && sbatch launch/slurm.sbatch   (or: launch/torchrun_multinode.sh)"),
+    ],
+)  # fmt: skip
+def test_new_says_to_run_from_inside_the_directory(options, run, tmp_path):
+    """The script's out_dir ("out") is relative to where it runs, and `scaffold plot DIR` reads
+    DIR/out: the printed command starts in DIR, so the two meet."""
+    out = tmp_path / "my run"
+    result = CliRunner().invoke(
+        cli, ["new", "--model", "smollm2-135m", "--out", str(out), *options]
+    )
+    assert result.exit_code == 0, result.output
+    quoted = f"'{out}'"  # shell-quoted: the path has a space
+    assert f"run: {run.format(out=quoted)}" in result.output.splitlines()

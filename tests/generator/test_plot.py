@@ -113,6 +113,21 @@ def test_each_algorithm_draws_what_it_logs_with_integer_steps(algo):
         assert len(fig.axes) == 8 and fig.axes[4].get_subplotspec().rowspan.start == 1
 
 
+@pytest.mark.parametrize("algo", list(ALGOS))
+def test_a_one_step_run_draws_a_marker_on_integer_ticks(algo):
+    """`--max_steps 1`, what a newcomer runs first: every panel shows its point, and the step
+    axis has whole-number ticks around it."""
+    rows = ALGOS[algo][0][:1]
+    fig = make_figure(rows)
+    assert fig.axes
+    for ax in fig.axes:
+        lines = ax.get_lines()
+        assert lines and all(line.get_marker() == "o" for line in lines), ax.get_title()
+        assert [list(line.get_xdata()) for line in lines] == [[1]] * len(lines)
+        ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        assert 1 in ticks and all(float(t).is_integer() for t in ticks), (ax.get_title(), ticks)
+
+
 def test_smoothed_line_is_the_debiased_ema_over_the_faint_raw_line():
     losses = [2.0, 1.0, 3.0, 0.5]
     rows = [{"step": s, "loss": v} for s, v in enumerate(losses, start=1)]

@@ -179,7 +179,7 @@ def test_a_newcomers_first_runs(sft_script, tiny_model_dir, small_dataset, tmp_p
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
     assert sft_script.Config.warmup_steps > 3  # the default is longer than this run
     assert (
-        "note | warmup_steps=10 is longer than max_steps=3: the lr warms up over all 3 steps"
+        "note | warmup_steps=10 is longer than max_steps=3: the lr warms up over the whole run (3 steps"
         in first.stdout
     )
     cfg = sft_script.Config(

@@ -110,9 +110,12 @@ def test_a_warmup_longer_than_the_run_is_a_note_not_an_error(world_of_4):
     short = Full(max_steps=3, warmup_steps=10)
     assert common_config_errors(short) == []
     assert config_notes(short) == [
-        "warmup_steps=10 is longer than max_steps=3: the lr warms up over all 3 steps "
-        "(set --warmup_steps to choose)"
+        "warmup_steps=10 is longer than max_steps=3: the lr warms up over the whole run "
+        "(3 steps; set --warmup_steps to choose)"
     ]
+    assert config_notes(Full(max_steps=1, warmup_steps=10))[0].endswith(
+        "over the whole run (1 step; set --warmup_steps to choose)"
+    )
     assert config_notes(Full(max_steps=10, warmup_steps=10)) == []
     assert config_notes(make_dataclass("Empty", [])()) == []
 

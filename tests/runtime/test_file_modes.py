@@ -12,7 +12,12 @@ import pytest
 import torch
 
 from runtime import TrainState, cosine_schedule_with_warmup, save_train_state
-from runtime.checkpoint import apply_umask_modes, current_umask, save_hf_checkpoint
+from runtime.checkpoint import (
+    apply_umask_modes,
+    copy_tokenizer_files,
+    current_umask,
+    save_hf_checkpoint,
+)
 from runtime.lora import add_lora, init_lora, merged_hf_tensors, save_adapter
 from runtime.models.llama import ModelArgs, build_model
 from tests.helpers import TINY_CONFIG
@@ -55,12 +60,18 @@ def test_saves_follow_the_umask(mask, process_group, tmp_path):
     hf_config = model.args.to_hf_config()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     scheduler = cosine_schedule_with_warmup(optimizer, 0, 4, 0.0)
+    tokenizer_src = tmp_path / "cache"  # a cache written under another umask
+    tokenizer_src.mkdir()
+    for name, mode in (("tokenizer.json", 0o644), ("tokenizer_config.json", 0o600)):
+        (tokenizer_src / name).write_text("{}")
+        os.chmod(tokenizer_src / name, mode)
     existing = tmp_path / "existing"
     existing.mkdir(mode=0o750)  # the user's own directory keeps the mode they gave it
     os.chmod(existing, 0o750)  # mkdir's mode is masked too
     with umask(mask):
         assert current_umask() == mask
         save_hf_checkpoint(model, tmp_path / "model", hf_config)
+        copy_tokenizer_files(tokenizer_src, tmp_path / "model")
         save_hf_checkpoint(model, existing, hf_config)
         save_adapter(model, tmp_path / "adapter", "base")
         tensors = merged_hf_tensors(model, hf_config)
@@ -69,7 +80,13 @@ def test_saves_follow_the_umask(mask, process_group, tmp_path):
         assert os.umask(mask) == mask  # the saves left the umask as they found it
     file_mode, dir_mode = 0o666 & ~mask, 0o777 & ~mask
     saved = {
-        "model": {".", "model.safetensors", "config.json"},
+        "model": {
+            ".",
+            "model.safetensors",
+            "config.json",
+            "tokenizer.json",
+            "tokenizer_config.json",
+        },
         "adapter": {".", "adapter_model.safetensors", "adapter_config.json", "merged"},
         "adapter/merged": {".", "model.safetensors", "config.json"},
         "ckpt/step_000001": {".", "dcp", "COMPLETE", "scheduler.pt", "rng_rank0.pt"},

@@ -142,6 +142,15 @@ def test_resume_training_loads_and_reports_each_changed_value(process_group, tmp
     assert state.step == 3 and capsys.readouterr().out == ""
     resume_training(path, tmp_path, model2, optimizer2, scheduler2, SAVED_CONFIG, True)
     assert capsys.readouterr().out == f"resuming from {path}: step 3, epoch 1, sample 40\n"
+    # a finished run rerun with its own max_steps: nothing to train, and the line says so
+    resume_training(
+        path, tmp_path, model2, optimizer2, scheduler2, {**SAVED_CONFIG, "max_steps": 3}, True
+    )
+    assert capsys.readouterr().out == (
+        f"resuming from {path}: step 3, epoch 1, sample 40; config changed: max_steps 10 -> 3; "
+        "max_steps=3 is reached: no step to train (raise --max_steps to train on, or pass "
+        "--overwrite to start anew)\n"
+    )
 
 
 def test_resume_training_without_a_checkpoint_starts_fresh(process_group, tmp_path, capsys):
