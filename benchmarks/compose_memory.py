@@ -18,6 +18,8 @@ Usage (from the repo root, with the venv):
 
 from __future__ import annotations
 
+import functools
+
 import argparse
 import json
 import subprocess
@@ -68,7 +70,10 @@ def _dpo_steps(s, args):
     model = s.setup_model(cfg, model_dir, mesh, dist_info.device)
     reference = s.build_reference(cfg, model_dir, mesh, dist_info.device)
     optimizer, scheduler = s.build_optimizer(cfg, model)
-    loader = s.build_dataloader(cfg, train_set, tokenizer.pad_token_id, 0, 1, train=True)
+    collate_fn = functools.partial(
+        s.collate, pad_token_id=tokenizer.pad_token_id, pad_to=cfg.max_seq_len
+    )
+    loader = s.build_dataloader(train_set, collate_fn, cfg.micro_batch_size, 0, 1, cfg.seed, True)
     batches = s.infinite_batches(loader)
 
     def step():

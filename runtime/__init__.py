@@ -9,7 +9,9 @@ from runtime.checkpoint import (
     load_hf_checkpoint,
     prepare_out_dir,
     read_hf_config,
+    read_model_args,
     save_hf_checkpoint,
+    save_hf_model,
 )
 from runtime.config import ConfigError, entry_point
 from runtime.config import parse as parse_config
@@ -20,8 +22,10 @@ from runtime.context_parallel import (
     shard_for_context_parallel,
 )
 from runtime.data import (
+    build_dataloader,
     infinite_batches,
     load_rows,
+    pad_batch,
     pad_with_unsupervised_copies,
     prompt_messages,
     split_train_val,
@@ -68,8 +72,12 @@ from runtime.loss import (
 )
 from runtime.metrics import (
     MetricsLogger,
+    check_finite,
     logger_errors,
     peak_memory_mib,
+    progress_bar,
+    run_summary,
+    step_line,
     transformer_flops_per_token,
 )
 from runtime.models.llama import CausalLM, KVCache, LlamaForCausalLM, ModelArgs, build_model
@@ -96,6 +104,7 @@ from runtime.parallel import (
     cast_frozen_params,
     check_tp_degree,
     clip_grad_norm,
+    data_parallel,
     destroy_distributed,
     disable_fsdp_gradient_division,
     init_distributed,
@@ -247,4 +256,13 @@ __all__ = [
     "token_logprobs",
     "transformer_flops_per_token",
     "vocab_parallel_cross_entropy_sum",
+    "read_model_args",
+    "save_hf_model",
+    "build_dataloader",
+    "pad_batch",
+    "check_finite",
+    "progress_bar",
+    "run_summary",
+    "step_line",
+    "data_parallel",
 ]

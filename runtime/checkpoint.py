@@ -36,6 +36,7 @@ from runtime.dtensors import (
     reshard_fsdp,
     save_dtype,
 )
+from runtime.models.args import ModelArgs
 from runtime.models.moe import SparseMoeBlock
 
 SAFETENSORS_NAME = "model.safetensors"
@@ -555,3 +556,50 @@ def prepare_out_dir(path: str | os.PathLike, name: str = "out_dir") -> Path:
             f"directory, so choose another --{name}."
         ) from e
     return out
+
+
+def read_model_args(model_dir: str | os.PathLike, positions: dict[str, int]) -> ModelArgs:
+    """The model's dimensions from `model_dir`/config.json, checked against the run's length.
+
+    Args:
+        model_dir: a Hugging Face model directory.
+        positions: the config options whose sum is the longest sequence the run builds (e.g.
+            {"max_seq_len": 512}, or {"max_prompt_len": 256, "max_new_tokens": 64}).
+
+    Raises:
+        ValueError: config.json is missing or unreadable (`read_hf_config`), or the sum exceeds the
+            model's max_position_embeddings (RoPE was trained up to it); the message names the
+            options to lower.
+    """
+    path = Path(model_dir) / "config.json"
+    model_args = ModelArgs.from_hf_config(read_hf_config(model_dir), source=str(path))
+    needed = sum(positions.values())
+    if needed > model_args.max_position_embeddings:
+        names = " + ".join(positions)
+        asked = f"{names}={needed}" if len(positions) == 1 else f"{names} = {needed}"
+        lower = " or ".join(f"--{name}" for name in positions)
+        raise ValueError(
+            f"{asked} exceeds the model's max_position_embeddings="
+            f"{model_args.max_position_embeddings}; lower {lower}"
+        )
+    return model_args
+
+
+def save_hf_model(
+    model: nn.Module,
+    model_dir: str | os.PathLike,
+    path: str | os.PathLike,
+    config: dict,
+    is_main: bool,
+) -> None:
+    """The trained model in Hugging Face layout: config.json and model.safetensors (with the
+    source's config, so `transformers` loads it), the tokenizer files of `model_dir`, and the
+    run's resolved config as training_config.json.
+
+    Collective under FSDP: every rank calls it (the shards are gathered one tensor at a time);
+    rank 0 (`is_main`) writes.
+    """
+    save_hf_checkpoint(model, path, read_hf_config(model_dir))
+    if is_main:
+        copy_tokenizer_files(model_dir, path)
+        (Path(path) / "training_config.json").write_text(json.dumps(config, indent=2))

@@ -461,3 +461,100 @@ def infinite_batches(loader, epoch: int = 0, samples_consumed: int = 0) -> Itera
                 f"{loader.sampler.num_replicas} ranks: lower the micro-batch size or add data"
             )
         epoch, samples_consumed = epoch + 1, 0
+
+
+def pad_batch(
+    rows: list[dict],
+    pad_values: dict[str, int],
+    pad_to: int = 0,
+    pad_to_multiple_of: int = 1,
+    ids: list[int] | None = None,
+) -> dict:
+    """Right-pad token lists into [B, S] tensors: the batch of every recipe's `collate`.
+
+    Args:
+        rows: dicts with a list[int] under every key of `pad_values` (equal lengths within a row)
+            and, unless `ids` is given, an int "id" (the row's number in the dataset).
+        pad_values: key -> the value its padding takes (pad_token_id for input_ids, IGNORE_INDEX
+            for labels, so padding is never supervised). The first key counts the tokens.
+        pad_to: a minimum S (a fixed shape for benchmarks; 0 = the longest row).
+        pad_to_multiple_of: S is rounded up to a multiple of it (tensor and context parallel
+            split the sequence).
+        ids: the batch's sample ids when they are not the rows' own (DPO: one id per pair, whose
+            chosen and rejected sequences are two rows).
+
+    Returns:
+        {key: [B, S] int64 for each key of pad_values, "num_tokens": scalar int64 (the first
+        key's non-padding tokens), "sample_ids": int64 (the rows' ids, [B], or `ids`)}.
+    """
+    import torch
+
+    first = next(iter(pad_values))
+    S = max(pad_to, max(len(row[first]) for row in rows))
+    S = -(-S // pad_to_multiple_of) * pad_to_multiple_of
+    batch = {}
+    for key, value in pad_values.items():
+        padded = torch.full((len(rows), S), value, dtype=torch.long)
+        for i, row in enumerate(rows):
+            padded[i, : len(row[key])] = torch.tensor(row[key], dtype=torch.long)
+        batch[key] = padded
+    batch["num_tokens"] = torch.tensor(sum(len(row[first]) for row in rows))
+    batch["sample_ids"] = torch.tensor([row["id"] for row in rows] if ids is None else ids)
+    return batch
+
+
+def build_dataloader(
+    examples: list[dict],
+    collate_fn,
+    batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    seed: int,
+    train: bool,
+    what: str = "examples",
+    unsupervised_fill: bool = True,
+):
+    """The data loader of one data-parallel rank: a disjoint shard of `examples`.
+
+    Training shuffles by (seed, epoch) and drops the last partial batch; the sampler
+    (`ResumableDistributedSampler`) can start an epoch part-way, which is how a resumed run
+    continues. Evaluation keeps the order, and every rank runs as many forwards (FSDP's
+    collectives must pair up): with `unsupervised_fill` the examples are first filled up to a
+    multiple of dp_size with copies that have no supervised token (`pad_with_unsupervised_copies`:
+    they add no loss), else the sampler repeats examples as `DistributedSampler` does.
+
+    Args:
+        examples: the dataset (dicts that `collate_fn` batches).
+        collate_fn: list[dict] -> batch dict.
+        batch_size: examples per rank per forward (the micro-batch size).
+        dp_rank, dp_size: this rank's place among the data-parallel ranks.
+        seed: the shuffle's seed.
+        train: shuffle and drop_last (True) or evaluation order (False).
+        what: what the examples are called in the error ("examples", "pairs").
+        unsupervised_fill: evaluation's fill (examples with a "labels" list); see above.
+
+    Returns:
+        A torch DataLoader of `collate_fn` batches.
+
+    Raises:
+        ValueError: train and the data give no full batch on each rank (the run could not take
+            a step); the message names --micro_batch_size.
+    """
+    from torch.utils.data import DataLoader
+
+    from runtime.train_state import ResumableDistributedSampler
+
+    if not train and unsupervised_fill:
+        examples = pad_with_unsupervised_copies(examples, dp_size)
+    sampler = ResumableDistributedSampler(
+        examples, num_replicas=dp_size, rank=dp_rank, shuffle=train, seed=seed, drop_last=train
+    )
+    loader = DataLoader(
+        examples, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, drop_last=train
+    )
+    if train and len(loader) == 0:
+        raise ValueError(
+            f"{len(examples)} training {what} give no full micro-batch of {batch_size} "
+            f"on each of {dp_size} ranks; lower --micro_batch_size or add data"
+        )
+    return loader

@@ -197,3 +197,83 @@ def _rows_up_to(path: Path, step: int) -> str:
         if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
             kept.append(line + "\n")
     return "".join(kept)
+
+
+def run_summary(
+    cfg, model: torch.nn.Module, model_dir, world_size: int, device, details: str
+) -> str:
+    """What rank 0 prints before the first step: the resolved config (JSON), a `note | ...` line
+    for each of `config_notes(cfg)`, and one line of the model, the data and the processes.
+
+    Args:
+        cfg: the script's Config dataclass.
+        model: the trained model (parameter counts are global also under FSDP: DTensor.numel()).
+        model_dir: where the weights came from.
+        world_size: trainer processes.
+        device: torch.device of this rank.
+        details: the script's own part of the line (data, batch, reference or engines).
+    """
+    from runtime.config_checks import config_notes
+
+    n_params = sum(p.numel() for p in model.parameters())
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    lines = [json.dumps(dataclasses.asdict(cfg), indent=2)]
+    lines += [f"note | {note}" for note in config_notes(cfg)]
+    lines.append(
+        f"model {model_dir} | {n_params / 1e6:.1f}M params, {n_trainable / 1e6:.2f}M trainable "
+        f"({100 * n_trainable / max(n_params, 1):.2f}%) | {details} | "
+        f"{world_size} process(es) on {device.type}"
+    )
+    return "\n".join(lines)
+
+
+def progress_bar(start_step: int, max_steps: int, is_main: bool):
+    """The steps start_step + 1 .. max_steps as a tqdm bar, drawn on rank 0 and on a terminal only:
+    in a redirected log its carriage returns would garble the step lines (`tqdm.write` keeps
+    them whole either way)."""
+    from tqdm import tqdm
+
+    return tqdm(
+        range(start_step + 1, max_steps + 1),
+        initial=start_step,
+        total=max_steps,
+        disable=not (is_main and sys.stderr.isatty()),
+        desc="train",
+        dynamic_ncols=True,
+    )
+
+
+def check_finite(
+    step: int, metrics: dict, last_checkpoint, hint: str = "lower --lr or check the data"
+) -> None:
+    """Stop the run at a non-finite loss or gradient norm, before anything of the step is saved.
+
+    The optimizer step was already skipped (the weights never see a NaN/inf); this names the last
+    checkpoint a rerun resumes from.
+
+    Args:
+        metrics: the step's metrics, with "loss" and "grad_norm" floats.
+        last_checkpoint: `TrainState.path` (None when no checkpoint was saved).
+
+    Raises:
+        FloatingPointError: loss or grad_norm is NaN or inf.
+    """
+    if math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"]):
+        return
+    last_good = last_checkpoint or "none (set --save_every_steps)"
+    raise FloatingPointError(
+        f"step {step}: loss {metrics['loss']}, grad_norm {metrics['grad_norm']} is not finite; "
+        f"stopped without saving this step (last good checkpoint: {last_good}); {hint}"
+    )
+
+
+def step_line(step: int, metrics: dict, extra: str = "") -> str:
+    """The printed line of an offline step: loss, `extra` (the algorithm's own figures, already
+    formatted as " | name value"), val_loss when evaluated, lr, grad_norm, tokens/s and peak
+    memory (MiB)."""
+    return (
+        f"step {step:5d} | loss {metrics['loss']:.4f}{extra}"
+        + (f" | val_loss {metrics['val_loss']:.4f}" if "val_loss" in metrics else "")
+        + f" | lr {metrics['lr']:.2e} | grad_norm {metrics['grad_norm']:.3f}"
+        f" | {metrics['tokens_per_s']:.0f} tok/s | peak {metrics['peak_mem_mib']:.0f} MiB"
+    )

@@ -148,6 +148,14 @@ def _flatten(mesh: DeviceMesh, dims: tuple[str, ...], name: str) -> None:
     mesh[present]._flatten(name)
 
 
+def data_parallel(mesh: DeviceMesh) -> tuple[int, int, dist.ProcessGroup]:
+    """(rank, size, process group) of this rank in the mesh's flattened "dp" dim (`build_mesh`):
+    the ranks that read different data. The sampler shards over (rank, size); token counts and
+    loss sums are all-reduced over the group."""
+    dp = mesh["dp"]
+    return dp.get_local_rank(), dp.size(), dp.get_group()
+
+
 def check_tp_degree(
     tp: int,
     num_attention_heads: int,

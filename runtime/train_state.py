@@ -58,6 +58,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.utils.data import DistributedSampler
 
+from runtime.checkpoint import prepare_out_dir
+
 COMPLETE_MARKER = "COMPLETE"
 # Frozen parameters (a LoRA/QLoRA base) are not saved: the script reloads them from the model
 # directory before resuming, so checkpoints hold only what training changes.
@@ -240,8 +242,9 @@ RUN_OUTPUTS = (
 )
 
 
-def claim_out_dir(out_dir: str | os.PathLike, resume: str, overwrite: bool, is_main: bool) -> None:
-    """Make sure this run's outputs never mix with an earlier run's in `out_dir`.
+def claim_out_dir(out_dir: str | os.PathLike, resume: str, overwrite: bool, is_main: bool) -> Path:
+    """Create `out_dir` (writable: `prepare_out_dir`) and make sure this run's outputs never mix
+    with an earlier run's there.
 
     A run into out_dir is one of: a fresh run into a directory with none of `RUN_OUTPUTS`; a resume
     (`resolve_resume` finds a checkpoint: the run continues, and `MetricsLogger` keeps its
@@ -255,18 +258,23 @@ def claim_out_dir(out_dir: str | os.PathLike, resume: str, overwrite: bool, is_m
     at a barrier, so none of them sees a half-deleted checkpoint.
 
     Args:
-        out_dir: the run's output directory (exists: `prepare_out_dir`).
+        out_dir: the run's output directory (created if missing).
         resume: the run's `resume` setting ("auto", "none" or a checkpoint directory).
         overwrite: start fresh, deleting the earlier run's `RUN_OUTPUTS` (nothing else in out_dir).
         is_main: this is rank 0, the one that deletes.
 
+    Returns:
+        out_dir as a Path.
+
     Raises:
+        OSError: out_dir cannot be created or written (`prepare_out_dir`: at startup, not at the
+            first save).
         FileExistsError: out_dir holds an earlier run and there is no checkpoint to resume; the
             message names the files found and both ways out (--out_dir, --overwrite).
         ValueError: overwrite with `resume` naming a checkpoint (from `resolve_resume`, or the two
             asked together).
     """
-    out = Path(out_dir)
+    out = prepare_out_dir(out_dir)
     found = [name for name in RUN_OUTPUTS if _nonempty(out / name)]
     if overwrite:
         if resume not in ("auto", "none"):
@@ -280,9 +288,9 @@ def claim_out_dir(out_dir: str | os.PathLike, resume: str, overwrite: bool, is_m
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
-        return
+        return out
     if not found or resolve_resume(resume, out / "checkpoints") is not None:
-        return
+        return out
     why = "resume='none'" if resume == "none" else "no complete checkpoint to resume from"
     raise FileExistsError(
         f"out_dir {out} holds an earlier run ({', '.join(found)}) and {why}: pass --out_dir "

@@ -69,7 +69,6 @@ import math
 import os
 import random
 import re
-import sys
 import time
 from dataclasses import dataclass, field
 from importlib.util import find_spec
@@ -78,7 +77,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-from tqdm import tqdm
 
 from runtime import (
     IGNORE_INDEX,
@@ -96,6 +94,7 @@ from runtime import (
     build_mesh,
     build_model,
     cast_frozen_params,
+    check_finite,
     check_ray_resources,
     check_vocab_fits,
     checkpoint_dtype,
@@ -103,9 +102,9 @@ from runtime import (
     clip_grad_norm,
     collate_rollouts,
     common_config_errors,
-    config_notes,
     copy_tokenizer_files,
     cosine_schedule_with_warmup,
+    data_parallel,
     destroy_distributed,
     disable_fsdp_gradient_division,
     engine_gpu_ids,
@@ -125,11 +124,13 @@ from runtime import (
     merged_hf_tensors,
     parse_config,
     peak_memory_mib,
-    prepare_out_dir,
+    progress_bar,
     read_hf_config,
+    read_model_args,
     resolve_data_path,
     resolve_model_dir,
     resume_training,
+    run_summary,
     save_adapter,
     save_hf_checkpoint,
     save_train_state,
@@ -329,19 +330,6 @@ def setup_distributed(cfg: Config):
 
 
 # === 4. Model ===
-def read_model_args(cfg: Config, model_dir: Path) -> ModelArgs:
-    """The model's dimensions from its config.json."""
-    model_args = ModelArgs.from_hf_config(
-        read_hf_config(model_dir), source=str(model_dir / "config.json")
-    )
-    if cfg.max_prompt_len + cfg.max_new_tokens > model_args.max_position_embeddings:
-        raise ValueError(
-            f"max_prompt_len + max_new_tokens = {cfg.max_prompt_len + cfg.max_new_tokens} exceeds the model's "
-            f"max_position_embeddings={model_args.max_position_embeddings}; lower --max_prompt_len or --max_new_tokens"
-        )
-    return model_args
-
-
 def parallelize(
     model: torch.nn.Module, cfg: Config, mesh, model_args: ModelArgs, trainable: bool = True
 ) -> None:
@@ -379,7 +367,9 @@ def parallelize(
 def setup_model(cfg: Config, model_dir: Path, mesh, device: torch.device) -> torch.nn.Module:
     """The trained model: built on meta (no memory) with HF module names, adapters added and the base frozen, parallelized, then
     materialised on `device` and loaded from the HF checkpoint (each rank copies its shards)."""
-    model_args = read_model_args(cfg, model_dir)
+    model_args = read_model_args(
+        model_dir, {"max_prompt_len": cfg.max_prompt_len, "max_new_tokens": cfg.max_new_tokens}
+    )
     model = build_model(model_args, device="meta")  # HF module names: keys equal the checkpoint's
     # adapters on the targeted linears (on meta, like the base; lora_scale is computed inside)
     add_lora(
@@ -855,10 +845,9 @@ def main(argv: list[str] | None = None, reward_funcs: list | None = None) -> lis
     validate(cfg, reward_funcs)
     dist_info, mesh = setup_distributed(cfg)
     is_main, device = dist_info.is_main, dist_info.device
-    dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()
-    out_dir = prepare_out_dir(cfg.out_dir)  # an unwritable out_dir fails now, not at the first save
+    dp_rank, dp_size, _ = data_parallel(mesh)
     # an earlier run in out_dir: resume it, or refuse (never mix two runs' metrics or models)
-    claim_out_dir(out_dir, cfg.resume, cfg.overwrite, is_main)
+    out_dir = claim_out_dir(cfg.out_dir, cfg.resume, cfg.overwrite, is_main)
     # the default hf_repo_id is the default model's: another --model needs its own (or a local copy)
     model_dir = resolve_model_dir(
         cfg.model, hub_repo_id(cfg.model, cfg.hf_repo_id, Config.model, Config.hf_repo_id)
@@ -889,24 +878,12 @@ def main(argv: list[str] | None = None, reward_funcs: list | None = None) -> lis
     )
     logger = MetricsLogger(out_dir, cfg.loggers, cfg, state.step, argv) if is_main else None
     if is_main:
-        print(json.dumps(dataclasses.asdict(cfg), indent=2))
-        for note in config_notes(cfg):
-            print(f"note | {note}")
-        print(
-            f"model {model_dir} | {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params | "
+        print(run_summary(cfg, model, model_dir, dist_info.world_size, device, (
             f"{len(examples)} prompts | {cfg.prompts_per_step} x {cfg.num_generations} rollouts per step | "
             f"rollout {cfg.rollout} (staleness <= {staleness_bound(cfg)}) | {cfg.num_engines} {cfg.engine} engine(s), "
-            f"weight sync {weight_transfer(cfg)}{f' ({transfer_backend(cfg)})' if source is not None else ''} | "
-            f"{dist_info.world_size} trainer process(es) on {device.type}"
-        )
-    progress = tqdm(
-        range(state.step + 1, cfg.max_steps + 1),
-        initial=state.step,
-        total=cfg.max_steps,
-        disable=not (is_main and sys.stderr.isatty()),
-        desc="train",
-        dynamic_ncols=True,
-    )
+            f"weight sync {weight_transfer(cfg)}{f' ({transfer_backend(cfg)})' if source is not None else ''}"
+        )))  # fmt: skip
+    progress = progress_bar(state.step, cfg.max_steps, is_main)  # on a terminal only
     history: list[dict] = []
     for step in progress:
         version = step - 1  # optimizer steps taken so far = the policy version being trained
@@ -932,11 +909,7 @@ def main(argv: list[str] | None = None, reward_funcs: list | None = None) -> lis
             model, reference, optimizer, scheduler, rollouts, advantages[dp_rank::dp_size], num_tokens, num_micro, cfg, device
         ))  # fmt: skip
         train_time = time.perf_counter() - train_start
-        if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
-            raise FloatingPointError(
-                f"step {step}: loss {metrics['loss']}, grad_norm {metrics['grad_norm']} is not finite; stopped without "
-                f"saving this step (last good checkpoint: {state.path or 'none (set --save_every_steps)'}); lower --lr"
-            )
+        check_finite(step, metrics, state.path, hint="lower --lr")  # NaN/inf: stop, save nothing
         state.step = step
         # no push after the last step: no rollout would use it (a resumed run pushes at its start)
         if step < cfg.max_steps and (
@@ -957,14 +930,9 @@ def main(argv: list[str] | None = None, reward_funcs: list | None = None) -> lis
                 f"stale <= {metrics['staleness_max']} | len {metrics['completion_len']:.1f} | {metrics['samples_per_s']:.1f} samples/s"
             )
         if cfg.save_every_steps and (step % cfg.save_every_steps == 0 or step == cfg.max_steps):
+            config = dataclasses.asdict(cfg)
             state.path = save_train_state(
-                ckpt_dir,
-                state,
-                model,
-                optimizer,
-                scheduler,
-                dataclasses.asdict(cfg),
-                cfg.keep_last_checkpoints,
+                ckpt_dir, state, model, optimizer, scheduler, config, cfg.keep_last_checkpoints
             )
     if cfg.save_final_model:
         save(model, tokenizer, model_dir, cfg, out_dir / "model", is_main)

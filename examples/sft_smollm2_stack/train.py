@@ -49,9 +49,6 @@ Edit freely; `scaffold regen` merges template or option changes into your edits.
 # === 1. Imports ===
 import dataclasses
 import functools
-import json
-import math
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,24 +57,23 @@ import torch
 from torch.distributed._composable import checkpoint
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.utils.data import DataLoader
-from tqdm import tqdm
 
 from runtime import (
     IGNORE_INDEX,
     ConfigError,
     MetricsLogger,
     ModelArgs,
-    ResumableDistributedSampler,
     Tokenizer,
     all_reduce_sum,
+    build_dataloader,
     build_mesh,
     build_model,
+    check_finite,
     check_vocab_fits,
     claim_out_dir,
     common_config_errors,
-    config_notes,
-    copy_tokenizer_files,
     cosine_schedule_with_warmup,
+    data_parallel,
     destroy_distributed,
     disable_fsdp_gradient_division,
     document_attention_mask,
@@ -92,20 +88,22 @@ from runtime import (
     pack_examples,
     packed_position_ids,
     packing_efficiency,
-    pad_with_unsupervised_copies,
+    pad_batch,
     parse_config,
     peak_memory_mib,
-    prepare_out_dir,
+    progress_bar,
     prompt_messages,
-    read_hf_config,
+    read_model_args,
     resolve_data_path,
     resolve_model_dir,
     resume_training,
+    run_summary,
     sample,
-    save_hf_checkpoint,
+    save_hf_model,
     save_train_state,
     setup_optimizer_in_backward,
     split_train_val,
+    step_line,
     to_messages,
 )
 
@@ -194,19 +192,6 @@ def setup_distributed(cfg: Config):
 
 
 # === 4. Model ===
-def read_model_args(cfg: Config, model_dir: Path) -> ModelArgs:
-    """The model's dimensions from its config.json; max_seq_len must fit its position range."""
-    model_args = ModelArgs.from_hf_config(
-        read_hf_config(model_dir), source=str(model_dir / "config.json")
-    )
-    if cfg.max_seq_len > model_args.max_position_embeddings:
-        raise ValueError(
-            f"max_seq_len={cfg.max_seq_len} exceeds the model's max_position_embeddings="
-            f"{model_args.max_position_embeddings}; lower --max_seq_len"
-        )
-    return model_args
-
-
 def parallelize(
     model: torch.nn.Module, cfg: Config, mesh, model_args: ModelArgs, trainable: bool = True
 ) -> None:
@@ -254,7 +239,7 @@ def parallelize(
 def setup_model(cfg: Config, model_dir: Path, mesh, device: torch.device) -> torch.nn.Module:
     """The trained model: built on meta (no memory) with HF module names, parallelized, then
     materialised on `device` and loaded from the HF checkpoint (each rank copies its shards)."""
-    model_args = read_model_args(cfg, model_dir)
+    model_args = read_model_args(model_dir, {"max_seq_len": cfg.max_seq_len})
     model = build_model(model_args, device="meta")  # HF module names: keys equal the checkpoint's
     parallelize(model, cfg, mesh, model_args)
     disable_fsdp_gradient_division(model)  # the loss is already divided by the step's global count
@@ -376,52 +361,14 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer) -> tuple[list[dict], list[
 def collate(
     examples: list[dict], pad_token_id: int, pad_to: int = 0, pad_to_multiple_of: int = 1
 ) -> dict:
-    """Right-pad a list of examples to the longest (or to `pad_to`), rounded up to a multiple of
-    `pad_to_multiple_of`.
-
-    Returns:
-        input_ids [B, S] int64 (pad_token_id on padding), labels [B, S] int64 (IGNORE_INDEX on
-        padding), num_tokens: scalar int64, the non-padding input tokens, sample_ids [B] int64.
-    """
-    S = max(pad_to, max(len(ex["input_ids"]) for ex in examples))
-    S = -(-S // pad_to_multiple_of) * pad_to_multiple_of
-    input_ids = torch.full((len(examples), S), pad_token_id, dtype=torch.long)
-    labels = torch.full((len(examples), S), IGNORE_INDEX, dtype=torch.long)
-    for i, ex in enumerate(examples):
-        input_ids[i, : len(ex["input_ids"])] = torch.tensor(ex["input_ids"])
-        labels[i, : len(ex["labels"])] = torch.tensor(ex["labels"])
-    num_tokens = torch.tensor(sum(len(ex["input_ids"]) for ex in examples))
-    sample_ids = torch.tensor([ex["id"] for ex in examples])
-    batch = {
-        "input_ids": input_ids,
-        "labels": labels,
-        "num_tokens": num_tokens,
-        "sample_ids": sample_ids,
-    }
+    """Right-pad examples to the longest (or to `pad_to`), rounded up to a multiple of
+    `pad_to_multiple_of`: input_ids [B, S] int64 (pad_token_id on padding), labels [B, S] int64
+    (IGNORE_INDEX on padding), num_tokens (scalar, non-padding input tokens), sample_ids [B]."""
+    pad_values = {"input_ids": pad_token_id, "labels": IGNORE_INDEX}
+    batch = pad_batch(examples, pad_values, pad_to, pad_to_multiple_of)
+    S = batch["input_ids"].shape[1]
     batch.update(packed_position_ids(examples, S))  # packing: position_ids, document_ids [B, S]
     return batch
-
-
-def build_dataloader(
-    cfg: Config, examples: list[dict], pad_token_id: int, dp_rank: int, dp_size: int, train: bool
-) -> DataLoader:
-    """Each data-parallel rank reads a disjoint shard; training shuffles and drops the last partial batch.
-
-    The epoch's order depends only on (seed, epoch); the sampler can start part-way (resume).
-    """
-    if not train:  # as many rows on every rank; the copies that fill up have no supervised token
-        examples = pad_with_unsupervised_copies(examples, dp_size)
-    sampler = ResumableDistributedSampler(
-        examples, num_replicas=dp_size, rank=dp_rank, shuffle=train, seed=cfg.seed, drop_last=train
-    )
-    pad_to = cfg.max_seq_len if cfg.pad_to_max_seq_len else 0
-    return DataLoader(
-        examples,
-        batch_size=cfg.micro_batch_size,
-        sampler=sampler,
-        collate_fn=functools.partial(collate, pad_token_id=pad_token_id, pad_to=pad_to),
-        drop_last=train,
-    )
 
 
 # === 8. train_step ===
@@ -512,16 +459,6 @@ def evaluate(model, loader: DataLoader, cfg: Config, device, dp_group=None) -> f
     return (totals[0] / totals[1].clamp(min=1)).item()
 
 
-def save(
-    model, tokenizer: Tokenizer, model_dir: Path, cfg: Config, path: Path, is_main: bool
-) -> None:
-    """Hugging Face layout (config.json, model.safetensors, tokenizer files) plus the resolved config."""
-    save_hf_checkpoint(model, path, read_hf_config(model_dir))  # gathers shards; rank 0 writes
-    if is_main:
-        copy_tokenizer_files(model_dir, path)
-        (path / "training_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
-
-
 # === 9. main ===
 def main(argv: list[str] | None = None) -> dict:
     """Train, evaluate, save the HF model and print a sample. Returns the final metrics."""
@@ -530,14 +467,9 @@ def main(argv: list[str] | None = None) -> dict:
     dist_info, mesh = setup_distributed(cfg)
     is_main, device = dist_info.is_main, dist_info.device
     # data parallel = "dp" (dp_replicate x dp_shard): each dp rank reads its own shard of the data
-    dp_rank, dp_size, dp_group = (
-        mesh["dp"].get_local_rank(),
-        mesh["dp"].size(),
-        mesh["dp"].get_group(),
-    )
-    out_dir = prepare_out_dir(cfg.out_dir)  # an unwritable out_dir fails now, not at the first save
+    dp_rank, dp_size, dp_group = data_parallel(mesh)
     # an earlier run in out_dir: resume it, or refuse (never mix two runs' metrics or models)
-    claim_out_dir(out_dir, cfg.resume, cfg.overwrite, is_main)
+    out_dir = claim_out_dir(cfg.out_dir, cfg.resume, cfg.overwrite, is_main)
     # the default hf_repo_id is the default model's: another --model needs its own (or a local copy)
     model_dir = resolve_model_dir(
         cfg.model, hub_repo_id(cfg.model, cfg.hf_repo_id, Config.model, Config.hf_repo_id)
@@ -547,30 +479,18 @@ def main(argv: list[str] | None = None) -> dict:
     train_set, val_set = build_datasets(cfg, tokenizer)
     model = setup_model(cfg, model_dir, mesh, device)
     optimizer, scheduler = build_optimizer(cfg, model)
-    train_loader = build_dataloader(
-        cfg, train_set, tokenizer.pad_token_id, dp_rank, dp_size, train=True
-    )
-    val_loader = build_dataloader(
-        cfg, val_set, tokenizer.pad_token_id, dp_rank, dp_size, train=False
-    )
-    if len(train_loader) == 0:
-        raise ValueError(
-            f"{len(train_set)} training examples give no full micro-batch of {cfg.micro_batch_size} "
-            f"on each of {dp_size} ranks; lower --micro_batch_size or add data"
-        )
+    pad_to = cfg.max_seq_len if cfg.pad_to_max_seq_len else 0
+    collate_fn = functools.partial(collate, pad_token_id=tokenizer.pad_token_id, pad_to=pad_to)
+    # each dp rank reads a disjoint shard; training shuffles by (seed, epoch) and can resume part-way
+    loader_args = (collate_fn, cfg.micro_batch_size, dp_rank, dp_size, cfg.seed)
+    train_loader = build_dataloader(train_set, *loader_args, train=True)
+    val_loader = build_dataloader(val_set, *loader_args, train=False)
     global_batch = cfg.micro_batch_size * cfg.gradient_accumulation_steps * dp_size
     if is_main:
-        print(json.dumps(dataclasses.asdict(cfg), indent=2))
-        for note in config_notes(cfg):
-            print(f"note | {note}")
-        n_params = sum(p.numel() for p in model.parameters())
-        n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        print(
-            f"model {model_dir} | {n_params / 1e6:.1f}M params, {n_trainable / 1e6:.2f}M trainable "
-            f"({100 * n_trainable / n_params:.2f}%) | "
+        print(run_summary(cfg, model, model_dir, dist_info.world_size, device, (
             f"{len(train_set)} train / {len(val_set)} val examples | global batch {global_batch} "
-            f"sequences (<= {global_batch * cfg.max_seq_len} tokens) | {dist_info.world_size} process(es) on {device.type}"
-        )
+            f"sequences (<= {global_batch * cfg.max_seq_len} tokens)"
+        )))  # fmt: skip
         print(
             f"packing: {len(train_set)} rows of up to {cfg.max_seq_len} tokens, "
             f"{packing_efficiency(train_set, cfg.max_seq_len):.1%} of their positions are real tokens"
@@ -581,15 +501,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     logger = MetricsLogger(out_dir, cfg.loggers, cfg, state.step, argv) if is_main else None
     batches = infinite_batches(train_loader, state.epoch, state.samples_consumed)
-    # a bar on a terminal only: in a redirected log its carriage returns garble the step lines
-    progress = tqdm(
-        range(state.step + 1, cfg.max_steps + 1),
-        initial=state.step,
-        total=cfg.max_steps,
-        disable=not (is_main and sys.stderr.isatty()),
-        desc="train",
-        dynamic_ncols=True,
-    )
+    progress = progress_bar(state.step, cfg.max_steps, is_main)  # on a terminal only
     metrics: dict = {}
     for step in progress:
         micro_batches = []
@@ -599,12 +511,7 @@ def main(argv: list[str] | None = None) -> dict:
         start = time.perf_counter()
         metrics = train_step(model, optimizer, scheduler, micro_batches, cfg, device, dp_group)
         step_time = time.perf_counter() - start
-        if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
-            last_good = state.path or "none (set --save_every_steps)"
-            raise FloatingPointError(
-                f"step {step}: loss {metrics['loss']}, grad_norm {metrics['grad_norm']} is not finite; "
-                f"stopped without saving this step (last good checkpoint: {last_good}); lower --lr or check the data"
-            )
+        check_finite(step, metrics, state.path)  # NaN/inf: stop before saving anything of this step
         state.step = step
         metrics.update(
             step_time_s=step_time,
@@ -612,27 +519,18 @@ def main(argv: list[str] | None = None) -> dict:
             peak_mem_mib=peak_memory_mib(device),
         )
         is_last = step == cfg.max_steps
-        if (cfg.eval_every_steps and step % cfg.eval_every_steps == 0) or (
-            is_last and len(val_set)
-        ):
+        if (cfg.eval_every_steps and step % cfg.eval_every_steps == 0) or (is_last and val_set):
             metrics.update(val_loss=evaluate(model, val_loader, cfg, device, dp_group))
         if is_main and (step % cfg.log_every_steps == 0 or is_last or "val_loss" in metrics):
             logger.log(metrics, step)
-            progress.set_postfix(
-                loss=f"{metrics['loss']:.4f}", tok_s=f"{metrics['tokens_per_s']:.0f}"
-            )
-            progress.write(
-                f"step {step:5d} | loss {metrics['loss']:.4f}"
-                + (f" | val_loss {metrics['val_loss']:.4f}" if "val_loss" in metrics else "")
-                + f" | lr {metrics['lr']:.2e} | grad_norm {metrics['grad_norm']:.3f}"
-                f" | {metrics['tokens_per_s']:.0f} tok/s | peak {metrics['peak_mem_mib']:.0f} MiB"
-            )
+            progress.set_postfix(loss=round(metrics["loss"], 4))
+            progress.write(step_line(step, metrics))
         if cfg.save_every_steps and (step % cfg.save_every_steps == 0 or is_last):
             config = dataclasses.asdict(cfg)
             state.path = save_train_state(
                 ckpt_dir, state, model, optimizer, scheduler, config, cfg.keep_last_checkpoints
             )
-    save(model, tokenizer, model_dir, cfg, out_dir / "model", is_main)
+    save_hf_model(model, model_dir, out_dir / "model", dataclasses.asdict(cfg), is_main)
     if cfg.sample_max_new_tokens:  # a question from the run's own data unless --sample_prompt
         prompt = cfg.sample_prompt or (val_set or train_set)[0]["prompt"]
         reply = sample(model, tokenizer, prompt, cfg.sample_max_new_tokens)

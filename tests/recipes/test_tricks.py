@@ -3,6 +3,8 @@ same losses as the plain script (the tricks change memory and speed, not the mat
 
 from __future__ import annotations
 
+import functools
+
 import itertools
 import subprocess
 import sys
@@ -256,7 +258,10 @@ def test_compile_never_recompiles_and_matches_eager(
     *_, eager = _script_setup(
         sft_script, tiny_model_dir, small_dataset, max_seq_len=128, pad_to_max_seq_len=True
     )
-    loader = compiled.build_dataloader(cfg, train_set, tokenizer.pad_token_id, 0, 1, train=True)
+    collate_fn = functools.partial(
+        compiled.collate, pad_token_id=tokenizer.pad_token_id, pad_to=cfg.max_seq_len
+    )
+    loader = compiled.build_dataloader(train_set, collate_fn, cfg.micro_batch_size, 0, 1, 0, True)
     batches = compiled.infinite_batches(loader)
     runs = {"compiled": (compiled, model), "eager": (sft_script, eager)}
     optims = {k: s.build_optimizer(cfg, m) for k, (s, m) in runs.items()}

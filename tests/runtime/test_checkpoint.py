@@ -14,7 +14,9 @@ from runtime.checkpoint import (
     copy_tokenizer_files,
     load_hf_checkpoint,
     read_hf_config,
+    read_model_args,
     save_hf_checkpoint,
+    save_hf_model,
 )
 from runtime.models.llama import ModelArgs, build_model
 from tests.helpers import TINY_CONFIG, safetensors_keys
@@ -223,3 +225,34 @@ def test_fsdp2_load_generate_train_then_save(tmp_path):
     load_hf_checkpoint(reloaded, tmp_path / "out")
     for (name, p), q in zip(reloaded.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, msg=name)
+
+
+def test_read_model_args_names_the_options_that_overflow_the_positions(tmp_path):
+    model = tiny_model()
+    hf_config = {**model.args.to_hf_config(), "max_position_embeddings": 128}
+    save_hf_checkpoint(model, tmp_path, hf_config)
+    args = read_model_args(tmp_path, {"max_seq_len": 128})
+    assert (args.hidden_size, args.max_position_embeddings) == (TINY["hidden_size"], 128)
+    with pytest.raises(ValueError) as e:
+        read_model_args(tmp_path, {"max_seq_len": 129})
+    assert str(e.value) == (
+        "max_seq_len=129 exceeds the model's max_position_embeddings=128; lower --max_seq_len"
+    )
+    with pytest.raises(ValueError) as e:
+        read_model_args(tmp_path, {"max_prompt_len": 100, "max_new_tokens": 64})
+    assert str(e.value) == (
+        "max_prompt_len + max_new_tokens = 164 exceeds the model's max_position_embeddings=128; "
+        "lower --max_prompt_len or --max_new_tokens"
+    )
+
+
+def test_save_hf_model_writes_what_transformers_loads_with_the_tokenizer_and_config(tmp_path):
+    model = tiny_model(tie=True)
+    src = tmp_path / "src"
+    save_hf_checkpoint(model, src, model.args.to_hf_config())
+    (src / "tokenizer.json").write_text("{}")
+    save_hf_model(model, src, tmp_path / "model", {"lr": 0.5}, is_main=True)
+    out = tmp_path / "model"
+    assert json.loads((out / "training_config.json").read_text()) == {"lr": 0.5}
+    assert (out / "tokenizer.json").read_text() == "{}"
+    assert_same_logits(model, transformers.AutoModelForCausalLM.from_pretrained(out).eval())

@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from runtime.data import load_rows, split_train_val, to_messages
 
@@ -341,3 +343,47 @@ def test_infinite_batches_without_a_full_batch_raises_instead_of_looping():
 
     with pytest.raises(ValueError, match="epoch 0 of the data loader has no batch of 4"):
         next(infinite_batches(_loader(list(range(7)), 0, batch_size=4)))
+
+
+def test_pad_batch_pads_each_key_with_its_value_and_counts_real_tokens():
+    from runtime.data import pad_batch
+
+    rows = [
+        {"id": 7, "input_ids": [5, 6, 7], "labels": [6, 7, -100]},
+        {"id": 2, "input_ids": [9], "labels": [-100]},
+    ]
+    batch = pad_batch(rows, {"input_ids": 0, "labels": -100}, pad_to_multiple_of=4)
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 0], [9, 0, 0, 0]]
+    assert batch["labels"].tolist() == [[6, 7, -100, -100], [-100] * 4]
+    assert batch["num_tokens"].item() == 4 and batch["sample_ids"].tolist() == [7, 2]
+    assert batch["input_ids"].dtype == batch["labels"].dtype == torch.long
+    wide = pad_batch(rows, {"input_ids": 1}, pad_to=6, ids=[3])  # DPO: one id for a pair's rows
+    assert wide["input_ids"].shape == (2, 6) and wide["sample_ids"].tolist() == [3]
+
+
+def test_build_dataloader_shards_disjointly_fills_evaluation_and_names_the_option():
+    from runtime.data import build_dataloader, pad_batch
+
+    examples = [{"id": i, "input_ids": [i + 1], "labels": [i + 1]} for i in range(10)]
+    collate = functools.partial(pad_batch, pad_values={"input_ids": 0, "labels": -100})
+    train = [build_dataloader(examples, collate, 2, r, 2, seed=0, train=True) for r in range(2)]
+    seen = [[i for b in loader for i in b["sample_ids"].tolist()] for loader in train]
+    assert (
+        len(train[0]) == len(train[1]) == 2
+    )  # 10 rows over 2 ranks, batches of 2: the last dropped
+    assert not set(seen[0]) & set(seen[1]) and len(seen[0]) == len(seen[1]) == 4
+    # evaluation: 10 rows on 3 ranks -> 2 unsupervised copies, so every rank runs 2 batches
+    val = [build_dataloader(examples, collate, 2, r, 3, seed=0, train=False) for r in range(3)]
+    batches = [list(loader) for loader in val]
+    assert [len(b) for b in batches] == [2, 2, 2]
+    supervised = sum(int((b["labels"] != -100).sum()) for rank in batches for b in rank)
+    assert supervised == 10  # the copies add no supervised token
+    repeat = build_dataloader(
+        examples, collate, 2, 2, 3, seed=0, train=False, unsupervised_fill=False
+    )
+    assert sum(int((b["labels"] != -100).sum()) for b in repeat) == 4  # the sampler repeated rows
+    with pytest.raises(
+        ValueError,
+        match=r"3 training pairs give no full micro-batch of 2 on each of 2 ranks; lower --micro_batch_size",
+    ):
+        build_dataloader(examples[:3], collate, 2, 0, 2, seed=0, train=True, what="pairs")

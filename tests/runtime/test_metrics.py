@@ -1,5 +1,6 @@
 """MetricsLogger writes metrics.jsonl; `scaffold plot` turns it into a PNG; bad input is named."""
 
+import dataclasses
 import json
 
 import pytest
@@ -9,8 +10,12 @@ from click.testing import CliRunner
 from generator.cli import cli
 from runtime.metrics import (
     MetricsLogger,
+    check_finite,
     launch_command,
     peak_memory_mib,
+    progress_bar,
+    run_summary,
+    step_line,
     transformer_flops_per_token,
 )
 
@@ -98,3 +103,52 @@ def test_launch_command_names_python_or_torchrun(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     monkeypatch.setenv("WORLD_SIZE", "16")
     assert launch_command([]) == "torchrun --nproc-per-node 8 --nnodes 2 train.py"
+
+
+def test_run_summary_counts_parameters_and_prints_the_notes():
+    @dataclasses.dataclass
+    class Cfg:
+        lr: float = 1e-4
+        warmup_steps: int = 10
+        max_steps: int = 3
+
+    model = torch.nn.Sequential(torch.nn.Linear(1000, 1000), torch.nn.Linear(1000, 10))
+    model[0].requires_grad_(False)  # 1,001,000 frozen of 1,011,010
+    text = run_summary(Cfg(), model, "/m", 2, torch.device("cpu"), "40 train examples")
+    assert json.loads(text[: text.index("\nnote")]) == {
+        "lr": 1e-4,
+        "warmup_steps": 10,
+        "max_steps": 3,
+    }
+    assert "\nnote | warmup_steps=10 is longer than max_steps=3" in text
+    assert text.splitlines()[-1] == (
+        "model /m | 1.0M params, 0.01M trainable (0.99%) | 40 train examples | 2 process(es) on cpu"
+    )
+
+
+def test_check_finite_names_the_last_checkpoint_and_step_line_the_figures():
+    good = {
+        "loss": 1.5,
+        "grad_norm": 0.25,
+        "lr": 2e-5,
+        "tokens_per_s": 1234.4,
+        "peak_mem_mib": 99.6,
+    }
+    check_finite(3, good, None)  # finite: nothing happens
+    with pytest.raises(
+        FloatingPointError,
+        match=r"^step 4: loss nan, grad_norm 0.25 is not finite; .*last good checkpoint: none \(set --save_every_steps\)\); lower --lr or check the data$",
+    ):
+        check_finite(4, {**good, "loss": float("nan")}, None)
+    with pytest.raises(FloatingPointError, match=r"checkpoint: out/step_2\); lower --lr$"):
+        check_finite(4, {**good, "grad_norm": float("inf")}, "out/step_2", hint="lower --lr")
+    assert step_line(7, good, " | acc 0.50") == (
+        "step     7 | loss 1.5000 | acc 0.50 | lr 2.00e-05 | grad_norm 0.250 | 1234 tok/s | peak 100 MiB"
+    )
+    assert " | val_loss 2.0000 | lr" in step_line(7, {**good, "val_loss": 2.0})
+
+
+def test_progress_bar_is_off_in_a_redirected_log(monkeypatch):
+    monkeypatch.setattr("sys.stderr.isatty", lambda: False)
+    bar = progress_bar(2, 5, is_main=True)
+    assert list(bar) == [3, 4, 5] and bar.disable  # resumed after step 2: steps 3..5, no bar

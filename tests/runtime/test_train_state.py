@@ -278,10 +278,13 @@ def test_claim_out_dir_refuses_an_earlier_run_it_cannot_resume(process_group, tm
     resume='none'): refused, naming the files and both ways out. A checkpoint to resume: fine.
     overwrite: deletes exactly the run's outputs and keeps the user's own files."""
     out = tmp_path / "out"
-    out.mkdir()
+    assert claim_out_dir(str(out), "auto", False, True) == out and out.is_dir()  # created
     (out / "notes.txt").write_text("mine")
     (out / "checkpoints").mkdir()  # empty: no earlier run yet
     claim_out_dir(out, "auto", False, True)
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(OSError, match=r"out_dir='.*a_file': cannot write there"):
+        claim_out_dir(tmp_path / "a_file", "auto", False, True)  # before any model or data work
     (out / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
     (out / "model").mkdir()
     (out / "model" / "model.safetensors").write_bytes(b"x")
