@@ -18,9 +18,8 @@ Usage (from the repo root, with the venv):
 
 from __future__ import annotations
 
-import functools
-
 import argparse
+import functools
 import json
 import subprocess
 import sys

@@ -4,7 +4,6 @@ same losses as the plain script (the tricks change memory and speed, not the mat
 from __future__ import annotations
 
 import functools
-
 import itertools
 import subprocess
 import sys
