@@ -601,10 +601,11 @@ DATA, MAIN = "# === 7. Data ===", "# === 9. main ==="
         ({"gpus": 8}, {HEADER}, 12),
         ({"nodes": 2}, {HEADER}, 12),
         ({"dataset": "mine.jsonl"}, {HEADER, CONFIG}, 12),
-        # an algorithm is one template: its save() sits after train_step, before main's banner; the
-        # optimizer's no-decay comment names DoRA's magnitudes
-        ({"algo": "lora"}, {HEADER, IMPORTS, CONFIG, MODEL, OPTIM, STEP}, 100),
-        ({"algo": "qlora"}, {HEADER, IMPORTS, CONFIG, MODEL, OPTIM, STEP}, 110),
+        # an algorithm is one template: its save() sits after train_step, before main's banner, and
+        # main calls it in place of the runtime's save_hf_model; the optimizer's no-decay comment
+        # names DoRA's magnitudes
+        ({"algo": "lora"}, {HEADER, IMPORTS, CONFIG, MODEL, OPTIM, STEP, MAIN}, 115),
+        ({"algo": "qlora"}, {HEADER, IMPORTS, CONFIG, MODEL, OPTIM, STEP, MAIN}, 125),
         ({"algo": "lora", "peft": "dora", "_from": "lora"}, {HEADER, CONFIG}, 12),
         ({"algo": "qlora", "_from": "lora"}, {HEADER, IMPORTS, MODEL}, 20),
     ],
