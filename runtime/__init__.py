@@ -128,6 +128,19 @@ from runtime.rollout import (
     make_reward_workers,
     sampling_seed,
 )
+from runtime.rollout_setup import (
+    engines_share_gpus,
+    resolve_weight_transfer,
+    rollout_config_errors,
+    rollout_stats,
+    share_rollouts,
+    staleness_bound,
+    start_rollout,
+    sync_weights,
+    transfer_backend,
+    vllm_engine_kwargs,
+    weight_source,
+)
 from runtime.tokenizer import Tokenizer, check_same_tokenizer, check_vocab_fits
 from runtime.train_state import (
     ResumableDistributedSampler,
@@ -161,6 +174,17 @@ __all__ = [
     "make_engine_actor",
     "make_reward_workers",
     "sampling_seed",
+    "engines_share_gpus",
+    "resolve_weight_transfer",
+    "rollout_config_errors",
+    "rollout_stats",
+    "share_rollouts",
+    "staleness_bound",
+    "start_rollout",
+    "sync_weights",
+    "transfer_backend",
+    "vllm_engine_kwargs",
+    "weight_source",
     "scatter_completion_values",
     "clip_grad_norm",
     "claim_out_dir",

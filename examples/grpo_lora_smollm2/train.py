@@ -66,12 +66,10 @@ import dataclasses
 import functools
 import json
 import math
-import os
 import random
 import re
 import time
 from dataclasses import dataclass, field
-from importlib.util import find_spec
 from pathlib import Path
 
 import torch
@@ -82,10 +80,8 @@ from runtime import (
     IGNORE_INDEX,
     LORA_TARGET_MODULES,
     ConfigError,
-    HFWeightSource,
     MetricsLogger,
     ModelArgs,
-    RolloutPipeline,
     Tokenizer,
     adapter_param_names,
     adapters_disabled,
@@ -95,7 +91,6 @@ from runtime import (
     build_model,
     cast_frozen_params,
     check_finite,
-    check_ray_resources,
     check_vocab_fits,
     checkpoint_dtype,
     claim_out_dir,
@@ -107,20 +102,15 @@ from runtime import (
     data_parallel,
     destroy_distributed,
     disable_fsdp_gradient_division,
-    engine_gpu_ids,
     entry_point,
-    gather_merged_hf_state_dict,
     group_advantages,
     hub_repo_id,
     init_distributed,
     init_lora,
-    init_ray,
     is_adapter_param,
     load_adapter,
     load_hf_checkpoint,
     load_rows,
-    make_engine_actor,
-    make_reward_workers,
     merged_hf_tensors,
     parse_config,
     peak_memory_mib,
@@ -129,12 +119,21 @@ from runtime import (
     read_model_args,
     resolve_data_path,
     resolve_model_dir,
+    resolve_weight_transfer,
     resume_training,
+    rollout_config_errors,
+    rollout_stats,
     run_summary,
     save_adapter,
     save_hf_checkpoint,
     save_train_state,
     scatter_completion_values,
+    share_rollouts,
+    staleness_bound,
+    start_rollout,
+    sync_weights,
+    transfer_backend,
+    weight_source,
 )
 
 
@@ -226,44 +225,12 @@ class Config:
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-ENGINE_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
-ROLLOUTS = ("sync", "async", "off-policy")
-ENGINES = ("runtime", "vllm")
-WEIGHT_TRANSFERS = ("auto", "collective", "object-store")
-
-
-def staleness_bound(cfg: Config) -> int:
-    """Policy versions a trained sample may lag behind the policy it updates."""
-    return {"sync": 0, "async": 1}.get(cfg.rollout, cfg.max_staleness)
-
-
-def engines_share_gpus(cfg: Config) -> bool:
-    """Whether a local Ray's engines get the trainer's own GPUs (none is left after this node's trainer processes)."""
-    if cfg.ray_address or cfg.device == "cpu" or not torch.cuda.is_available():
-        return False
-    return engine_gpu_ids(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.cuda.device_count())[1]
-
-
-def weight_transfer(cfg: Config) -> str:
-    """ "collective" or "object-store": how weights reach the engines. "auto": collective for vllm, except when the
-    engines share the trainer's GPUs (one NCCL group cannot hold two ranks on one GPU)."""
-    if cfg.weight_transfer == "auto":
-        return (
-            "collective" if cfg.engine == "vllm" and not engines_share_gpus(cfg) else "object-store"
-        )
-    return cfg.weight_transfer
-
-
-def transfer_backend(cfg: Config) -> str:
-    """The collective transfer's backend: "nccl" when the trainer runs on CUDA (init_distributed's rule), else "gloo"."""
-    return "nccl" if cfg.device != "cpu" and torch.cuda.is_available() else "gloo"
 
 
 def validate(cfg: Config, reward_funcs: list | None = None) -> None:
     """Check every field and combination at once, before any model, data or Ray work."""
     errors = common_config_errors(cfg)  # the fields every config has; a missing logger fails now
-    positive = ("num_generations", "prompts_per_step", "max_new_tokens", "num_engines", "num_reward_workers",
-                "max_prompt_len", "weight_sync_every_steps", "engine_tensor_parallel_size")  # fmt: skip
+    positive = ("num_generations", "prompts_per_step", "max_new_tokens", "max_prompt_len")
     num_funcs = len(reward_funcs or REWARD_FUNCS)
     checks = [  # (holds, message when it does not)
         *((getattr(cfg, n) >= 1, f"{n}={getattr(cfg, n)}: must be >= 1") for n in positive),
@@ -272,32 +239,9 @@ def validate(cfg: Config, reward_funcs: list | None = None) -> None:
          f"clip_eps_low={cfg.clip_eps_low} must be in [0, 1), clip_eps_high={cfg.clip_eps_high} >= 0"),
         (cfg.kl_coef >= 0 and cfg.is_cap >= 0, f"kl_coef={cfg.kl_coef} and is_cap={cfg.is_cap} must be >= 0"),
         (len(cfg.reward_weights) == num_funcs, f"reward_weights has {len(cfg.reward_weights)} entries for {num_funcs} reward functions"),
-        (cfg.rollout in ROLLOUTS, f"rollout={cfg.rollout!r}: choose one of {ROLLOUTS}"),
-        (cfg.engine in ENGINES, f"engine={cfg.engine!r}: choose one of {ENGINES}"),
-        (cfg.weight_transfer in WEIGHT_TRANSFERS, f"weight_transfer={cfg.weight_transfer!r}: choose one of {WEIGHT_TRANSFERS}"),
-        (weight_transfer(cfg) != "collective" or cfg.engine == "vllm",
-         "weight_transfer='collective' needs engine='vllm' (vLLM's weight-transfer engine); the runtime engine uses 'object-store'"),
-        (weight_transfer(cfg) != "collective" or not engines_share_gpus(cfg),
-         "weight_transfer='collective' with the engines on the trainer's GPU(s): one NCCL group cannot hold two ranks on one "
-         "GPU; use --weight_transfer object-store, or give the engines GPUs of their own (`scaffold new --engine-gpus`)"),
-        # a local Ray starts the engines from this Python, and the collective transfer's sender is vLLM's: vllm must
-        # import here (the nodes of a cluster have their own)
-        (cfg.engine != "vllm" or (bool(cfg.ray_address) and weight_transfer(cfg) != "collective") or find_spec("vllm") is not None,
-         "engine='vllm' but vllm is not installed in this Python; install it in its own venv (CUDA: `pip install vllm`; CPU: "
-         "the scaffold repository's scripts/vllm_venv.sh) and run train.py with that venv's python, or use --engine runtime"
-         + (" (or --weight_transfer object-store: with --ray_address only the cluster needs vllm then)" if cfg.ray_address else "")),
-        (cfg.engine_tensor_parallel_size == 1 or cfg.engine == "vllm",
-         f"engine_tensor_parallel_size={cfg.engine_tensor_parallel_size}: > 1 needs engine='vllm' (the runtime engine runs on one device)"),
-        (0 < cfg.engine_gpu_memory_utilization <= 1 and cfg.engine_cpu_kv_cache_gib > 0,
-         f"engine_gpu_memory_utilization={cfg.engine_gpu_memory_utilization} must be in (0, 1], engine_cpu_kv_cache_gib={cfg.engine_cpu_kv_cache_gib} > 0"),
-        (cfg.rollout != "off-policy" or cfg.max_staleness >= 1,
-         f"max_staleness={cfg.max_staleness} with rollout='off-policy': must be >= 1 (0 is --rollout sync)"),
-        (cfg.weight_sync_every_steps == 1 or (cfg.rollout == "off-policy" and cfg.weight_sync_every_steps <= cfg.max_staleness + 1),
-         f"weight_sync_every_steps={cfg.weight_sync_every_steps}: > 1 only with rollout='off-policy' and at most "
-         f"max_staleness + 1 = {cfg.max_staleness + 1} (older samples could never be trained)"),
-        (cfg.weight_sync_timeout_s > 0 and cfg.rollout_timeout_s > 0, "weight_sync_timeout_s and rollout_timeout_s must be > 0"),
     ]  # fmt: skip
     errors += [message for holds, message in checks if not holds]
+    errors += rollout_config_errors(cfg)  # engines, Ray, staleness, weight transfer
     if cfg.lora_rank < 1 or cfg.lora_alpha <= 0 or not 0 <= cfg.lora_dropout < 1:
         errors.append(
             f"lora_rank={cfg.lora_rank} must be >= 1, lora_alpha={cfg.lora_alpha} > 0, "
@@ -570,116 +514,17 @@ def prompt_batches(
 
 
 # === 8. Rollout ===
-def vllm_engine_kwargs(cfg: Config) -> dict | None:
-    """vLLM's engine arguments (None for the runtime engine): a KV cache sized for these sequences,
-    not for the model's full context, and the collective weight transfer's backend."""
-    if cfg.engine != "vllm":
-        return None
-    kwargs = dict(max_model_len=cfg.max_prompt_len + cfg.max_new_tokens, skip_tokenizer_init=True)
-    if torch.cuda.is_available():
-        kwargs["gpu_memory_utilization"] = cfg.engine_gpu_memory_utilization
-    else:  # vLLM CPU would otherwise reserve gpu_memory_utilization (0.92) of the host's memory
-        kwargs["kv_cache_memory_bytes"] = int(cfg.engine_cpu_kv_cache_gib * 2**30)
-    if weight_transfer(cfg) == "collective":  # the trainer broadcasts from its own device
-        kwargs["weight_transfer_config"] = {"backend": transfer_backend(cfg)}
-    return kwargs
-
-
-def start_rollout(
-    cfg: Config, model_dir: Path, tokenizer: Tokenizer, reward_funcs: list
-) -> RolloutPipeline:
-    """Start (or join) Ray, the generator engines and the reward workers (rank 0 only)."""
-    import ray
-
-    owns_ray = not ray.is_initialized()  # tests and notebooks may have started it already
-    if owns_ray:
-        # a local Ray gets this node's GPUs after the trainer's (local ranks use cuda:0..); with
-        # none left the engines share the trainer's
-        gpu_ids, shared = engine_gpu_ids(
-            int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.cuda.device_count()
-        )
-        init_ray(cfg.ray_address, cfg.ray_num_cpus, gpu_ids)
-        if shared and not cfg.ray_address:
-            print(
-                f"rollout engines share the trainer's GPU(s) {gpu_ids}: no GPU is left after the trainer's"
-            )
-    tp = cfg.engine_tensor_parallel_size if cfg.engine == "vllm" else 1  # GPUs per engine on CUDA
-    gpus_per_engine = tp if torch.cuda.is_available() else 0  # what make_engine_actor reserves
-    check_ray_resources(
-        cfg.num_engines * cfg.engine_num_cpus + 0.5 * cfg.num_reward_workers,
-        cfg.num_engines * gpus_per_engine,
-    )
-    engines = [
-        make_engine_actor(
-            cfg.engine,
-            str(model_dir),
-            ENGINE_DTYPES[cfg.dtype],
-            cfg.seed + i,
-            cfg.engine_num_cpus,
-            tp,
-            vllm_engine_kwargs(cfg),
-        )
-        for i in range(cfg.num_engines)
-    ]
-    workers = make_reward_workers(
-        reward_funcs, cfg.reward_weights, str(model_dir), cfg.num_reward_workers
-    )
-    sampling = dict(
-        n=cfg.num_generations, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-        top_p=cfg.top_p, stop_token_ids=tokenizer.stop_token_ids,
-    )  # fmt: skip
-    pipeline = RolloutPipeline(
-        engines,
-        workers,
-        sampling,
-        cfg.rollout_timeout_s,
-        cfg.weight_sync_timeout_s,
-        owns_ray=owns_ray,
-    )
-    pipeline.wait_engines()  # prints each engine's start; a failed start stops the run here
-    return pipeline
-
-
-def sync_weights(
-    pipeline: RolloutPipeline | None,
-    model,
-    cfg: Config,
-    version: int,
-    source: HFWeightSource | None = None,
-) -> float:
-    """Send the policy to the engines as `version` (every rank calls this; rank 0 has the pipeline).
-
-    source given (--weight_transfer collective): rank 0 broadcasts it one tensor at a time to every engine
-    worker while the other ranks take part in its gathers; it returns once the engines have the weights.
-    None (object-store): the full weights are gathered to rank 0 and pushed through the Ray object store;
-    sync mode waits (its next batch needs them), the others let the push queue behind the batches already
-    generating. Returns seconds spent."""
-    start = time.perf_counter()
-    if source is not None:
-        if pipeline is not None:
-            pipeline.transfer_weights(source, version)
-        else:
-            for _ in source:  # the gathers are collectives: every rank iterates
-                pass
-        return time.perf_counter() - start
-    # the engines hold a plain model: W + lora_scale * B A per adapted linear (DoRA: rescaled per
-    # row) under the base's HF names, merged in fp32 and cast to the engines' dtype; every rank
-    # takes part in the gathers, rank 0 (the one with the pipeline) keeps the tensors
-    state = gather_merged_hf_state_dict(model, DTYPES[cfg.dtype], keep=pipeline is not None)
-    if pipeline is not None:
-        pipeline.push_weights(state, version)
-        if cfg.rollout == "sync":
-            pipeline.wait_weight_sync()
-    return time.perf_counter() - start
-
-
-def share_rollouts(groups: list | None, position, dp_size: int) -> tuple[list, tuple[int, int]]:
-    """Rank 0's groups and data position on every rank (one broadcast_object_list)."""
-    if dp_size > 1:
-        box = [(groups, position)]
-        dist.broadcast_object_list(box, src=0)
-        groups, position = box[0]
-    return groups, position
+def rollout_metrics(groups: list, cfg: Config, version: int) -> tuple[torch.Tensor, dict]:
+    """Advantages [N*G] of the step's groups (each reward normalised within its group), their
+    mean reward and frac_zero_std_groups, and the runtime's bookkeeping (`rollout_stats`)."""
+    rewards = torch.tensor([r.reward for g in groups for r in g])  # [N*G], group by group
+    advantages, frac_zero_std = group_advantages(rewards, cfg.num_generations)
+    metrics = {
+        "reward": rewards.mean().item(),
+        "frac_zero_std_groups": frac_zero_std,
+        **rollout_stats(groups, version),
+    }
+    return advantages, metrics
 
 
 # === 9. train_step ===
@@ -795,25 +640,6 @@ def train_step(
     )
 
 
-def rollout_metrics(groups: list, cfg: Config, version: int) -> tuple[torch.Tensor, dict]:
-    """Advantages [N*G] of the step's groups and their reward / length / staleness metrics."""
-    flat = [r for g in groups for r in g]
-    rewards = torch.tensor([r.reward for r in flat])
-    advantages, frac_zero_std = group_advantages(rewards, cfg.num_generations)
-    metrics = {
-        "reward": rewards.mean().item(),
-        **{
-            f"rewards/{name}": sum(r.rewards[name] for r in flat) / len(flat)
-            for name in flat[0].rewards
-        },
-        "frac_zero_std_groups": frac_zero_std,
-        "completion_len": sum(len(r.completion_ids) for r in flat) / len(flat),
-        "staleness_max": max(version - r.policy_version for r in flat),
-        "policy_versions": [r.policy_version for r in flat],
-    }
-    return advantages, metrics
-
-
 def save(
     model, tokenizer: Tokenizer, model_dir: Path, cfg: Config, path: Path, is_main: bool
 ) -> None:
@@ -865,14 +691,11 @@ def main(argv: list[str] | None = None, reward_funcs: list | None = None) -> lis
     resumed = state.step > 0
     # rank 0 drives Ray; engines start from the checkpoint on disk, so a resumed policy is pushed once
     pipeline = start_rollout(cfg, model_dir, tokenizer, reward_funcs) if is_main else None
-    source = None  # collective transfer: the policy's HF tensors, read afresh at every sync
-    if weight_transfer(cfg) == "collective":
-        source_device = device if transfer_backend(cfg) == "nccl" else torch.device("cpu")
-        source = HFWeightSource(model, DTYPES[cfg.dtype], source_device, merged=True)
+    # the engines hold a plain model: every sync sends the merged weights (W + lora_scale * B A)
+    # collective transfer: the policy's HF tensors, read afresh at every sync (None: object-store)
+    source = weight_source(cfg, model, device, merged=True)
     if resumed:
-        sync_weights(pipeline, model, cfg, state.step, source)
-        if pipeline:
-            pipeline.wait_weight_sync()
+        sync_weights(pipeline, model, cfg, state.step, source, merged=True, wait=True)
     batches = prompt_batches(
         examples, cfg.prompts_per_step, cfg.seed, state.epoch, state.samples_consumed
     )
@@ -881,7 +704,7 @@ def main(argv: list[str] | None = None, reward_funcs: list | None = None) -> lis
         print(run_summary(cfg, model, model_dir, dist_info.world_size, device, (
             f"{len(examples)} prompts | {cfg.prompts_per_step} x {cfg.num_generations} rollouts per step | "
             f"rollout {cfg.rollout} (staleness <= {staleness_bound(cfg)}) | {cfg.num_engines} {cfg.engine} engine(s), "
-            f"weight sync {weight_transfer(cfg)}{f' ({transfer_backend(cfg)})' if source is not None else ''}"
+            f"weight sync {resolve_weight_transfer(cfg)}{f' ({transfer_backend(cfg)})' if source is not None else ''}"
         )))  # fmt: skip
     progress = progress_bar(state.step, cfg.max_steps, is_main)  # on a terminal only
     history: list[dict] = []
@@ -915,7 +738,7 @@ def main(argv: list[str] | None = None, reward_funcs: list | None = None) -> lis
         if step < cfg.max_steps and (
             step % cfg.weight_sync_every_steps == 0 or cfg.rollout != "off-policy"
         ):
-            metrics["weight_sync_s"] = sync_weights(pipeline, model, cfg, step, source)
+            metrics["weight_sync_s"] = sync_weights(pipeline, model, cfg, step, source, merged=True)
         step_time = time.perf_counter() - start
         metrics.update(
             dropped_stale=dropped, rollout_wait_s=waited, train_s=train_time, step_time_s=step_time,

@@ -14,7 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime import Tokenizer
+from runtime import (
+    Tokenizer,
+    resolve_weight_transfer,
+    staleness_bound,
+    start_rollout,
+    sync_weights,
+)
 from runtime.grpo import collate_rollouts, completion_logprobs
 from runtime.rollout import make_reward_workers
 from tests.helpers import even_token_reward, import_script, run_grpo
@@ -204,10 +210,10 @@ def test_weight_sync_from_fsdp_policy(grpo_script, ray_session, even_model_dir):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    pipeline = grpo_script.start_rollout(
+    pipeline = start_rollout(
         cfg, even_model_dir, Tokenizer.from_dir(even_model_dir), [even_token_reward]
     )
-    grpo_script.sync_weights(pipeline, model, cfg, version=5)
+    sync_weights(pipeline, model, cfg, version=5)
     pipeline.wait_weight_sync()
     prompt, completion = [1, 2, 3, 4, 5], [10, 11, 12, 13]
     batch = collate_rollouts([prompt], [completion], pad_token_id=0)
@@ -229,8 +235,8 @@ def test_weight_transfer_option_is_checked_alone(grpo_script):
     assert (
         "weight_transfer='object_store': choose one of" in message and "needs engine" not in message
     )
-    assert s.weight_transfer(s.Config(engine="runtime")) == "object-store"
-    assert s.weight_transfer(s.Config(engine="vllm", device="cpu")) == "collective"
+    assert resolve_weight_transfer(s.Config(engine="runtime")) == "object-store"
+    assert resolve_weight_transfer(s.Config(engine="vllm", device="cpu")) == "collective"
     with pytest.raises(s.ConfigError, match="weight_transfer='collective' needs engine='vllm'"):
         s.validate(s.Config(engine="runtime", weight_transfer="collective", device="cpu"))
 
@@ -333,13 +339,11 @@ def test_engines_without_new_weights_fail_instead_of_looping(
         rollout="sync", num_generations=2, prompts_per_step=2, max_new_tokens=2, reward_weights=[1.0],
     )  # fmt: skip
     tokenizer = Tokenizer.from_dir(even_model_dir)
-    pipeline = grpo_script.start_rollout(cfg, even_model_dir, tokenizer, [even_token_reward])
+    pipeline = start_rollout(cfg, even_model_dir, tokenizer, [even_token_reward])
     batches = grpo_script.prompt_batches(grpo_script.load_prompts(cfg, tokenizer), 2, seed=0)
     try:
         with pytest.raises(TimeoutError, match=r"training policy version 3: 8 rollouts in a row"):
-            pipeline.next_groups(
-                batches, 2, 3, grpo_script.staleness_bound(cfg), cfg.seed
-            )  # engines at 0
+            pipeline.next_groups(batches, 2, 3, staleness_bound(cfg), cfg.seed)  # engines at 0
         assert pipeline.buffer.dropped == 8
     finally:
         pipeline.shutdown()

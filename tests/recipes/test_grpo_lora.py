@@ -25,6 +25,8 @@ from runtime import (
     RuntimeEngine,
     Tokenizer,
     gather_merged_hf_state_dict,
+    start_rollout,
+    sync_weights,
 )
 from runtime.grpo import collate_rollouts, completion_logprobs
 from runtime.lora import is_adapter_param
@@ -148,11 +150,11 @@ def test_engines_get_the_merged_policy_and_the_saves_agree(
     s, ray = grpo_lora_script, ray_session
     cfg, model, _, _, _ = _train(s, even_model_dir)
     tokenizer = Tokenizer.from_dir(even_model_dir)
-    pipeline = s.start_rollout(cfg, even_model_dir, tokenizer, [even_token_reward])
+    pipeline = start_rollout(cfg, even_model_dir, tokenizer, [even_token_reward])
     engine = pipeline.engines[0]
     try:
         before = _engine_logprobs(lambda *a: ray.get(engine.score.remote(*a)))  # the base
-        s.sync_weights(pipeline, model, cfg, version=3)
+        sync_weights(pipeline, model, cfg, version=3, merged=True)  # as the script's main
         pipeline.wait_weight_sync()
         after = _engine_logprobs(lambda *a: ray.get(engine.score.remote(*a)))
         assert ray.get(engine.policy_version.remote()) == 3
@@ -281,12 +283,14 @@ def test_generator_renders_grpo_lora_and_refuses_bad_combinations(tmp_path):
     assert text.startswith('"""GRPO of LoRA adapters on a frozen smollm2-135m (llama family)')
     for line in (
         "arXiv:2106.09685", "lr: float = 1e-05", "use_dora: bool = False",
-        "state = gather_merged_hf_state_dict(model, DTYPES[cfg.dtype], keep=pipeline is not None)",
+        "sync_weights(pipeline, model, cfg, step, source, merged=True)",
+        "source = weight_source(cfg, model, device, merged=True)",
         "with torch.no_grad(), adapters_disabled(model):", "save_adapter(",
     ):  # fmt: skip
         assert line in text, line
     # no frozen copy (the reference is the policy with its adapters off), no plain-weight sync
     assert "def setup_frozen_model(" not in text and "gather_hf_state_dict(" not in text
+    assert text.count("sync_weights(") + 1 == text.count("merged=True")  # every sync, the source
     dora = render(Spec(algo="grpo-lora", peft="dora", tricks=("ac",), out="o"))
     assert dora.startswith('"""GRPO of LoRA adapters (DoRA) on a frozen')
     assert "use_dora: bool = True" in dora and "arXiv:2402.09353" in dora
