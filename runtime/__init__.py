@@ -15,7 +15,7 @@ from runtime.checkpoint import (
 )
 from runtime.config import ConfigError, entry_point
 from runtime.config import parse as parse_config
-from runtime.config_checks import common_config_errors, config_notes
+from runtime.config_checks import common_config_errors, config_notes, run_summary
 from runtime.context_parallel import (
     apply_context_parallel,
     context_parallel_chunks,
@@ -76,7 +76,6 @@ from runtime.metrics import (
     logger_errors,
     peak_memory_mib,
     progress_bar,
-    run_summary,
     step_line,
     transformer_flops_per_token,
 )

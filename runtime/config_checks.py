@@ -17,6 +17,7 @@ The messages are the skeletons' own (the bad-input corpus in tests/bad_inputs ma
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 import torch
@@ -138,3 +139,29 @@ def _cadence_errors(cfg, has: set[str]) -> list[str]:
     if "keep_last_checkpoints" in has and cfg.keep_last_checkpoints < 1:
         errors.append(f"keep_last_checkpoints={cfg.keep_last_checkpoints}: must be >= 1")
     return errors
+
+
+def run_summary(
+    cfg, model: torch.nn.Module, model_dir, world_size: int, device, details: str
+) -> str:
+    """What rank 0 prints before the first step: the resolved config (JSON), a `note | ...` line
+    for each of `config_notes(cfg)`, and one line of the model, the data and the processes.
+
+    Args:
+        cfg: the script's Config dataclass.
+        model: the trained model (parameter counts are global also under FSDP: DTensor.numel()).
+        model_dir: where the weights came from.
+        world_size: trainer processes.
+        device: torch.device of this rank.
+        details: the script's own part of the line (data, batch, reference or engines).
+    """
+    n_params = sum(p.numel() for p in model.parameters())
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    lines = [json.dumps(dataclasses.asdict(cfg), indent=2)]
+    lines += [f"note | {note}" for note in config_notes(cfg)]
+    lines.append(
+        f"model {model_dir} | {n_params / 1e6:.1f}M params, {n_trainable / 1e6:.2f}M trainable "
+        f"({100 * n_trainable / max(n_params, 1):.2f}%) | {details} | "
+        f"{world_size} process(es) on {device.type}"
+    )
+    return "\n".join(lines)

@@ -199,34 +199,6 @@ def _rows_up_to(path: Path, step: int) -> str:
     return "".join(kept)
 
 
-def run_summary(
-    cfg, model: torch.nn.Module, model_dir, world_size: int, device, details: str
-) -> str:
-    """What rank 0 prints before the first step: the resolved config (JSON), a `note | ...` line
-    for each of `config_notes(cfg)`, and one line of the model, the data and the processes.
-
-    Args:
-        cfg: the script's Config dataclass.
-        model: the trained model (parameter counts are global also under FSDP: DTensor.numel()).
-        model_dir: where the weights came from.
-        world_size: trainer processes.
-        device: torch.device of this rank.
-        details: the script's own part of the line (data, batch, reference or engines).
-    """
-    from runtime.config_checks import config_notes
-
-    n_params = sum(p.numel() for p in model.parameters())
-    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    lines = [json.dumps(dataclasses.asdict(cfg), indent=2)]
-    lines += [f"note | {note}" for note in config_notes(cfg)]
-    lines.append(
-        f"model {model_dir} | {n_params / 1e6:.1f}M params, {n_trainable / 1e6:.2f}M trainable "
-        f"({100 * n_trainable / max(n_params, 1):.2f}%) | {details} | "
-        f"{world_size} process(es) on {device.type}"
-    )
-    return "\n".join(lines)
-
-
 def progress_bar(start_step: int, max_steps: int, is_main: bool):
     """The steps start_step + 1 .. max_steps as a tqdm bar, drawn on rank 0 and on a terminal only:
     in a redirected log its carriage returns would garble the step lines (`tqdm.write` keeps

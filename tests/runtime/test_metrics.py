@@ -8,13 +8,13 @@ import torch
 from click.testing import CliRunner
 
 from generator.cli import cli
+from runtime.config_checks import run_summary
 from runtime.metrics import (
     MetricsLogger,
     check_finite,
     launch_command,
     peak_memory_mib,
     progress_bar,
-    run_summary,
     step_line,
     transformer_flops_per_token,
 )
