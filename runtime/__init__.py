@@ -110,6 +110,12 @@ from runtime.parallel import (
     llama_block_tp_plan,
     llama_tp_plan,
 )
+from runtime.preference import (
+    frozen_cpu_copy,
+    load_reference_logprobs,
+    precompute_reference_logprobs,
+    reference_logprobs,
+)
 from runtime.quiet import silence_known_noise
 from runtime.rollout import (
     HFWeightSource,
@@ -273,6 +279,10 @@ __all__ = [
     "setup_optimizer_in_backward",
     "shard_for_context_parallel",
     "pad_with_unsupervised_copies",
+    "frozen_cpu_copy",
+    "load_reference_logprobs",
+    "precompute_reference_logprobs",
+    "reference_logprobs",
     "split_train_val",
     "to_messages",
     "to_preference",

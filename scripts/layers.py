@@ -30,7 +30,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                     "runtime.hub", "runtime.tokenizer", "runtime.config")),
     ("runtime.train", ("runtime.loss", "runtime.optim", "runtime.optim_in_backward",
                        "runtime.data", "runtime.packing", "runtime.metrics", "runtime.offload",
-                       "runtime.config_checks")),
+                       "runtime.config_checks", "runtime.preference")),
     ("runtime.peft", ("runtime.lora",)),
     ("runtime.rl", ("runtime.generate", "runtime.grpo", "runtime.weight_transfer",
                     "runtime.rollout_vllm", "runtime.rollout", "runtime.rollout_setup")),

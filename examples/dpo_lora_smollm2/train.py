@@ -50,7 +50,6 @@ import dataclasses
 import functools
 import json
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,7 +58,6 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.utils.data import DataLoader
-from tqdm import tqdm
 
 from runtime import (
     IGNORE_INDEX,
@@ -67,7 +65,6 @@ from runtime import (
     ConfigError,
     MetricsLogger,
     ModelArgs,
-    ResumableDistributedSampler,
     Tokenizer,
     adapter_param_names,
     adapters_disabled,
@@ -90,6 +87,7 @@ from runtime import (
     destroy_distributed,
     disable_fsdp_gradient_division,
     entry_point,
+    frozen_cpu_copy,
     hub_repo_id,
     infinite_batches,
     init_distributed,
@@ -98,6 +96,7 @@ from runtime import (
     last_user_message,
     load_adapter,
     load_hf_checkpoint,
+    load_reference_logprobs,
     load_rows,
     merged_hf_tensors,
     pad_batch,
@@ -106,6 +105,7 @@ from runtime import (
     progress_bar,
     read_hf_config,
     read_model_args,
+    reference_logprobs,
     resolve_data_path,
     resolve_model_dir,
     resolve_resume,
@@ -329,23 +329,15 @@ def setup_frozen_model(cfg: Config, model_dir: Path, mesh, device: torch.device)
 
 
 def build_reference(cfg: Config, model_dir: Path, mesh, device: torch.device) -> torch.nn.Module:
-    """ref_mode="separate": the frozen reference, i.e. the base checkpoint loaded a second time.
-
-    On the policy's device it is parallelized like the policy (no gradients, no optimizer state);
-    with ref_device="cpu" it is a plain full copy in host memory on each rank, in the compute dtype.
-    """
-    if cfg.ref_device != "cpu":
-        return setup_frozen_model(cfg, model_dir, mesh, device)
-    reference = build_model(
-        read_model_args(model_dir, {"max_seq_len": cfg.max_seq_len}), device="meta"
-    )
-    reference.requires_grad_(False)  # never trained: no gradient buffers, no optimizer state
-    reference.to_empty(device=torch.device("cpu"))
-    reference.init_rope()
-    load_hf_checkpoint(reference, model_dir)
-    return reference.to(
-        DTYPES[cfg.dtype]
-    ).eval()  # unsharded: in the compute dtype (half the memory in bf16)
+    """ref_mode="separate": the base checkpoint loaded a second time, frozen. On the policy's device
+    it is parallelized like the policy; ref_device="cpu": a full copy in host memory on each rank."""
+    if cfg.ref_device == "cpu":
+        return frozen_cpu_copy(
+            read_model_args(model_dir, {"max_seq_len": cfg.max_seq_len}),
+            model_dir,
+            DTYPES[cfg.dtype],
+        )
+    return setup_frozen_model(cfg, model_dir, mesh, device)
 
 
 # === 5. Loss ===
@@ -412,24 +404,23 @@ def dpo_loss(
 
 
 @torch.no_grad()
-def reference_logprobs(model, reference, ref_cache, batch: dict, cfg: Config) -> torch.Tensor:
-    """The reference model's sequence log-probs [2P] fp32 for `batch`, by cfg.ref_mode."""
-    if cfg.ref_mode == "precomputed":  # cached before training, per pair id: [N, 2]
-        ids = batch["sample_ids"].to(ref_cache.device)
-        return torch.cat([ref_cache[ids, 0], ref_cache[ids, 1]]).to(batch["input_ids"].device)
-    if cfg.ref_mode == "adapters-off":  # the policy's frozen base: LoRA adapters skipped
-        with adapters_disabled(model):
-            return sequence_logprobs(model, batch, cfg)[0]
-    ref_device = next(reference.parameters()).device
-    ref_batch = {k: v.to(ref_device) for k, v in batch.items()}
-    return sequence_logprobs(reference, ref_batch, cfg)[0].to(batch["input_ids"].device)
+def base_logprobs(model: torch.nn.Module, batch: dict, cfg: Config) -> torch.Tensor:
+    """Sequence log-probs [2P] fp32 of the policy's frozen base (LoRA adapters skipped): the
+    reference of ref_mode adapters-off, and of the precomputed pass."""
+    with adapters_disabled(model):
+        return sequence_logprobs(model, batch, cfg)[0]
 
 
 def pair_losses(model, reference, ref_cache, batch: dict, cfg: Config) -> tuple[torch.Tensor, dict]:
     """DPO losses [P] of one micro-batch and its summed metrics (TRL's names)."""
     P = batch["sample_ids"].numel()
     policy_logps, num_tokens = sequence_logprobs(model, batch, cfg)  # [2P], [2P]
-    ref_logps = reference_logprobs(model, reference, ref_cache, batch, cfg)  # [2P]
+    if cfg.ref_mode == "adapters-off":
+        ref_logps = base_logprobs(model, batch, cfg)  # [2P]
+    else:  # the frozen copy, or the rows of the precomputed table ([N, 2] per pair id)
+        ref_logps = reference_logprobs(
+            reference, ref_cache, batch, lambda m, b: sequence_logprobs(m, b, cfg)[0]
+        )
     if cfg.loss_type == "ipo":  # IPO compares per-token means (TRL), not sums
         policy_logps, ref_logps = policy_logps / num_tokens, ref_logps / num_tokens
     losses, chosen_rewards, rejected_rewards = dpo_loss(
@@ -525,48 +516,6 @@ def collate(pairs: list[dict], pad_token_id: int, pad_to: int = 0) -> dict:
     sequences = [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs]
     pad_values = {"input_ids": pad_token_id, "labels": IGNORE_INDEX}
     return pad_batch(sequences, pad_values, pad_to, ids=[p["id"] for p in pairs])
-
-
-@torch.no_grad()
-def precompute_reference_logprobs(
-    model, examples: list[dict], cfg: Config, pad_token_id: int, dp_rank: int, dp_size: int, device
-) -> torch.Tensor:
-    """ref_mode="precomputed": one pass over every pair with the policy before its first step.
-
-    The untrained policy is the reference (the checkpoint's weights; the adapters are off), so
-    afterwards only one model is resident. Each rank scores its shard; an all-reduce assembles the
-    table on every rank.
-
-    Returns:
-        [N, 2] fp32 on CPU, row = pair id: the (chosen, rejected) summed log-probs.
-    """
-    model.eval()
-    num_ids = max(ex["id"] for ex in examples) + 1
-    table = torch.zeros(num_ids, 2, device=device)
-    counts = torch.zeros(num_ids, device=device)  # the sampler repeats pairs to even out the shards
-    loader = DataLoader(
-        examples, batch_size=cfg.micro_batch_size,
-        sampler=ResumableDistributedSampler(examples, num_replicas=dp_size, rank=dp_rank, shuffle=False),
-        collate_fn=functools.partial(collate, pad_token_id=pad_token_id),
-    )  # fmt: skip
-    for mb in tqdm(
-        loader,
-        desc="reference log-probs",
-        disable=not (dp_rank == 0 and sys.stderr.isatty()),
-        dynamic_ncols=True,
-    ):
-        batch = {k: v.to(device) for k, v in mb.items()}
-        with adapters_disabled(model):
-            logps = sequence_logprobs(model, batch, cfg)[0]  # [2P]
-        ids = batch["sample_ids"]
-        table[ids] += logps.view(2, -1).T  # [2P] -> [P, 2]
-        counts[ids] += 1
-    if hasattr(model, "reshard"):  # FSDP: a no_grad forward leaves the root's parameters gathered
-        model.reshard()
-    model.train()
-    all_reduce_sum(table)
-    all_reduce_sum(counts)
-    return (table / counts.clamp(min=1)[:, None]).cpu()
 
 
 # === 8. train_step ===
@@ -695,60 +644,6 @@ def save(
 
 
 # === 9. main ===
-def load_reference(
-    cfg: Config,
-    model,
-    model_dir: Path,
-    mesh,
-    device,
-    examples: list[dict],
-    pad_token_id: int,
-    out_dir: Path,
-    resumed: bool,
-    is_main: bool,
-):
-    """The reference by cfg.ref_mode: (frozen copy or None, [N, 2] log-prob table or None).
-
-    precomputed: the table is saved to out_dir/reference_logps.pt with the config fields it was
-    computed from, so a resumed run (whose policy has moved) reads it back instead of recomputing,
-    and refuses it if one of those fields changed (the rows or their tokens would not match).
-    """
-    if cfg.ref_mode == "separate":
-        return build_reference(cfg, model_dir, mesh, device), None
-    if cfg.ref_mode != "precomputed":
-        return None, None
-    path = out_dir / "reference_logps.pt"
-    computed_from = {k: getattr(cfg, k) for k in ("model", "dataset", "max_seq_len", "dtype")} | {
-        "pairs": len(examples)
-    }
-    if resumed:
-        if not path.is_file():
-            raise ValueError(
-                f"ref_mode='precomputed' resumes from a checkpoint but {path} is missing, and the trained "
-                "policy is no longer the reference; restore the file or start over with --resume none"
-            )
-        saved = torch.load(path)
-        changed = {
-            k: (v, computed_from[k])
-            for k, v in saved["computed_from"].items()
-            if computed_from.get(k) != v
-        }
-        if changed:
-            raise ValueError(
-                f"{path} was computed for other data: "
-                + ", ".join(f"{k} {old!r} (now {new!r})" for k, (old, new) in changed.items())
-                + "; resume with the same values, or start over in a new --out_dir (the reference is the untrained policy)"
-            )
-        return None, saved["reference_logps"]
-    dp = mesh["dp"]
-    ref_cache = precompute_reference_logprobs(
-        model, examples, cfg, pad_token_id, dp.get_local_rank(), dp.size(), device
-    )
-    if is_main:
-        torch.save({"reference_logps": ref_cache, "computed_from": computed_from}, path)
-    return None, ref_cache
-
-
 def main(argv: list[str] | None = None) -> dict:
     """Train, evaluate, save the HF model and print a sample. Returns the final metrics."""
     cfg = parse_config(Config, argv)
@@ -774,9 +669,17 @@ def main(argv: list[str] | None = None) -> dict:
     train_loader = build_dataloader(train_set, *loader_args, train=True, what="pairs")
     val_loader = build_dataloader(val_set, *loader_args, train=False, unsupervised_fill=False)
     resumed = resolve_resume(cfg.resume, out_dir / "checkpoints") is not None
-    reference, ref_cache = load_reference(
-        cfg, model, model_dir, mesh, device, train_set + val_set, tokenizer.pad_token_id, out_dir, resumed, is_main
-    )  # fmt: skip
+    reference, ref_cache = None, None
+    if cfg.ref_mode == "separate":
+        reference = build_reference(cfg, model_dir, mesh, device)
+    # precomputed: every pair scored once by the untrained policy, kept in out_dir for a resume
+    if cfg.ref_mode == "precomputed":
+        ref_cache = load_reference_logprobs(
+            out_dir / "reference_logps.pt", {k: getattr(cfg, k) for k in ("model", "dataset", "max_seq_len", "dtype")},
+            resumed, is_main, model, train_set + val_set,
+            functools.partial(base_logprobs, cfg=cfg), functools.partial(collate, pad_token_id=tokenizer.pad_token_id),
+            cfg.micro_batch_size, dp_rank, dp_size, device,
+        )  # fmt: skip
     global_batch = cfg.micro_batch_size * cfg.gradient_accumulation_steps * dp_size
     if is_main:
         print(run_summary(cfg, model, model_dir, dist_info.world_size, device, (

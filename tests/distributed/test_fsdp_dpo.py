@@ -4,6 +4,7 @@ metrics all-reduce, the sharded separate reference and the precomputed table's a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
@@ -15,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _step(rank, world_size, model_dir, data_path):
-    from runtime import Tokenizer
+    from runtime import Tokenizer, precompute_reference_logprobs
     from tests.helpers import import_script
 
     script = import_script(REPO / "examples" / "dpo_smollm2" / "train.py", "dpo_train_dist")
@@ -33,9 +34,11 @@ def _step(rank, world_size, model_dir, data_path):
     reference = script.build_reference(cfg, Path(model_dir), mesh, dist_info.device)
     dp = mesh["dp_shard"]
     pre_cfg = dataclasses.replace(cfg, ref_mode="precomputed")
-    table = script.precompute_reference_logprobs(
-        model, pairs, pre_cfg, tokenizer.pad_token_id, dp.get_local_rank(), dp.size(), "cpu"
-    )
+    table = precompute_reference_logprobs(
+        model, pairs, lambda m, b: script.sequence_logprobs(m, b, pre_cfg)[0],
+        functools.partial(script.collate, pad_token_id=tokenizer.pad_token_id),
+        pre_cfg.micro_batch_size, dp.get_local_rank(), dp.size(), "cpu",
+    )  # fmt: skip
     before = {n: full_tensor(p.detach()).clone() for n, p in model.named_parameters()}
     # at policy == reference the loss is log 2 but its gradient is -beta/2 * d(h)/d(theta) != 0
     opt = torch.optim.SGD(model.parameters(), lr=1.0)  # update == gradient

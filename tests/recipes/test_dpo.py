@@ -6,6 +6,7 @@ steps on real preference data (SmolLM2-135M, dpo_en_demo.json) rank the chosen r
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from generator.assets import ensure_dataset
-from runtime import Tokenizer
+from runtime import Tokenizer, precompute_reference_logprobs, reference_logprobs
 from tests.helpers import first_short_pairs, import_script
 
 REPO = Path(__file__).resolve().parents[2]
@@ -100,6 +101,19 @@ def test_batch_holds_chosen_then_rejected_with_the_prompt_masked(
         ).endswith("<|im_start|>assistant\n")
 
 
+def _logprob_fn(script, cfg):
+    """The script's reference forward: (model, batch) -> sequence log-probs [2P]."""
+    return lambda model, batch: script.sequence_logprobs(model, batch, cfg)[0]
+
+
+def _precompute(script, model, pairs, cfg, logprob_fn, pad_token_id, device):
+    """The precomputed table as main() computes it, on one rank."""
+    collate_fn = functools.partial(script.collate, pad_token_id=pad_token_id)
+    return precompute_reference_logprobs(
+        model, pairs, logprob_fn, collate_fn, cfg.micro_batch_size, 0, 1, device
+    )
+
+
 def test_reference_logprobs_identical_across_the_three_modes(
     dpo_script, dpo_lora_script, tiny_model_dir, short_pairs
 ):
@@ -110,23 +124,22 @@ def test_reference_logprobs_identical_across_the_three_modes(
             if "lora_B" in name:
                 param.normal_(0.0, 0.05)
         policy = s.sequence_logprobs(model, batch, cfg)[0]
-    adapters_off = s.reference_logprobs(model, None, None, batch, cfg)
+    adapters_off = s.base_logprobs(model, batch, cfg)
     sep_cfg = dataclasses.replace(cfg, ref_mode="separate")
     reference = s.build_reference(sep_cfg, Path(tiny_model_dir), mesh, device)
-    separate = s.reference_logprobs(model, reference, None, batch, sep_cfg)
+    separate = reference_logprobs(reference, None, batch, _logprob_fn(s, sep_cfg))
     pre_cfg = dataclasses.replace(cfg, ref_mode="precomputed")
-    table = s.precompute_reference_logprobs(
-        model, train_set, pre_cfg, tok.pad_token_id, 0, 1, device
-    )
-    precomputed = s.reference_logprobs(model, None, table, batch, pre_cfg)
+    base_fn = functools.partial(s.base_logprobs, cfg=pre_cfg)  # as main(): the adapters off
+    table = _precompute(s, model, train_set, pre_cfg, base_fn, tok.pad_token_id, device)
+    precomputed = reference_logprobs(None, table, batch, base_fn)
     assert (policy - adapters_off).abs().max() > 1e-3
     torch.testing.assert_close(adapters_off, separate, atol=1e-5, rtol=1e-6)
     torch.testing.assert_close(precomputed, separate, atol=1e-5, rtol=1e-6)
     # the full-parameter script: its untrained policy is the reference of the precomputed pass
     d = dpo_script
     cfg, mesh, tok, train_set, model, batch, device = _setup(d, tiny_model_dir, short_pairs)
-    table = d.precompute_reference_logprobs(model, train_set, cfg, tok.pad_token_id, 0, 1, device)
-    full_precomputed = d.reference_logprobs(model, None, table, batch, pre_cfg)
+    table = _precompute(d, model, train_set, cfg, _logprob_fn(d, cfg), tok.pad_token_id, device)
+    full_precomputed = reference_logprobs(None, table, batch, _logprob_fn(d, cfg))
     torch.testing.assert_close(full_precomputed, separate, atol=1e-5, rtol=1e-6)
 
 
@@ -142,12 +155,12 @@ def test_bf16_separate_reference_is_stored_in_bf16_with_unchanged_logprobs(
     )
     reference = s.build_reference(cfg, Path(tiny_model_dir), mesh, device)
     assert {p.dtype for p in reference.parameters()} == {torch.bfloat16}
-    got = s.reference_logprobs(model, reference, None, batch, cfg)
+    got = reference_logprobs(reference, None, batch, _logprob_fn(s, cfg))
     with monkeypatch.context() as m:
         m.setattr(s, "cast_frozen_params", lambda model, dtype: 0)
         fp32_reference = s.build_reference(cfg, Path(tiny_model_dir), mesh, device)
     assert {p.dtype for p in fp32_reference.parameters()} == {torch.float32}
-    assert torch.equal(got, s.reference_logprobs(model, fp32_reference, None, batch, cfg))
+    assert torch.equal(got, reference_logprobs(fp32_reference, None, batch, _logprob_fn(s, cfg)))
 
 
 def test_adapters_off_reference_is_constant_while_the_policy_trains(
@@ -156,13 +169,13 @@ def test_adapters_off_reference_is_constant_while_the_policy_trains(
     s = dpo_lora_script
     cfg, _, _, _, model, batch, device = _setup(s, tiny_model_dir, short_pairs)
     optimizer, scheduler = s.build_optimizer(cfg, model)
-    first_ref = s.reference_logprobs(model, None, None, batch, cfg)
+    first_ref = s.base_logprobs(model, batch, cfg)
     losses = []
     for _ in range(3):
         metrics = s.train_step(model, None, None, optimizer, scheduler, [batch], cfg, device)
         assert set(TRL_METRICS) <= set(metrics) and metrics["num_pairs"] == 2
         losses.append(metrics["loss"])
-        torch.testing.assert_close(s.reference_logprobs(model, None, None, batch, cfg), first_ref)
+        torch.testing.assert_close(s.base_logprobs(model, batch, cfg), first_ref)
     with torch.no_grad():
         policy = s.sequence_logprobs(model, batch, cfg)[0]
     assert (policy - first_ref).abs().max() > 1e-3  # the policy moved, the reference did not
@@ -239,7 +252,7 @@ def test_ipo_compares_per_token_means(dpo_lora_script, tiny_model_dir, short_pai
                 param.normal_(0.0, 0.05)
         losses, sums = s.pair_losses(model, None, None, batch, cfg)
         logps, counts = s.sequence_logprobs(model, batch, cfg)
-        ref = s.reference_logprobs(model, None, None, batch, cfg)
+        ref = s.base_logprobs(model, batch, cfg)
     mean, ref_mean = logps / counts, ref / counts  # [2P]
     want, _, _ = s.dpo_loss(mean[:2], mean[2:], ref_mean[:2], ref_mean[2:], cfg.beta, 0.0, "ipo")
     torch.testing.assert_close(losses, want)
