@@ -163,6 +163,28 @@ def test_bf16_separate_reference_is_stored_in_bf16_with_unchanged_logprobs(
     assert torch.equal(got, reference_logprobs(fp32_reference, None, batch, _logprob_fn(s, cfg)))
 
 
+def test_cpu_reference_is_a_plain_frozen_copy_with_the_same_logprobs(
+    dpo_script, tiny_model_dir, short_pairs
+):
+    """ref_device=cpu: a plain bf16 module in host memory (`frozen_cpu_copy`), where the reference
+    on the policy's device is FSDP-wrapped; both compute with the same bf16 weights, so their
+    log-probs are equal."""
+    s = dpo_script
+    cfg, mesh, _, _, _, batch, device = _setup(
+        s, tiny_model_dir, short_pairs, ref_mode="separate", dtype="bf16"
+    )
+    on_device = s.build_reference(cfg, Path(tiny_model_dir), mesh, device)
+    cpu_cfg = dataclasses.replace(cfg, ref_device="cpu")
+    s.validate(cpu_cfg)
+    cpu = s.build_reference(cpu_cfg, Path(tiny_model_dir), mesh, device)
+    assert hasattr(on_device, "reshard") and not hasattr(cpu, "reshard") and not cpu.training
+    assert {(p.dtype, p.device.type, p.requires_grad) for p in cpu.parameters()} == {
+        (torch.bfloat16, "cpu", False)
+    }
+    want = reference_logprobs(on_device, None, batch, _logprob_fn(s, cfg))
+    assert torch.equal(reference_logprobs(cpu, None, batch, _logprob_fn(s, cpu_cfg)), want)
+
+
 def test_adapters_off_reference_is_constant_while_the_policy_trains(
     dpo_lora_script, tiny_model_dir, short_pairs
 ):
