@@ -332,11 +332,8 @@ def build_reference(cfg: Config, model_dir: Path, mesh, device: torch.device) ->
     """ref_mode="separate": the base checkpoint loaded a second time, frozen. On the policy's device
     it is parallelized like the policy; ref_device="cpu": a full copy in host memory on each rank."""
     if cfg.ref_device == "cpu":
-        return frozen_cpu_copy(
-            read_model_args(model_dir, {"max_seq_len": cfg.max_seq_len}),
-            model_dir,
-            DTYPES[cfg.dtype],
-        )
+        model_args = read_model_args(model_dir, {"max_seq_len": cfg.max_seq_len})
+        return frozen_cpu_copy(model_args, model_dir, DTYPES[cfg.dtype])
     return setup_frozen_model(cfg, model_dir, mesh, device)
 
 
