@@ -760,6 +760,9 @@ def test_no_edit_is_lost_silently(scenario):
 # (the skeletons were pasted copies then): a user's edited script of that time must regenerate
 # onto today's templates with the edit kept.
 BEFORE_SHARED_PARTIALS = "cc53fd5"
+# The last commit before the runtime took over the scripts' loaders, final save, start-up summary,
+# DPO reference cache and GRPO rollout plumbing (the scripts lost 100-220 lines each).
+BEFORE_RUNTIME_HELPERS = "f503683"
 # A Config default a user changes. (Not `seed`: its line is next to `sample_prompt`, whose default
 # changed since, and a 3-way merge rightly calls two changes with no unchanged line between them a
 # conflict; `scaffold regen --abort` / `--continue` handle that one.)
@@ -778,24 +781,26 @@ def _git_show(rev: str, path: str) -> str:
     return proc.stdout
 
 
+@pytest.mark.parametrize("rev", [BEFORE_SHARED_PARTIALS, BEFORE_RUNTIME_HELPERS])
 @pytest.mark.parametrize(
     "example",
     sorted(p.name for p in (Path(__file__).resolve().parents[2] / "examples").iterdir()),
 )
-def test_an_edited_script_of_the_old_templates_regenerates_with_its_edit(example, tmp_path):
-    """The checked-in example as rendered before the shared partials, with a user edit, moves
-    onto the current templates: no conflict, the edit kept, and otherwise today's render."""
+def test_an_edited_script_of_the_old_templates_regenerates_with_its_edit(example, rev, tmp_path):
+    """The checked-in example as rendered by older templates (before the shared partials; before
+    the runtime helpers), with a user edit, moves onto the current templates: no conflict, the
+    edit kept, and otherwise today's render."""
     out = tmp_path / example
     (out / ".scaffold").mkdir(parents=True)
     launch = ("launch/torchrun.sh", "launch/torchrun_multinode.sh", "launch/slurm.sbatch")
     for name in ("spec.json", "train.py.base", *launch):
         path = out / ".scaffold" / name
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(_git_show(BEFORE_SHARED_PARTIALS, f"examples/{example}/.scaffold/{name}"))
+        path.write_text(_git_show(rev, f"examples/{example}/.scaffold/{name}"))
     for name in launch:
         (out / name).parent.mkdir(exist_ok=True)
-        (out / name).write_text(_git_show(BEFORE_SHARED_PARTIALS, f"examples/{example}/{name}"))
-    old = _git_show(BEFORE_SHARED_PARTIALS, f"examples/{example}/train.py")
+        (out / name).write_text(_git_show(rev, f"examples/{example}/{name}"))
+    old = _git_show(rev, f"examples/{example}/train.py")
     assert old.count(EDIT[0]) == 1
     (out / "train.py").write_text(old.replace(*EDIT))
     result = CliRunner().invoke(cli, ["regen", str(out), "--to-version", "current"])
