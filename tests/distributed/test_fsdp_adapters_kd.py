@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -59,7 +60,11 @@ def _train(rank, world_size, script_name, model_dir, data_path, out_dir, overrid
             model, optimizer, scheduler, micro_batches, cfg, dist_info.device
         )
         losses.append(metrics["loss"])
-    script.save(model, None, Path(model_dir), cfg, Path(out_dir), dist_info.is_main)
+    if hasattr(script, "save"):  # the adapter scripts' own save (PEFT layout)
+        script.save(model, None, Path(model_dir), cfg, Path(out_dir), dist_info.is_main)
+    else:  # KD saves the student in Hugging Face layout
+        config = dataclasses.asdict(cfg)
+        script.save_hf_model(model, Path(model_dir), Path(out_dir), config, dist_info.is_main)
     return losses
 
 
