@@ -144,6 +144,8 @@ class RuntimeEngine:
                     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
                     self._host_copies.append(host.copy_(_bytes_of(storage)))
                 storage.resize_(0)
+        if not on_cpu:  # hand the freed blocks (and the last batch's KV cache) back to the driver,
+            torch.cuda.empty_cache()  # or this process's caching allocator keeps them from the trainer
         self.sleep_level = level
         self.weights_valid = level != 2
         return {"freed": before - self.memory()["weights"], "level": level}

@@ -300,6 +300,9 @@ def sync_weights(
             cfg.rollout "sync" (its next batch needs them); the others let the push queue behind
             the batches already generating.
 
+    Colocated (cfg.layout): first empties this process's CUDA caching allocator (the engines wake
+    into that memory); the pipeline wakes the sleeping engines around the push.
+
     Returns:
         seconds spent.
 
@@ -307,6 +310,10 @@ def sync_weights(
         TimeoutError: an engine did not load the weights within cfg.weight_sync_timeout_s (names it).
     """
     start = time.perf_counter()
+    if colocated(cfg) and torch.cuda.is_available():
+        # the engines wake into this GPU memory: what the trainer's caching allocator keeps
+        # reserved (the step's activations, an offloaded optimizer state) goes back to the driver
+        torch.cuda.empty_cache()
     if source is not None:
         if pipeline is not None:
             pipeline.transfer_weights(source, version)

@@ -83,7 +83,7 @@ def test_colocated_sync_matches_split_and_sleep_frees_the_weights(
         assert m["engine_woke_mib"] == pytest.approx(weights, rel=0, abs=1e-9)
     # a CPU engine's device is host memory: level 1 has nowhere to move the weights to, frees none
     assert all(m["engine_slept_mib"] == 0 == m["engine_woke_mib"] for m in runs[1][:2])
-    assert weights > 0.1  # the tiny model: about 0.3 MiB of fp32 weights
+    assert weights == 427_264 / 2**20  # the tiny model: 0.41 MiB of fp32 weights, tied head once
 
 
 def test_colocated_refuses_overlapping_rollouts(colocated_script):
@@ -92,3 +92,21 @@ def test_colocated_refuses_overlapping_rollouts(colocated_script):
         colocated_script.validate(cfg)
     assert colocated_script.Config().rollout == "sync"  # the colocated script's default
     colocated_script.validate(colocated_script.Config(layout="split", rollout="async"))
+
+
+def test_colocated_grpo_lora_syncs_the_merged_policy_into_woken_engines(
+    ray_session, even_model_dir, chain_sum_64, tmp_path, monkeypatch
+):
+    """grpo-lora: the engines hold a plain model, so after a level-2 sleep every sync must bring
+    the merged weights W + lora_scale * B A; the sampler's log-probs then equal the trainer's
+    (adapters on) at every step."""
+    spec = Spec(algo="grpo-lora", layout="colocated", dataset="chain_sum.jsonl", out="o")
+    path = tmp_path / "lora" / "train.py"
+    path.parent.mkdir()
+    path.write_text(render(spec))
+    script = import_script(path, "grpo_lora_colocated_train")
+    gaps = _recording_gaps(script, monkeypatch)
+    history = run_grpo(script, even_model_dir, chain_sum_64, tmp_path / "run", "--max_steps", "3")
+    assert len(gaps) == 3 and max(gaps) <= 1e-5, gaps
+    assert history[-1]["loss"] != 0  # the adapters moved the policy (B starts at 0)
+    assert history[0]["engine_slept_mib"] == pytest.approx(_weight_mib(even_model_dir), abs=1e-9)
