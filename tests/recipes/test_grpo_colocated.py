@@ -110,3 +110,25 @@ def test_colocated_grpo_lora_syncs_the_merged_policy_into_woken_engines(
     assert len(gaps) == 3 and max(gaps) <= 1e-5, gaps
     assert history[-1]["loss"] != 0  # the adapters moved the policy (B starts at 0)
     assert history[0]["engine_slept_mib"] == pytest.approx(_weight_mib(even_model_dir), abs=1e-9)
+
+
+def test_colocated_resume_with_offloaded_optimizer_replays_the_run(
+    colocated_script, ray_session, even_model_dir, chain_sum_64, tmp_path
+):
+    """3 colocated steps straight == 2 steps, stop, resume to 3, with the optimizer state
+    offloaded across every sync and a checkpoint at every step: each save first restores the
+    offloaded state (its storages are empty in between), so the checkpoint holds it whole."""
+    common = ("--save_every_steps", "1", "--resume", "auto", "--offload_optimizer", "true")
+
+    def run(out: str, steps: int) -> list[dict]:
+        return run_grpo(
+            colocated_script, even_model_dir, chain_sum_64, tmp_path / out, *common,
+            "--max_steps", str(steps),
+        )  # fmt: skip
+
+    straight, first, resumed = run("a", 3), run("b", 2), run("b", 3)
+    assert (len(first), len(resumed)) == (2, 1)
+    assert [[m[k] for k in KEYS] for m in straight] == [
+        [m[k] for k in KEYS] for m in first + resumed
+    ]
+    assert straight[2]["loss"] != straight[1]["loss"]
