@@ -98,8 +98,8 @@ def cli():
 )
 @_friendly
 def new(
-    algo, peft, model, tricks, gpus, nodes, tp, cp, dp_replicate, ep, engine_gpus, engine_tp, dtype,
-    dataset, out, teacher, force, gpu_memory,
+    algo, peft, model, tricks, gpus, nodes, tp, cp, dp_replicate, ep, engine_gpus, engine_tp, layout,
+    dtype, dataset, out, teacher, force, gpu_memory,
 ):  # fmt: skip
     """Write OUT/train.py for the chosen model, algorithm, tricks and GPUs.
 
@@ -117,7 +117,7 @@ def new(
 
     spec = spec_from_options(
         algo, peft, model, tricks, gpus, nodes, tp, cp, dp_replicate, ep, dtype, dataset, out,
-        engine_gpus, engine_tp, teacher,
+        engine_gpus, engine_tp, teacher, layout,
     )  # fmt: skip
     out_dir = Path(out)
     script = out_dir / SCRIPT
@@ -223,7 +223,7 @@ def _plan_summary(spec: Spec, gpu: tuple[str, float] | None) -> None:
 @_friendly
 def plan(
     directory, algo, peft, model, tricks, gpus, nodes, tp, cp, dp_replicate, dtype, engine_gpus,
-    engine_tp, micro_batch_size, max_seq_len, kl_coef, gpu_memory, suggest,
+    engine_tp, layout, micro_batch_size, max_seq_len, kl_coef, gpu_memory, suggest,
 ):  # fmt: skip
     """Per-GPU peak memory of the script `scaffold new` would write (or of DIR/train.py), simulated.
 
@@ -264,7 +264,7 @@ def plan(
     else:
         spec = spec_from_options(
             algo, peft, model, tricks, gpus, nodes, tp, cp, dp_replicate, 1, dtype, None, None,
-            engine_gpus, engine_tp,
+            engine_gpus, engine_tp, layout=layout,
         )  # fmt: skip
         answers = build_answers(spec)  # validates the spec
         if not is_grpo(spec):  # GRPO's defaults are its script's Config (rollout lengths)
@@ -381,7 +381,7 @@ def _echo_support_table(header: bool) -> None:
 
 _SET_HELP = (
     "Change one option of the recorded spec (repeatable): algo, dataset, dtype, gpus, model, nodes, "
-    "tp, cp, dp_replicate, ep, engine_gpus, engine_tp, peft, teacher, tricks (comma list; `tricks=` "
+    "tp, cp, dp_replicate, ep, engine_gpus, engine_tp, layout, peft, teacher, tricks (comma list; `tricks=` "
     "for none). "
     "Validated like `scaffold new`."
 )

@@ -71,6 +71,14 @@ SPEC_OPTIONS = [
         "hold at most 40 GiB of bf16 weights each].",
     ),
     click.option(
+        "--layout",
+        default="split",
+        show_default=True,
+        help="--algo grpo: split (the engines on GPUs of their own; at --engine-gpus 0 they share "
+        "the trainer's, both awake) or colocated (the engines on every trainer GPU, asleep while it "
+        "steps: their KV cache and, at engine_sleep_level 2, their weights freed; sync rollouts).",
+    ),
+    click.option(
         "--dtype",
         default="bf16",
         show_default=True,
@@ -80,7 +88,8 @@ SPEC_OPTIONS = [
 
 
 def spec_options(command):
-    """Decorate a click command with SPEC_OPTIONS (algo, peft, model, tricks, GPU layout, dtype)."""
+    """Decorate a click command with SPEC_OPTIONS (algo, peft, model, tricks, GPU layout, GRPO's
+    layout, dtype)."""
     for option in reversed(SPEC_OPTIONS):  # decorators apply bottom-up
         command = option(command)
     return command
@@ -88,7 +97,7 @@ def spec_options(command):
 
 def spec_from_options(
     algo, peft, model, tricks, gpus, nodes, tp, cp, dp_replicate, ep, dtype, dataset=None, out=None,
-    engine_gpus=None, engine_tp=None, teacher="",
+    engine_gpus=None, engine_tp=None, teacher="", layout="split",
 ) -> Spec:  # fmt: skip
     """The Spec of `scaffold new` / `scaffold plan` options: --tricks split on commas, --dataset
     defaulting to the algorithm's demo set, GRPO's engine GPUs chosen when not given."""
@@ -107,6 +116,7 @@ def spec_from_options(
         dataset=dataset or (ALGOS[algo].dataset if algo in ALGOS else Spec.dataset),
         out=out,
         teacher=teacher,
+        layout=layout,
     )
     if algo not in ALGOS or gpus < 1:  # validate_spec names the bad option
         return spec

@@ -71,6 +71,7 @@ SETTABLE = (
     "ep",
     "engine_gpus",
     "engine_tp",
+    "layout",
     "peft",
     "teacher",
     "tricks",
@@ -204,7 +205,7 @@ def parse_settings(settings: tuple[str, ...] | list[str], spec: Spec) -> Spec:
         else:
             changes[key] = value
     new = dataclasses.replace(spec, **changes)
-    layout = {"algo", "gpus", "model", "engine_gpus", "engine_tp"}
+    layout = {"algo", "gpus", "model", "engine_gpus", "engine_tp", "layout"}
     if layout & set(changes) and new.algo in ROLLOUT_ALGOS:
         # GRPO's engine layout: what was not set here is chosen again for the new spec, as
         # `scaffold new` chooses it (the stored values were chosen for the old one)
@@ -214,6 +215,8 @@ def parse_settings(settings: tuple[str, ...] | list[str], spec: Spec) -> Spec:
         new = dataclasses.replace(new, engine_gpus=engine_gpus, engine_tp=engine_tp)
     elif new.algo not in ROLLOUT_ALGOS and not {"engine_gpus", "engine_tp"} & set(changes):
         new = dataclasses.replace(new, engine_gpus=0, engine_tp=1)  # e.g. --set algo=sft
+    if new.algo not in ROLLOUT_ALGOS and "layout" not in changes:
+        new = dataclasses.replace(new, layout="split")
     if new.algo != "kd" and "teacher" not in changes:
         new = dataclasses.replace(new, teacher="")  # --set algo=sft on a kd run: no teacher
     validate_spec(new)

@@ -82,7 +82,11 @@ from runtime.metrics import (
 from runtime.models.llama import CausalLM, KVCache, LlamaForCausalLM, ModelArgs, build_model
 from runtime.models.moe import load_balancing_loss
 from runtime.offload import offload_activations
-from runtime.optim import cosine_schedule_with_warmup
+from runtime.optim import (
+    cosine_schedule_with_warmup,
+    offload_optimizer_state,
+    restore_optimizer_state,
+)
 from runtime.optim_in_backward import setup_optimizer_in_backward
 from runtime.packing import (
     collate_preference_packs,
@@ -232,6 +236,8 @@ __all__ = [
     "checkpoint_dtype",
     "copy_tokenizer_files",
     "cosine_schedule_with_warmup",
+    "offload_optimizer_state",
+    "restore_optimizer_state",
     "chunked_kd_loss",
     "kd_kl_sum",
     "cross_entropy_sum",

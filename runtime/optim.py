@@ -1,4 +1,4 @@
-"""Learning-rate schedules."""
+"""Learning-rate schedules, and moving optimizer state off the GPU and back."""
 
 from __future__ import annotations
 
@@ -41,3 +41,58 @@ def cosine_schedule_with_warmup(
         return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return LambdaLR(optimizer, multiplier)
+
+
+def offload_optimizer_state(
+    optimizer: torch.optim.Optimizer, device_type: str | None = None
+) -> list:
+    """Copy every tensor of the optimizer's state (AdamW's exp_avg, exp_avg_sq, ...) to host
+    memory and free its device storage, e.g. while colocated rollout engines generate on the
+    trainer's GPU; `restore_optimizer_state` brings the bytes back into the same tensors. The
+    tensors stay the optimizer's own objects (a DTensor keeps its mesh and placements: the
+    storage of its local shard is what moves), shrunk to 0 bytes in between, so the optimizer
+    must not step (or be saved) until they are restored.
+
+    Args:
+        device_type: offload the tensors on devices of this type (the trainer's: "cuda"; a
+            script passes its device's, so a CPU run copies its state aside too, which frees
+            nothing but runs the same path); None: every tensor not in host memory.
+
+    Returns:
+        what was offloaded, for `restore_optimizer_state`: [(storage, host copy)] (empty before
+        the first step: AdamW creates its state lazily).
+    """
+    from torch.distributed.tensor import DTensor
+
+    moved, seen = [], set()
+    for state in optimizer.state.values():
+        for t in state.values():
+            if not torch.is_tensor(t):
+                continue
+            local = t.to_local() if isinstance(t, DTensor) else t  # shares the shard's storage
+            storage = local.untyped_storage()
+            kind = local.device.type
+            if (
+                kind == "cpu" if device_type is None else kind != device_type
+            ) or storage.nbytes() == 0:
+                continue
+            if storage.data_ptr() in seen:
+                continue
+            seen.add(storage.data_ptr())
+            host = torch.empty(storage.nbytes(), dtype=torch.uint8).copy_(_bytes_of(storage))
+            moved.append((storage, host))
+            storage.resize_(0)
+    return moved
+
+
+def restore_optimizer_state(moved: list) -> int:
+    """Bring back what `offload_optimizer_state` moved, bit for bit; returns the bytes restored."""
+    for storage, host in moved:
+        storage.resize_(host.numel())
+        _bytes_of(storage).copy_(host)
+    return sum(host.numel() for _, host in moved)
+
+
+def _bytes_of(storage) -> torch.Tensor:
+    """A flat uint8 tensor over all of `storage` (an UntypedStorage), to copy it whole."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)

@@ -54,6 +54,11 @@ DTYPES = {
 }
 
 
+def _bytes_of(storage) -> torch.Tensor:
+    """A flat uint8 tensor over all of `storage` (an UntypedStorage), to copy it whole."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
 # --- engines ------------------------------------------------------------------------------------
 class RuntimeEngine:
     """Generator engine on the runtime's own model and KV-cache sampler (CPU, or one GPU).
@@ -83,6 +88,97 @@ class RuntimeEngine:
         self.pad_token_id = Tokenizer.from_dir(model_dir).pad_token_id or 0
         self.seed = seed
         self.version = 0
+        self.sleep_level = 0  # 0 awake; 1 or 2 while asleep (`sleep`)
+        self.weights_valid = True  # False from a level-2 sleep until the next update_weights
+        self._host_copies: list[torch.Tensor] = []  # level 1 on CUDA: the weights, in host memory
+
+    def _weight_storages(self) -> list:
+        """The distinct storages of the model's parameters (a tied lm_head shares the
+        embedding's) and their full sizes in bytes, found once while they are allocated."""
+        if not hasattr(self, "_storages"):
+            seen, self._storages = set(), []
+            for p in self.model.parameters():
+                storage = p.untyped_storage()
+                if storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    self._storages.append((storage, storage.nbytes()))
+        return self._storages
+
+    def memory(self) -> dict[str, int]:
+        """What this engine holds now, in bytes, counted from its tensors' storages:
+        {"weights": on its device, "host_weights": its level-1 copy in host memory (CUDA only),
+        "kv_cache": 0 (the runtime sampler allocates its KV cache per `generate` call and frees
+        it on return; vLLM keeps one)}."""
+        return {
+            "weights": sum(s.nbytes() for s, _ in self._weight_storages()),
+            "host_weights": sum(t.nbytes for t in self._host_copies),
+            "kv_cache": 0,
+        }
+
+    @torch.no_grad()
+    def sleep(self, level: int = 1) -> dict[str, int]:
+        """Free this engine's device memory while the trainer steps on the same device.
+
+        level 1: the weights move to host memory (restored by `wake_up`); on a CPU engine the
+        device is host memory, so nothing is moved or freed. level 2: the weights are discarded
+        (their storages shrink to 0 bytes); `wake_up` re-allocates them uninitialised and the
+        engine refuses to sample or score until `update_weights` loads a policy. Buffers (RoPE)
+        stay. The KV cache is already free between calls (see `memory`).
+
+        Returns:
+            {"freed": device bytes released, "level": level}.
+
+        Raises:
+            ValueError: level not 1 or 2, or the engine is asleep already.
+        """
+        if level not in (1, 2) or self.sleep_level:
+            raise ValueError(
+                f"sleep(level={level}): level must be 1 or 2, on an awake engine "
+                f"(now at level {self.sleep_level})"
+            )
+        before = self.memory()["weights"]
+        on_cpu = self.model.model.embed_tokens.weight.device.type == "cpu"
+        if level == 2 or not on_cpu:
+            for storage, nbytes in self._weight_storages():
+                if level == 1:  # a host copy of the bytes first
+                    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+                    self._host_copies.append(host.copy_(_bytes_of(storage)))
+                storage.resize_(0)
+        if not on_cpu:  # hand the freed blocks (and the last batch's KV cache) back to the driver,
+            torch.cuda.empty_cache()  # or this process's caching allocator keeps them from the trainer
+        self.sleep_level = level
+        self.weights_valid = level != 2
+        return {"freed": before - self.memory()["weights"], "level": level}
+
+    @torch.no_grad()
+    def wake_up(self, tags: list[str] | None = None) -> dict[str, int]:
+        """Re-allocate what `sleep` freed: after level 1 the same weights come back (bit for
+        bit), after level 2 uninitialised storage that `update_weights` must fill. `tags`
+        (vLLM's "weights" / "kv_cache") are taken for the common interface: this engine has no
+        resident KV cache, so a call naming "weights" (or none) wakes it. An awake engine is
+        left as it is.
+
+        Returns:
+            {"restored": device bytes allocated again}.
+        """
+        if not self.sleep_level or (tags is not None and "weights" not in tags):
+            return {"restored": 0}
+        before = self.memory()["weights"]
+        for i, (storage, nbytes) in enumerate(self._weight_storages()):
+            if storage.nbytes() == 0:
+                storage.resize_(nbytes)
+                if self._host_copies:
+                    _bytes_of(storage).copy_(self._host_copies[i])
+        self._host_copies = []
+        self.sleep_level = 0
+        return {"restored": self.memory()["weights"] - before}
+
+    def _check_awake(self, what: str) -> None:
+        if self.sleep_level or not self.weights_valid:
+            raise RuntimeError(
+                f"{what}: the engine is asleep (level {self.sleep_level}) or its weights were "
+                "discarded by sleep(level=2); call wake_up() and then update_weights() first"
+            )
 
     def generate(
         self,
@@ -97,7 +193,12 @@ class RuntimeEngine:
     ) -> list[list[tuple[list[int], list[float]]]]:
         """Per prompt, n sampled completions: (completion token ids, per-token log-probs of the
         sampled tokens under softmax(logits / temperature)), stop token kept. `on_progress`, if
-        given, is called with the completions finished so far (of N * n) as decoding goes."""
+        given, is called with the completions finished so far (of N * n) as decoding goes.
+
+        Raises:
+            RuntimeError: the engine is asleep, or woke from level 2 without `update_weights`.
+        """
+        self._check_awake("generate")
         device = self.model.model.embed_tokens.weight.device
         generator = torch.Generator(device).manual_seed(seed)
         flat = [p for p in prompts for _ in range(n)]  # each prompt's n samples contiguous
@@ -121,7 +222,12 @@ class RuntimeEngine:
         Raises:
             KeyError: a parameter of the model is missing from `named_tensors` (a tied lm_head
                 may be left out: it is the embedding).
+            RuntimeError: the engine is asleep (`wake_up` first).
         """
+        if self.sleep_level:
+            raise RuntimeError(
+                f"update_weights: the engine is asleep (level {self.sleep_level}); wake_up() first"
+            )
         params = dict(self.model.named_parameters())  # tied lm_head appears once, as embed_tokens
         missing = sorted(set(params) - set(named_tensors))
         if missing:
@@ -129,11 +235,13 @@ class RuntimeEngine:
         for name, p in params.items():
             p.copy_(named_tensors[name])
         self.version = version
+        self.weights_valid = True
         return version
 
     @torch.no_grad()
     def score(self, sequences: list[list[int]], prompt_lens: list[int]) -> list[list[float]]:
         """Per-token log-probs (temperature 1) of sequence[prompt_len:] given its prefix."""
+        self._check_awake("score")
         prompts = [s[:p] for s, p in zip(sequences, prompt_lens, strict=True)]
         completions = [s[p:] for s, p in zip(sequences, prompt_lens, strict=True)]
         device = self.model.model.embed_tokens.weight.device
@@ -709,6 +817,10 @@ class RolloutPipeline:
         progress_every_s: while waiting for a batch, print its finished completions this often
             (0: no progress lines and no ProgressBoard actor). The first batch, and any batch
             whose wait printed a line, also print a line when generated and when scored.
+        sleep_level: the colocated layout (engines on the trainer's GPUs): once `next_groups`
+            has a step's groups and nothing is left generating, every engine sleeps at this
+            level (`sleep_engines`; 1: weights to host memory, KV cache dropped; 2: both
+            dropped), and the next weight push wakes them (`wake_engines`) first. 0: never.
     """
 
     engines: list
@@ -729,6 +841,11 @@ class RolloutPipeline:
     batches_collected: int = 0
     # engine start times count from here (the template makes the pipeline right after the actors)
     started_s: float = field(default_factory=time.perf_counter)
+    sleep_level: int = 0  # colocated: the engines' sleep level between batches (0 = awake always)
+    asleep: bool = False
+    # device bytes the last sleep freed and the last wake allocated again, summed over engines
+    slept_bytes: int = 0
+    woke_bytes: int = 0
 
     def wait_engines(self) -> None:
         """Block until every engine has started, printing `rollout | engine i ready (t s)` as
@@ -767,10 +884,44 @@ class RolloutPipeline:
             self.board = ray.remote(num_cpus=0)(ProgressBoard).remote()
         return self.board is not None
 
+    def sleep_engines(self) -> int:
+        """Put every engine to sleep at `sleep_level` (blocks until they are); returns the device
+        bytes they freed, by their own accounting (`RuntimeEngine.sleep`, `VLLMEngine.sleep`)."""
+        import ray
+
+        freed = ray.get([e.sleep.remote(self.sleep_level) for e in self.engines])
+        self.asleep, self.slept_bytes = True, sum(f["freed"] for f in freed)
+        return self.slept_bytes
+
+    def wake_engines(self, tags: list[str] | None = None) -> int:
+        """Wake every engine (`tags`: vLLM's "weights" / "kv_cache", None = all; blocks);
+        returns the device bytes they allocated again. A no-op while they are awake."""
+        import ray
+
+        if not self.asleep:
+            return 0
+        woke = sum(w["restored"] for w in ray.get([e.wake_up.remote(tags) for e in self.engines]))
+        self.woke_bytes = woke if tags != ["kv_cache"] else self.woke_bytes + woke
+        self.asleep = tags == ["weights"]  # the KV cache still sleeps after a weights-only wake
+        return woke
+
+    def memory_stats(self) -> dict:
+        """The colocated cycle's last sleep and wake, in MiB summed over engines (empty when the
+        engines never sleep): engine_slept_mib (freed), engine_woke_mib (allocated again)."""
+        if not self.sleep_level:
+            return {}
+        return {
+            "engine_slept_mib": self.slept_bytes / 2**20,
+            "engine_woke_mib": self.woke_bytes / 2**20,
+        }
+
     def submit(
         self, prompt_ids: list[list[int]], prompt_texts: list[str], answers: list[str], seed: int
     ) -> None:
-        """Start generating one batch with the current `version` (returns at once)."""
+        """Start generating one batch with the current `version` (returns at once; sleeping
+        engines are woken first)."""
+        if self.asleep:
+            self.wake_engines()
         self._start_board()
         k, n = len(self.engines), self.sampling["n"]
         job = _Pending([], self.version, prompt_ids, time.perf_counter(), self.batches_submitted)
@@ -935,6 +1086,8 @@ class RolloutPipeline:
             )
             groups += got
             dropped += n_dropped
+        if self.sleep_level and not self.pending:  # colocated: the trainer's turn on the GPUs
+            self.sleep_engines()
         return RolloutStep(groups, dropped, waited, self.position)
 
     def push_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
@@ -945,7 +1098,13 @@ class RolloutPipeline:
         `weight_sync_timeout_s` after it was pushed is a TimeoutError naming the engine.
         """
         self._check_pushes()
+        # colocated: the weights wake first (vLLM level 2: fresh storage for them), the KV cache
+        # after they are loaded, so the engines' peak during the sync is the weights alone
+        asleep = self.asleep
+        self.wake_engines(["weights"])
         refs = push_weights(self.engines, state, version)
+        if asleep:
+            self.wake_engines(["kv_cache"])  # runs on each engine after its update_weights
         self.sync_refs.append((refs, version, time.perf_counter()))
         self.version = version
 
@@ -983,6 +1142,7 @@ class RolloutPipeline:
         from runtime.weight_transfer import start_weight_transfer  # imports vllm
 
         self._check_pushes()
+        self.wake_engines()  # the colocated layout refuses this transfer; never asleep here
         if self.weight_transfer is None:
             self.weight_transfer = start_weight_transfer(
                 self.engines,

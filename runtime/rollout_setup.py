@@ -12,7 +12,15 @@ Every function takes the script's config `cfg` (duck-typed: any object with thes
     engine_cpu_kv_cache_gib, engine_num_cpus, num_reward_workers, weight_sync_timeout_s,
     rollout_timeout_s, ray_address, ray_num_cpus, and for sampling num_generations,
     max_new_tokens, temperature, top_p, max_prompt_len, seed, reward_weights; dtype
-    ("bf16" | "fp32") and device ("auto" | "cuda" | "cpu").
+    ("bf16" | "fp32") and device ("auto" | "cuda" | "cpu"). A script rendered for the colocated
+    layout also has layout ("split" | "colocated"), engine_sleep_level (1 | 2) and
+    offload_optimizer (bool); one without them is split (`layout_of`).
+
+Layouts: "split" gives the engines GPUs of their own (or, with none left, lets them share the
+trainer's, both awake); "colocated" puts them on the trainer's GPUs and alternates: the engines
+generate a batch, sleep (`RolloutPipeline.sleep_engines`: level 1 moves their weights to host
+memory and drops the KV cache, level 2 drops both), the trainer steps, and the next weight sync
+wakes them and loads the new policy. Only sync rollouts fit that alternation.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from runtime.rollout import (
 )
 
 ROLLOUTS = ("sync", "async", "off-policy")
+LAYOUTS = ("split", "colocated")
 ENGINES = ("runtime", "vllm")
 WEIGHT_TRANSFERS = ("auto", "collective", "object-store")
 ENGINE_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}  # cfg.dtype -> the engines' dtype name
@@ -50,6 +59,16 @@ def staleness_bound(cfg) -> int:
     """Policy versions a trained sample may lag behind the policy it updates: sync 0, async 1,
     off-policy cfg.max_staleness."""
     return {"sync": 0, "async": 1}.get(cfg.rollout, cfg.max_staleness)
+
+
+def layout_of(cfg) -> str:
+    """cfg.layout, or "split" for a config without the field (a script rendered split)."""
+    return getattr(cfg, "layout", "split")
+
+
+def colocated(cfg) -> bool:
+    """Whether the engines sleep on the trainer's GPUs while it steps (cfg.layout "colocated")."""
+    return layout_of(cfg) == "colocated"
 
 
 def engines_share_gpus(cfg) -> bool:
@@ -67,9 +86,8 @@ def resolve_weight_transfer(cfg) -> str:
     hold two ranks on one GPU); any other value is returned as it is (`rollout_config_errors`
     checks it)."""
     if cfg.weight_transfer == "auto":
-        return (
-            "collective" if cfg.engine == "vllm" and not engines_share_gpus(cfg) else "object-store"
-        )
+        shared = engines_share_gpus(cfg) or colocated(cfg)
+        return "collective" if cfg.engine == "vllm" and not shared else "object-store"
     return cfg.weight_transfer
 
 
@@ -127,6 +145,34 @@ def rollout_config_errors(cfg) -> list[str]:
          f"max_staleness + 1 = {cfg.max_staleness + 1} (older samples could never be trained)"),
         (cfg.weight_sync_timeout_s > 0 and cfg.rollout_timeout_s > 0, "weight_sync_timeout_s and rollout_timeout_s must be > 0"),
     ]  # fmt: skip
+    return [message for holds, message in checks if not holds] + _layout_errors(cfg, transfer)
+
+
+def _layout_errors(cfg, transfer: str) -> list[str]:
+    """The colocated layout's checks (none for split): a known layout; sync rollouts only; the
+    object-store transfer; sleep level 1 or 2; a local Ray; vllm's sleep mode needs CUDA."""
+    layout = layout_of(cfg)
+    if layout not in LAYOUTS:
+        return [f"layout={layout!r}: choose one of {LAYOUTS}"]
+    if layout == "split":
+        return []
+    level = getattr(cfg, "engine_sleep_level", 1)
+    checks = [
+        (cfg.rollout == "sync",
+         f"rollout={cfg.rollout!r} with layout='colocated': the engines sleep on the trainer's GPUs while it steps, so "
+         "generation cannot overlap training (async, off-policy); use --rollout sync, or the split layout "
+         "(`scaffold new --layout split`)"),
+        (transfer == "object-store",
+         "weight_transfer='collective' with layout='colocated': one NCCL group cannot hold two ranks on one GPU; "
+         "layout='colocated' sends weights by 'object-store'"),
+        (level in (1, 2), f"engine_sleep_level={level}: choose 1 (weights to host memory, KV cache dropped) or 2 (both dropped)"),
+        (not cfg.ray_address,
+         f"ray_address={cfg.ray_address!r} with layout='colocated': the engines must land on the trainer's own GPUs, "
+         "which needs a local Ray (leave --ray_address empty)"),
+        (cfg.engine != "vllm" or cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()),
+         "engine='vllm' with layout='colocated' on CPU: vLLM's sleep mode runs on CUDA (and ROCm) only; "
+         "use --engine runtime on CPU"),
+    ]  # fmt: skip
     return [message for holds, message in checks if not holds]
 
 
@@ -142,6 +188,8 @@ def vllm_engine_kwargs(cfg) -> dict | None:
         kwargs["gpu_memory_utilization"] = cfg.engine_gpu_memory_utilization
     else:  # vLLM CPU would otherwise reserve gpu_memory_utilization (0.92) of the host's memory
         kwargs["kv_cache_memory_bytes"] = int(cfg.engine_cpu_kv_cache_gib * 2**30)
+    if colocated(cfg):  # sleep() / wake_up() between batches (CUDA: _layout_errors checks it)
+        kwargs["enable_sleep_mode"] = True
     if resolve_weight_transfer(cfg) == "collective":  # the trainer broadcasts from its own device
         kwargs["weight_transfer_config"] = {"backend": transfer_backend(cfg)}
     return kwargs
@@ -155,7 +203,9 @@ def start_rollout(cfg, model_dir: str | Path, tokenizer, reward_funcs: list) -> 
     A Ray already initialised in this process (tests, notebooks) is used and left running;
     otherwise a local Ray gets this node's GPUs after the trainer's (`engine_gpu_ids`), or joins
     cfg.ray_address, and `pipeline.shutdown()` stops it. Engines start from the checkpoint in
-    model_dir, engine i seeded cfg.seed + i.
+    model_dir, engine i seeded cfg.seed + i. Colocated (cfg.layout): a local Ray gets exactly the
+    trainer's GPUs, and the pipeline puts the engines to sleep (cfg.engine_sleep_level) after each
+    batch and wakes them at the next weight push.
 
     Args:
         model_dir: the HF checkpoint (and tokenizer) directory the engines and reward workers load.
@@ -173,9 +223,10 @@ def start_rollout(cfg, model_dir: str | Path, tokenizer, reward_funcs: list) -> 
     if owns_ray:
         # a local Ray gets this node's GPUs after the trainer's (local ranks use cuda:0..); with
         # none left the engines share the trainer's
-        gpu_ids, shared = engine_gpu_ids(
-            int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.cuda.device_count()
-        )
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        gpu_ids, shared = engine_gpu_ids(local, torch.cuda.device_count())
+        if colocated(cfg):  # exactly the trainer's GPUs, even where more are left
+            gpu_ids, shared = list(range(min(local, torch.cuda.device_count()))), False
         init_ray(cfg.ray_address, cfg.ray_num_cpus, gpu_ids)
         if shared and not cfg.ray_address:
             print(
@@ -206,6 +257,7 @@ def start_rollout(cfg, model_dir: str | Path, tokenizer, reward_funcs: list) -> 
         cfg.rollout_timeout_s,
         cfg.weight_sync_timeout_s,
         owns_ray=owns_ray,
+        sleep_level=getattr(cfg, "engine_sleep_level", 1) if colocated(cfg) else 0,
     )
     pipeline.wait_engines()  # prints each engine's start; a failed start stops the run here
     return pipeline
@@ -248,6 +300,9 @@ def sync_weights(
             cfg.rollout "sync" (its next batch needs them); the others let the push queue behind
             the batches already generating.
 
+    Colocated (cfg.layout): first empties this process's CUDA caching allocator (the engines wake
+    into that memory); the pipeline wakes the sleeping engines around the push.
+
     Returns:
         seconds spent.
 
@@ -255,6 +310,10 @@ def sync_weights(
         TimeoutError: an engine did not load the weights within cfg.weight_sync_timeout_s (names it).
     """
     start = time.perf_counter()
+    if colocated(cfg) and torch.cuda.is_available():
+        # the engines wake into this GPU memory: what the trainer's caching allocator keeps
+        # reserved (the step's activations, an offloaded optimizer state) goes back to the driver
+        torch.cuda.empty_cache()
     if source is not None:
         if pipeline is not None:
             pipeline.transfer_weights(source, version)

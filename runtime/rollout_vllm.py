@@ -31,6 +31,11 @@ vLLM 0.32 APIs used:
   broadcasts one tensor at a time. Importing this module registers the "gloo" backend, when vllm
   is installed; vLLM's workers import it for the worker extension.
 
+- sleep mode (the colocated layout, CUDA/ROCm only): `LLM(enable_sleep_mode=True)`,
+  `LLM.sleep(level=1)` (weights to host memory, KV cache discarded) or `level=2` (both
+  discarded; the weights must be reloaded after waking), `LLM.wake_up(tags=["weights"])`, then the
+  weight update, then `LLM.wake_up(tags=["kv_cache"])` (vLLM's sleep-mode documentation).
+
 Expected vLLM log lines, harmless: "Chat template warmup failed ... Tokenizer not available when
 `skip_tokenizer_init=True`" at start (token ids in and out), and "RotaryEmbedding: Failed to load
 weights" at every layerwise reload (RoPE has no weights to load).
@@ -200,6 +205,8 @@ class VLLMEngine:
             **llm_kwargs,
         )
         self._version = 0
+        self._sleep_mode = bool(llm_kwargs.get("enable_sleep_mode"))
+        self._asleep = 0  # the level of the last sleep until the KV cache wakes again
 
     def generate(
         self,
@@ -401,6 +408,49 @@ class VLLMEngine:
                 "sending. Check the engine log."
             ) from e
 
+    # --- sleep mode (the colocated layout; needs `enable_sleep_mode=True`, CUDA or ROCm) ---
+    def sleep(self, level: int = 1) -> dict[str, int]:
+        """Free this engine's GPU memory while the trainer steps on the same GPUs: vLLM's
+        `LLM.sleep(level)`. level 1 moves the weights to host memory and drops the KV cache;
+        level 2 drops both (a weight update must follow `wake_up`). The prefix cache is reset
+        first (its blocks go with the KV cache).
+
+        Returns:
+            {"freed": device bytes released: the change of the free memory NVML reports for
+            the first GPU of this engine (under tensor parallelism the others free as much;
+            NVML, not torch.cuda, so this process makes no CUDA context of its own), "level":
+            level}.
+
+        Raises:
+            RuntimeError: the engine was started without `enable_sleep_mode=True`.
+        """
+        if not self._sleep_mode:
+            raise RuntimeError(
+                "VLLMEngine.sleep needs the engine started with enable_sleep_mode=True (the "
+                "colocated layout sets it; vLLM's sleep mode runs on CUDA and ROCm only)"
+            )
+        before = _free_device_bytes()
+        self.llm.reset_prefix_cache()
+        self.llm.sleep(level=level)
+        self._asleep = level
+        return {"freed": max(0, _free_device_bytes() - before), "level": level}
+
+    def wake_up(self, tags: list[str] | None = None) -> dict[str, int]:
+        """`LLM.wake_up(tags)`: tags ["weights"] first, then a weight update, then ["kv_cache"]
+        keeps a level-2 wake from holding the KV cache and the incoming tensors at once; None
+        wakes both. An awake engine is left as it is.
+
+        Returns:
+            {"restored": device bytes allocated again (as `sleep` counts them)}.
+        """
+        if not self._asleep:
+            return {"restored": 0}
+        before = _free_device_bytes()
+        self.llm.wake_up(tags=tags)
+        if tags is None or "kv_cache" in tags:
+            self._asleep = 0
+        return {"restored": max(0, before - _free_device_bytes())}
+
     def policy_version(self) -> int:
         """The policy version of the loaded weights (0 = as loaded from model_dir)."""
         return self._version
@@ -471,6 +521,24 @@ def _progress_bar(on_progress: Callable[[int], None]) -> Callable:
         return CompletionBar(**kwargs, file=_Discard())
 
     return make
+
+
+def _free_device_bytes() -> int:
+    """Free memory (bytes) of the first GPU Ray gave this process, by NVML (vLLM's dependency
+    nvidia-ml-py); 0 where there is none (CPU)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # no NVML: a CPU machine
+        return 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+    handle = (
+        pynvml.nvmlDeviceGetHandleByUUID(visible)
+        if visible.startswith("GPU-")
+        else pynvml.nvmlDeviceGetHandleByIndex(int(visible or 0))
+    )
+    return int(pynvml.nvmlDeviceGetMemoryInfo(handle).free)
 
 
 def _on_cpu() -> bool:

@@ -114,7 +114,13 @@ def build_answers(spec: Spec) -> dict:
         "trainer_gpus": trainer_gpus(spec),
         "engine_gpus": spec.engine_gpus,
         "engine_tp": spec.engine_tp,
-        "num_engines": max(1, spec.nodes * spec.engine_gpus // spec.engine_tp),
+        # colocated: one engine per engine_tp of the trainer's GPUs, each asleep while it steps
+        "num_engines": (
+            spec.gpus // spec.engine_tp
+            if spec.layout == "colocated"
+            else max(1, spec.nodes * spec.engine_gpus // spec.engine_tp)
+        ),
+        "colocated": spec.layout == "colocated",
         "tp": spec.tp,
         "cp": spec.cp,
         "dp_replicate": spec.dp_replicate,

@@ -10,6 +10,7 @@ from generator import __version__
 from generator.features import ALGOS
 
 DTYPES = ("bf16", "fp32")
+LAYOUTS = ("split", "colocated")  # GRPO's --layout
 # algorithms with rollout engines (--engine-gpus, --engine-tp): the GRPO skeleton's
 ROLLOUT_ALGOS = tuple(name for name, algo in ALGOS.items() if algo.skeleton == "grpo")
 
@@ -41,6 +42,9 @@ class Spec:
     # (vLLM tensor_parallel_size)
     engine_gpus: int = 0
     engine_tp: int = 1
+    # GRPO's layout: "split" (engines awake on their own GPUs, or sharing the trainer's where none
+    # is left) or "colocated" (engines on the trainer's GPUs, asleep while it steps)
+    layout: str = "split"
     dtype: str = "bf16"
     dataset: str = "alpaca_en_demo.json"
     out: str = "."
@@ -76,6 +80,8 @@ class Spec:
             self.gpus > 1 or (self.engine_gpus, self.engine_tp) != (0, 1)
         ):
             changed += ["engine_gpus", "engine_tp"]
+        if self.layout != default.layout:
+            changed.append("layout")
         return changed
 
     def command(self) -> str:

@@ -16,7 +16,7 @@ from generator.features import (
     TRICKS,
     refusal,
 )
-from generator.spec.core import DTYPES, ROLLOUT_ALGOS, Spec, SpecError
+from generator.spec.core import DTYPES, LAYOUTS, ROLLOUT_ALGOS, Spec, SpecError
 
 
 def validate_spec(spec: Spec) -> None:
@@ -196,22 +196,25 @@ def resolve_engine_layout(
 ) -> tuple[int, int]:
     """(engine_gpus, engine_tp) of a GRPO spec, choosing what was not given (None).
 
-    engine_gpus: half of each node's GPUs (none at 1 GPU: the engines share it). engine_tp: the
+    engine_gpus: half of each node's GPUs (none at 1 GPU: the engines share it; none with the
+    colocated layout, whose engines run on all of the trainer's GPUs). engine_tp: the
     smallest valid tensor_parallel_size that puts at most ENGINE_WEIGHT_GIB_PER_GPU of bf16
     weights on each engine GPU (the largest valid one if none does). Other algorithms: (0, 1).
     """
     if spec.algo not in ROLLOUT_ALGOS:
         return (engine_gpus or 0, engine_tp or 1)
+    colocated = spec.layout == "colocated"  # the engines take no GPU: they share every one
     if engine_gpus is None:
-        engine_gpus = spec.gpus // 2
+        engine_gpus = 0 if colocated else spec.gpus // 2
+    engine_span = spec.gpus if colocated else engine_gpus  # the GPUs the engines run on
     if engine_tp is None:
         engine_tp = 1
-        if engine_gpus > 0 and (spec.model in MODELS or Path(spec.model).expanduser().is_dir()):
+        if engine_span > 1 and (spec.model in MODELS or Path(spec.model).expanduser().is_dir()):
             from runtime.models.llama import ModelArgs
 
             config = model_config(spec)
             weight_gib = 2 * ModelArgs.from_hf_config(config).num_params() / 2**30
-            choices = engine_tp_choices(config, engine_gpus)
+            choices = engine_tp_choices(config, engine_span)
             fitting = [t for t in choices if weight_gib / t <= ENGINE_WEIGHT_GIB_PER_GPU]
             engine_tp = fitting[0] if fitting else choices[-1]
     return engine_gpus, engine_tp
@@ -232,6 +235,8 @@ def engine_weight_note(spec: Spec) -> str:
     where = (
         f"each of the {spec.engine_gpus} engine GPU(s) per node"
         if spec.engine_gpus
+        else "each trainer GPU the colocated engines share"
+        if spec.layout == "colocated"
         else "the GPU the engines share with the trainer"
     )
     return (
@@ -241,20 +246,53 @@ def engine_weight_note(spec: Spec) -> str:
         + (
             "a larger --engine-tp (on --engine-gpus divisible by it) spreads them"
             if spec.engine_gpus
+            else "a larger --engine-tp (dividing --gpus) spreads them"
+            if spec.layout == "colocated"
             else "give the engines GPUs of their own (--engine-gpus) with --engine-tp"
         )
     )
 
 
+def _validate_layout(spec: Spec) -> None:
+    """--layout colocated: GRPO on one node, the engines on all of the trainer's GPUs
+    (--engine-gpus 0), engine_tp dividing them."""
+    if spec.layout not in LAYOUTS:
+        raise SpecError(f"--layout {spec.layout}: choose one of {', '.join(LAYOUTS)}")
+    if spec.layout == "split":
+        return
+    if spec.engine_gpus != 0:
+        raise SpecError(
+            f"--layout colocated with --engine-gpus {spec.engine_gpus}: colocated engines run on "
+            "the trainer's own GPUs and take none of their own; drop --engine-gpus (or use "
+            "--layout split)"
+        )
+    if spec.nodes > 1:
+        raise SpecError(
+            f"--layout colocated with --nodes {spec.nodes}: not done yet (the multi-node launch "
+            "starts its Ray cluster over the engine GPUs of each node, which colocated has none "
+            "of); use --layout split, or one node"
+        )
+    config = model_config(spec)
+    choices = engine_tp_choices(config, spec.gpus)
+    if spec.engine_tp not in choices:
+        raise SpecError(
+            f"--engine-tp {spec.engine_tp} with --layout colocated --gpus {spec.gpus}: each "
+            "engine spans engine_tp of the trainer's GPUs, so it must divide --gpus and the "
+            f"model's heads; choose one of {choices}"
+        )
+
+
 def _validate_engines(spec: Spec) -> None:
-    """--engine-gpus / --engine-tp: GRPO only; the trainer keeps at least one GPU per node."""
+    """--engine-gpus / --engine-tp / --layout: GRPO only; the trainer keeps at least one GPU per
+    node."""
     if spec.algo not in ROLLOUT_ALGOS:
         given = [f"--engine-gpus {spec.engine_gpus}"] * (spec.engine_gpus != 0)
         given += [f"--engine-tp {spec.engine_tp}"] * (spec.engine_tp != 1)
+        given += [f"--layout {spec.layout}"] * (spec.layout != "split")
         if given:
             raise SpecError(
                 f"{' '.join(given)}: rollout engines exist only for --algo "
-                f"{', '.join(ROLLOUT_ALGOS)}; drop {'it' if len(given) == 1 else 'both'}"
+                f"{', '.join(ROLLOUT_ALGOS)}; drop {'it' if len(given) == 1 else 'them'}"
             )
         return
     if not 0 <= spec.engine_gpus < spec.gpus:
@@ -265,6 +303,9 @@ def _validate_engines(spec: Spec) -> None:
         )
     if spec.engine_tp < 1:
         raise SpecError(f"--engine-tp {spec.engine_tp}: must be >= 1")
+    if spec.layout != "split":
+        _validate_layout(spec)
+        return
     if spec.engine_gpus == 0 and spec.engine_tp != 1:
         raise SpecError(
             f"--engine-tp {spec.engine_tp} with --engine-gpus 0: engines that share the "

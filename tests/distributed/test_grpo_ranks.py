@@ -43,3 +43,51 @@ def test_two_trainer_processes_equal_one(even_model_dir, chain_sum_64, tmp_path)
     # the policy learns (mean reward 0.56 -> 0.94 in 3 steps, measured), so equal rewards at
     # steps 2 and 3 mean both runs pushed the same updated weights to the engine
     assert all(r["grad_norm"] > 0.1 for r in one) and one[-1]["reward"] > one[0]["reward"]
+
+
+COLOCATED_DRIVER = """
+import sys
+sys.path.insert(0, {repo!r})
+from tests.helpers import even_token_reward, import_script
+
+
+if __name__ == "__main__":
+    script = import_script({script!r}, "grpo_colocated_ranks")
+    script.main(sys.argv[1:], reward_funcs=[even_token_reward])
+"""
+
+
+def test_colocated_two_ranks_with_offloaded_fsdp_state_equal_one_split(
+    even_model_dir, chain_sum_64, tmp_path
+):
+    """The colocated script on 2 trainer processes (FSDP2: the optimizer state is DTensor shards)
+    with --offload_optimizer: every sync empties the shards' storages and the next step refills
+    them, and the run still equals the split script's 1-process sync run (one engine in both, so
+    the same rollouts); the engine sleeps and wakes at every sync."""
+    from generator.render import render
+    from generator.spec import Spec
+
+    script = tmp_path / "colocated.py"
+    script.write_text(
+        render(Spec(algo="grpo", layout="colocated", gpus=2, dataset="chain_sum.jsonl", out="o"))
+    )
+    colocated = tmp_path / "colocated_driver.py"
+    colocated.write_text(COLOCATED_DRIVER.format(repo=str(REPO), script=str(script)))
+    split = tmp_path / "driver.py"
+    split.write_text(DRIVER.format(repo=str(REPO)))
+    args = [
+        "--model", str(even_model_dir), "--dataset", str(chain_sum_64), "--dtype", "fp32",
+        "--rollout", "sync", "--num_generations", "4", "--prompts_per_step", "2",
+        "--max_new_tokens", "6", "--micro_batch_size", "2", "--lr", "1e-2", "--warmup_steps", "0",
+        "--max_steps", "3", "--reward_weights", "1.0", "--save_final_model", "false",
+        "--resume", "none", "--ray_num_cpus", "2", "--num_engines", "1",
+    ]  # fmt: skip
+    one = run_script(tmp_path, args, nproc=1, script=split)
+    more = ["--offload_optimizer", "true", "--engine", "runtime"]  # a 2-GPU spec defaults to vllm
+    two = run_script(tmp_path, [*args, *more], nproc=2, script=colocated)
+    for a, b in zip(one, two, strict=True):
+        assert b["reward"] == pytest.approx(a["reward"], abs=1e-6)  # the same rollouts
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-6)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    assert all(r["engine_slept_mib"] > 0.4 and r["engine_woke_mib"] > 0.4 for r in two[:2])
+    assert one[-1]["reward"] > one[0]["reward"]  # the policy moved: the syncs mattered

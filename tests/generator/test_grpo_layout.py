@@ -141,3 +141,76 @@ def test_regen_chooses_the_engine_layout_again(tmp_path):
     assert parse_settings(["engine_tp=2"], spec).engine_gpus == 4  # kept
     sft = parse_settings(["algo=sft"], spec)
     assert (sft.engine_gpus, sft.engine_tp) == (0, 1)
+
+
+def _colocated(model="smollm2-135m", gpus=1, engine_tp=None, algo="grpo"):
+    return spec_from_options(
+        algo, "lora", model, "", gpus, 1, 1, 1, 1, 1, "bf16", None, "o", None, engine_tp,
+        layout="colocated",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("model", "gpus", "algo", "expected"),
+    [
+        ("smollm2-135m", 1, "grpo", (1, 1)),
+        ("smollm2-135m", 8, "grpo", (1, 8)),  # one engine on each trainer GPU
+        ("llama3.3-70b", 8, "grpo", (4, 2)),  # 131 GiB of bf16 weights: tp 4, two engines
+        ("llama3.3-70b", 8, "grpo-lora", (4, 2)),
+    ],
+)
+def test_colocated_layout_puts_engines_on_every_trainer_gpu(model, gpus, algo, expected):
+    spec = _colocated(model, gpus, algo=algo)
+    validate_spec(spec)
+    answers = build_answers(spec)
+    assert (spec.engine_gpus, trainer_gpus(spec)) == (0, gpus)
+    assert (spec.engine_tp, answers["num_engines"]) == expected
+    text = render(spec)
+    assert 'layout: str = "colocated"' in text and 'rollout: str = "sync"' in text
+    assert "restore_optimizer_state(offloaded)" in text and "pipeline.memory_stats()" in text
+    assert "--layout colocated" in spec.command()
+    if gpus > 1:
+        assert f"torchrun --nproc-per-node {gpus} train.py --offload_optimizer true" in text
+        assert "--ray_address auto" not in text
+
+
+def test_split_script_has_no_colocated_lines():
+    text = render(_spec("smollm2-135m", 8))
+    assert "layout: str" not in text and "engine_sleep_level" not in text
+    assert "offload_optimizer" not in text and "memory_stats" not in text
+    assert "--layout" not in _spec("smollm2-135m", 8).command()
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        (Spec(algo="grpo", layout="shared"), ["--layout shared: choose one of split, colocated"]),
+        (Spec(algo="grpo", gpus=8, engine_gpus=4, layout="colocated"), ["--engine-gpus 4", "take none of their own"]),
+        (Spec(algo="grpo", gpus=8, nodes=2, layout="colocated"), ["--nodes 2: not done yet"]),
+        (Spec(algo="grpo", gpus=8, engine_tp=2, layout="colocated"), ["--engine-tp 2 with --layout colocated --gpus 8", "[1]"]),
+        (Spec(algo="sft", layout="colocated"), ["--layout colocated: rollout engines exist only for --algo grpo"]),
+    ],
+)  # fmt: skip
+def test_refused_colocated_layouts(spec, expected):
+    with pytest.raises(SpecError) as e:
+        validate_spec(spec)
+    for part in expected:
+        assert part in str(e.value), (part, str(e.value))
+
+
+def test_cli_and_regen_take_the_layout(tmp_path):
+    from generator.regen import parse_settings
+
+    out = tmp_path / "c"
+    result = CliRunner().invoke(
+        cli, ["new", "--algo", "grpo", "--gpus", "2", "--layout", "colocated", "--out", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    assert "torchrun --nproc-per-node 2)" in result.output  # both GPUs train
+    assert "--layout colocated" in result.output  # the printed `scaffold plan` command keeps it
+    spec = _spec("smollm2-135m", 2)  # split: 1 trainer GPU, 1 engine GPU
+    moved = parse_settings(["layout=colocated"], spec)
+    assert (moved.layout, moved.engine_gpus, moved.engine_tp) == ("colocated", 0, 1)
+    back = parse_settings(["layout=split"], moved)
+    assert (back.layout, back.engine_gpus) == ("split", 1)
+    assert parse_settings(["algo=sft"], moved).layout == "split"

@@ -173,6 +173,18 @@ def test_weight_sync_then_score_matches_trainer(setup):
     assert [rows[0][0] for rows in got] == generate(trainer, PROMPTS, 8, temperature=0.0)
 
 
+def test_sleep_needs_sleep_mode_and_leaves_the_engine_working(setup):
+    """An engine started without enable_sleep_mode (every split-layout engine, and any on CPU,
+    where vLLM's sleep mode does not run) refuses sleep() and keeps serving; wake_up on an awake
+    engine does nothing."""
+    engine, ref = setup
+    with pytest.raises(RuntimeError, match="enable_sleep_mode=True"):
+        engine.sleep(1)
+    assert engine.wake_up() == {"restored": 0}
+    got = engine.generate(PROMPTS, 1, 4, 0.0, 1.0, [], seed=0)
+    assert [rows[0][0] for rows in got] == generate(ref["model"], PROMPTS, 4, temperature=0.0)
+
+
 def test_update_weights_rejects_unknown_key_bad_shape_and_partial_state(setup):
     engine, ref = setup
     version = engine.policy_version()
