@@ -170,6 +170,9 @@ def format_result(result: PlanResult, gpu_label: str, gpu_gib: float) -> str:
             f"; simulated {r.script} as it is (its Config defaults that differ from a fresh "
             f"render: {edits or 'none'})"
         )
+    if r.simulated_depths:  # `extrapolate_depth`: exact for identical blocks
+        a, b = r.simulated_depths
+        head += f"; the decoder blocks extrapolated from simulations of {a} and {b} blocks"
     lines = [
         f"{head}; 2 simulated steps ({r.seconds:.1f} s, fake tensors on CPU); what is live at the "
         "peak moment (parameters include gathered bf16 copies in flight; gradients and "
