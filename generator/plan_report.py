@@ -83,9 +83,14 @@ def engine_estimate(result: PlanResult, gpu_gib: float) -> dict | None:
         and kv_needed fit in the share (vLLM), "on_trainer_gpu": bytes added to the trainer
         GPU that hosts an engine (0 when the engines have GPUs of their own)}.
     """
-    r = result.rollout
-    if r is None:
+    if result.rollout is None:
         return None
+    return engine_estimate_of(result.rollout, gpu_gib)
+
+
+def engine_estimate_of(r: dict, gpu_gib: float) -> dict:
+    """`engine_estimate` of a rollout dict (`PlanResult.rollout`'s keys: the step's lengths and
+    `engine_layout`'s numbers), for the arithmetic estimate, which has no PlanResult."""
     shared = r["engine_gpus"] == 0
     row = r["prompt_len"] + r["completion_len"]
     tp = r["engine_tp"]
