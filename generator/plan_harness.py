@@ -457,12 +457,11 @@ def _peak_tracker(num_layers: int | None = None):
             if kind != self._kind:  # a new phase starts before any block of it
                 self._phase, self._kind = self._phase + 1, kind
                 self._sweep, self._visited = 0, set()
-            block = None
-            for name in self._mod_tracker.parents:
-                match = _BLOCK.search(name)
-                if match:
-                    block = int(match.group(1))
-                    break
+            # the block running now; in backward the previous block can still be in `parents`
+            # when the next one starts (a set: iteration order differs per process), so take
+            # the one entered last, the lowest index in backward, the highest in forward
+            blocks = [int(m.group(1)) for m in map(_BLOCK.search, self._mod_tracker.parents) if m]
+            block = (min if kind == "bw" else max)(blocks) if blocks else None
             if block is None:
                 if {"first", "last"} <= self._visited:  # the sweep is over: the next one's gap
                     self._sweep, self._visited = self._sweep + 1, set()
@@ -1139,9 +1138,9 @@ def _child() -> None:
     """`python -m generator.plan_harness`: read a request on stdin, print one JSON line per event.
 
     Each spec is simulated in a fork of this process (torch and the runtime imported once,
-    before the fork): a simulation leaves state behind in the process (a 70B simulated after
-    an 8B one in the same process came out 216.77 instead of 172.36 GiB), and a fork starts
-    every spec from the same clean state at a fraction of a new interpreter's start-up."""
+    before the fork), so no simulation sees what an earlier one left in the process (module
+    caches, the harness's patches of torch and the script), at a fraction of a new
+    interpreter's start-up."""
     import runtime  # noqa: F401  (imported before the forks, so each starts with it)
 
     request = json.loads(sys.stdin.read())
