@@ -74,8 +74,15 @@ def parse(stdout: str) -> dict:
         "",
     )
     engines = next((line for line in stdout.splitlines() if line.startswith("rollout engines")), "")
-    engine_fit = "" if not engines else ("engines fit" if ": fits:" in engines else "engines do NOT fit")
-    return {"peak": float(peaks[-1]), "fits": verdict, "suggestion": suggestion, "engines": engine_fit}
+    engine_fit = (
+        "" if not engines else ("engines fit" if ": fits:" in engines else "engines do NOT fit")
+    )
+    return {
+        "peak": float(peaks[-1]),
+        "fits": verdict,
+        "suggestion": suggestion,
+        "engines": engine_fit,
+    }
 
 
 def main() -> None:

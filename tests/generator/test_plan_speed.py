@@ -93,16 +93,20 @@ def _grpo(model: str, gpus: int, **kw) -> Spec:
 ESTIMATE_MATRIX = [
     Spec(model="llama3.1-8b"),
     Spec(model="llama3.1-8b", gpus=8),
-    Spec(model="llama3.1-8b", gpus=8, tricks=("ac", "lce")),
+    Spec(model="llama3.1-8b", gpus=8, tp=2, tricks=("ac", "lce")),
     Spec(model="llama3.1-8b", gpus=8, tricks=("ac", "lce", "optim-in-bwd")),
     Spec(model="llama3.1-8b", gpus=8, tricks=("ac", "lce", "adamw8bit")),
     Spec(model="llama3.3-70b", gpus=8),
     Spec(model="llama3.3-70b", gpus=8, tricks=("ac", "lce", "optim-in-bwd", "adamw4bit")),
     Spec(algo="lora", model="llama3.1-8b"),
+    Spec(algo="lora", model="llama3.3-70b", gpus=8),
     Spec(algo="lora", model="llama3.3-70b", gpus=8, tricks=("ac", "lce")),
     Spec(model="qwen2.5-7b", gpus=4, tricks=("lce",)),
+    Spec(model="smollm2-1.7b", gpus=2, tricks=("ac",)),
     _grpo("llama3.1-8b", 8),
     _grpo("llama3.3-70b", 8, tricks=("ac", "lce")),
+    _grpo("llama3.1-8b", 1),  # the runtime's sampler shares the GPU: its weights + KV cache
+    _grpo("llama3.2-1b", 1, tricks=("lce",)),
 ]
 
 
