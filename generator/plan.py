@@ -158,7 +158,7 @@ def suggest(
             kept, micro_batch_size, max_seq_len, progress, kl_coef, config=base.config_edits,
             until=lambda r: fits(r, gpu_gib),
         )  # fmt: skip
-        return results[-1] if fits(results[-1], gpu_gib) else None
+        return next((r for r in results if fits(r, gpu_gib)), None)
 
     if candidates:
         full = first_fit([_with_tricks(spec, everything)])
