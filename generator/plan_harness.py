@@ -61,6 +61,11 @@ What is simulated, and what is not:
   global-shape metadata tensors are not counted (`_separate_propagation_fake_mode`).
 - Weights are not loaded (`load_hf_checkpoint` is skipped: it copies into the already sharded
   parameters and frees each source tensor at once).
+- Depth: a model of identical blocks deeper than EXTRAPOLATION_DEPTHS[-1] is simulated at 3
+  and 4 blocks (a config.json copy with fewer `num_hidden_layers`) and extrapolated to its own
+  depth per segment of the step (`extrapolate_depth`; equal bytes, checked against the full
+  simulation in tests/generator/test_plan_speed.py); `simulate(full_depth=True)` runs every
+  block. The engines' numbers are the full model's.
 - Not simulated (the plan says so instead of printing a number): --tricks compile (inductor
   fuses temporaries, which fake tensors cannot model), offload (pinned host copies on a side
   stream), --algo qlora (NF4 quantization happens inside the checkpoint load), kd (the teacher is
