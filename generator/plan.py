@@ -38,7 +38,7 @@ from generator.plan_report import (
     parse_gpu_memory,
     plan_command,
 )
-from generator.spec import ScaffoldError, Spec, trainer_gpus, validate_spec
+from generator.spec import ScaffoldError, Spec, model_config, trainer_gpus, validate_spec
 
 __all__ = [
     "ESTIMATE_TOLERANCE",
@@ -77,6 +77,10 @@ __all__ = [
 # more compute, optim-in-bwd rules out gradient accumulation, 4-bit AdamW moves the update most.
 FIT_TRICKS = {"lce": 1, "adamw8bit": 2, "ac": 3, "optim-in-bwd": 4, "adamw4bit": 5}
 MAX_SUGGESTED_WORLD = 1024  # "more GPUs" doubles the GPU count up to this many in all
+# The narrowest model the estimate is checked on (SmolLM2 1.7B, Llama 3.2 1B: hidden 2048); the
+# tests' tiny models (hidden 64, where lm_head and the loss are most of the step) are not its
+# regime, so their searches simulate every candidate
+ESTIMATE_MIN_HIDDEN = 1024
 
 
 def _candidate_trick_sets(spec: Spec) -> list[tuple[str, ...]]:
@@ -191,8 +195,10 @@ def _ruled_out(
 ) -> bool:  # fmt: skip
     """The arithmetic estimate, less ESTIMATE_TOLERANCE (its error bound on the tests' matrix),
     is still over the GPU: the candidate cannot fit, so it is not simulated. A plan of a user's
-    script (`scaffold plan DIR`, Config edits the estimate does not read) rules nothing out."""
-    if base.config_edits:
+    script (`scaffold plan DIR`, Config edits the estimate does not read) and a model narrower
+    than the ones the estimate is checked on (ESTIMATE_MIN_HIDDEN; their simulations take a
+    second each) rule nothing out."""
+    if base.config_edits or model_config(candidate)["hidden_size"] < ESTIMATE_MIN_HIDDEN:
         return False
     from generator.render import render
 

@@ -178,8 +178,12 @@ def estimate(
     else:
         loss_tokens = tokens
     vocab = d["V"] / spec.tp
-    logits = 0 if "lce" in tricks else loss_tokens * vocab * (dtype + 4 + 4)
-    loss = logits if logits else 2 * 4096 * vocab * 4  # lce: one fp32 chunk and its grad
+    if "lce" in tricks:  # the chunked loss: lm_head's weight in fp32 (and its fp32 gradient
+        # where it is trained), two chunks of 1/8 of the tokens' fp32 logits
+        head = vocab * d["D"] * 4 * (1 if adapters else 2)
+        loss = head + loss_tokens * vocab * 4 * 2 / 8
+    else:  # the [T, V] logits in the dtype, their fp32 upcast and its gradient
+        loss = loss_tokens * vocab * (dtype + 4 + 4)
 
     # GRPO accumulates over its micro-batches: the second one's forward runs with the first's
     # gradients held (SFT's plan runs one micro-batch per step)
