@@ -144,16 +144,20 @@ def new(
     note = engine_weight_note(spec)
     if note:
         click.echo(note)
-    _plan_summary(spec, gpu)
+    _plan_summary(spec, gpu, text)
 
 
-def _plan_summary(spec: Spec, gpu: tuple[str, float] | None) -> None:
-    """After `scaffold new`: the simulated per-GPU memory and verdict (with --gpu-memory), or the
-    `scaffold plan` command that gives it. A spec the planner cannot simulate says why; it never
-    fails `new` (the script is already written)."""
+def _plan_summary(spec: Spec, gpu: tuple[str, float] | None, text: str) -> None:
+    """After `scaffold new`: the simulated per-GPU memory and verdict (with --gpu-memory), or
+    the arithmetic estimate's verdict for an h100-80 (`generator.plan_estimate`, well under a
+    second) with the `scaffold plan` command that simulates it. A spec the planner cannot
+    simulate says why with --gpu-memory; it never fails `new` (the script is already written)."""
     from generator.plan import (
+        GPU_MEMORY_GIB,
         PlanError,
         check_simulable,
+        estimate,
+        format_estimate,
         format_result,
         is_grpo,
         plan_command,
@@ -169,7 +173,14 @@ def _plan_summary(spec: Spec, gpu: tuple[str, float] | None) -> None:
     try:
         check_simulable(spec, mbs, seq)
         if gpu is None:
-            click.echo(f"memory per GPU: {plan_command(spec, 'h100-80')}")
+            command = plan_command(spec, "h100-80")
+            try:
+                e = estimate(spec, text, mbs, seq, GPU_MEMORY_GIB["h100-80"])
+            except (KeyError, ValueError, ZeroDivisionError):  # a Config the estimate cannot read
+                click.echo(f"memory per GPU: {command}")
+                return
+            line = format_estimate(e, "h100-80", GPU_MEMORY_GIB["h100-80"], command)
+            click.echo(f"memory per GPU: {line}")
             return
         click.echo(f"simulating memory per GPU ({batch}) ...", err=True)
         (result,) = simulate([spec], mbs, seq)

@@ -13,6 +13,7 @@ import itertools
 from dataclasses import dataclass, replace
 
 from generator.features import TRICKS, refusal
+from generator.plan_estimate import ESTIMATE_TOLERANCE, Estimate, estimate, format_estimate
 from generator.plan_harness import (
     GIB,
     PlanError,
@@ -37,9 +38,11 @@ from generator.plan_report import (
     parse_gpu_memory,
     plan_command,
 )
-from generator.spec import ScaffoldError, Spec, trainer_gpus, validate_spec
+from generator.spec import ScaffoldError, Spec, model_config, trainer_gpus, validate_spec
 
 __all__ = [
+    "ESTIMATE_TOLERANCE",
+    "Estimate",
     "FIT_TRICKS",
     "GIB",
     "GPU_MEMORY_GIB",
@@ -53,7 +56,9 @@ __all__ = [
     "describe_spec",
     "engine_estimate",
     "engine_layout",
+    "estimate",
     "fits",
+    "format_estimate",
     "format_result",
     "format_suggestion",
     "import_script",
@@ -72,6 +77,10 @@ __all__ = [
 # more compute, optim-in-bwd rules out gradient accumulation, 4-bit AdamW moves the update most.
 FIT_TRICKS = {"lce": 1, "adamw8bit": 2, "ac": 3, "optim-in-bwd": 4, "adamw4bit": 5}
 MAX_SUGGESTED_WORLD = 1024  # "more GPUs" doubles the GPU count up to this many in all
+# The narrowest model the estimate is checked on (SmolLM2 1.7B, Llama 3.2 1B: hidden 2048); the
+# tests' tiny models (hidden 64, where lm_head and the loss are most of the step) are not its
+# regime, so their searches simulate every candidate
+ESTIMATE_MIN_HIDDEN = 1024
 
 
 def _candidate_trick_sets(spec: Spec) -> list[tuple[str, ...]]:
@@ -123,14 +132,18 @@ def suggest(
     """The cheapest change that fits, found by simulating candidates.
 
     Tricks: first all candidate tricks together (if even they do not fit, no subset does: each
-    trick only removes memory), then the candidate sets in `_candidate_trick_sets` order, one
-    simulation each, stopping at the first that fits. Then GPUs: with all candidate tricks, the
-    GPU count per node doubles until the run fits (up to MAX_SUGGESTED_WORLD ranks in all).
-    GRPO: more GPUs must be more trainer GPUs, so the node count doubles instead (each node
-    keeps its engine GPUs; --gpus per node stays what the machines have). Every candidate is a
-    spec `validate_spec` accepts; others are skipped. A base planned from a user's script
+    trick only removes memory), then the candidate sets in `_candidate_trick_sets` order,
+    stopping at the first that fits. Then GPUs: with all candidate tricks, the GPU count per
+    node doubles until the run fits (up to MAX_SUGGESTED_WORLD ranks in all). GRPO: more GPUs
+    must be more trainer GPUs, so the node count doubles instead (each node keeps its engine
+    GPUs; --gpus per node stays what the machines have). Every candidate is a spec
+    `validate_spec` accepts; others are skipped. A base planned from a user's script
     (`scaffold plan DIR`) passes its Config edits to every candidate's render, so the candidates
     differ from it only in what is suggested.
+
+    Speed: a candidate whose arithmetic estimate (`generator.plan_estimate`), less
+    ESTIMATE_TOLERANCE, is still over the GPU is not simulated (`_ruled_out`); the others of a
+    stage are simulated in one child process, which stops at the first that fits.
 
     Returns:
         The Suggestion, or None if nothing tried fits.
@@ -140,35 +153,57 @@ def suggest(
     candidates = [c for c in _candidate_trick_sets(spec) if _is_valid(_with_tricks(spec, c))]
     everything = candidates[-1] if candidates else ()
 
-    def sim(candidate: Spec) -> PlanResult:
-        (result,) = simulate(
-            [candidate], micro_batch_size, max_seq_len, progress, kl_coef,
-            config=base.config_edits,
+    def first_fit(specs: list[Spec]) -> PlanResult | None:
+        """The first of `specs` whose simulation fits, simulating only those not ruled out."""
+        kept = [c for c in specs if not _ruled_out(c, base, gpu_gib, micro_batch_size, max_seq_len)]
+        if not kept:
+            return None
+        results = simulate(
+            kept, micro_batch_size, max_seq_len, progress, kl_coef, config=base.config_edits,
+            until=lambda r: fits(r, gpu_gib),
         )  # fmt: skip
-        return result
+        return next((r for r in results if fits(r, gpu_gib)), None)
 
     if candidates:
-        full = sim(_with_tricks(spec, everything))
-        if fits(full, gpu_gib):
-            for combo in candidates[:-1]:
-                result = sim(_with_tricks(spec, combo))
-                if fits(result, gpu_gib):
-                    return Suggestion(combo, spec.gpus, result)
+        full = first_fit([_with_tricks(spec, everything)])
+        if full is not None:
+            cheaper = first_fit([_with_tricks(spec, c) for c in candidates[:-1]])
+            if cheaper is not None:
+                added = tuple(t for t in cheaper.spec.tricks if t not in spec.tricks)
+                return Suggestion(added, spec.gpus, cheaper)
             return Suggestion(everything, spec.gpus, full)
     if is_grpo(spec):
         bigger = (replace(spec, nodes=spec.nodes * 2**k) for k in itertools.count(1))
     else:
         bigger = (replace(spec, gpus=spec.gpus * 2**k) for k in itertools.count(1))
+    larger = []
     for candidate in bigger:
         if trainer_gpus(candidate) * candidate.nodes > MAX_SUGGESTED_WORLD:
-            return None
+            break
         candidate = _with_tricks(candidate, everything)
-        if not _is_valid(candidate):
-            continue
-        result = sim(candidate)
-        if fits(result, gpu_gib):
-            return Suggestion(everything, candidate.gpus, result, candidate.nodes)
-    return None
+        if _is_valid(candidate):
+            larger.append(candidate)
+    result = first_fit(larger)
+    if result is None:
+        return None
+    return Suggestion(everything, result.spec.gpus, result, result.spec.nodes)
+
+
+def _ruled_out(
+    candidate: Spec, base: PlanResult, gpu_gib: float, micro_batch_size: int | None,
+    max_seq_len: int | None,
+) -> bool:  # fmt: skip
+    """The arithmetic estimate, less ESTIMATE_TOLERANCE (its error bound on the tests' matrix),
+    is still over the GPU: the candidate cannot fit, so it is not simulated. A plan of a user's
+    script (`scaffold plan DIR`, Config edits the estimate does not read) and a model narrower
+    than the ones the estimate is checked on (ESTIMATE_MIN_HIDDEN; their simulations take a
+    second each) rule nothing out."""
+    if base.config_edits or model_config(candidate)["hidden_size"] < ESTIMATE_MIN_HIDDEN:
+        return False
+    from generator.render import render
+
+    e = estimate(candidate, render(candidate), micro_batch_size, max_seq_len, gpu_gib)
+    return e.peak * (1 - ESTIMATE_TOLERANCE) > (1 - HEADROOM) * gpu_gib * GIB
 
 
 def format_suggestion(s: Suggestion | None, base: Spec, directory: str | None = None) -> str:

@@ -83,9 +83,14 @@ def engine_estimate(result: PlanResult, gpu_gib: float) -> dict | None:
         and kv_needed fit in the share (vLLM), "on_trainer_gpu": bytes added to the trainer
         GPU that hosts an engine (0 when the engines have GPUs of their own)}.
     """
-    r = result.rollout
-    if r is None:
+    if result.rollout is None:
         return None
+    return engine_estimate_of(result.rollout, gpu_gib)
+
+
+def engine_estimate_of(r: dict, gpu_gib: float) -> dict:
+    """`engine_estimate` of a rollout dict (`PlanResult.rollout`'s keys: the step's lengths and
+    `engine_layout`'s numbers), for the arithmetic estimate, which has no PlanResult."""
     shared = r["engine_gpus"] == 0
     row = r["prompt_len"] + r["completion_len"]
     tp = r["engine_tp"]
@@ -170,6 +175,9 @@ def format_result(result: PlanResult, gpu_label: str, gpu_gib: float) -> str:
             f"; simulated {r.script} as it is (its Config defaults that differ from a fresh "
             f"render: {edits or 'none'})"
         )
+    if r.simulated_depths:  # `extrapolate_depth`: exact for identical blocks
+        a, b = r.simulated_depths
+        head += f"; the decoder blocks extrapolated from simulations of {a} and {b} blocks"
     lines = [
         f"{head}; 2 simulated steps ({r.seconds:.1f} s, fake tensors on CPU); what is live at the "
         "peak moment (parameters include gathered bf16 copies in flight; gradients and "

@@ -197,8 +197,9 @@ def test_gpu_memory_names_and_bad_values():
 
 
 def test_new_prints_the_plan_summary(tiny_real_vocab_dir, tmp_path):
-    """`scaffold new --gpu-memory` simulates the script it wrote; without it, the plan command is
-    printed; a spec the planner refuses still gets its script and a line saying why."""
+    """`scaffold new --gpu-memory` simulates the script it wrote; without it, the estimate's
+    verdict and the plan command are printed; a spec the planner refuses still gets its script
+    and a line saying why."""
     model = ["--model", str(tiny_real_vocab_dir)]
     result = CliRunner().invoke(
         cli, ["new", *model, "--out", str(tmp_path / "a"), "--gpu-memory", "24"]
@@ -206,10 +207,12 @@ def test_new_prints_the_plan_summary(tiny_real_vocab_dir, tmp_path):
     assert result.exit_code == 0, result.output
     assert "peak" in result.output and "verdict: fits on 24 GiB" in result.output
     result = CliRunner().invoke(cli, ["new", *model, "--out", str(tmp_path / "b")])
-    assert (
-        f"memory per GPU: scaffold plan --algo sft --model {tiny_real_vocab_dir}" in result.output
-    )
-    assert "--gpu-memory h100-80" in result.output
+    # without --gpu-memory: the arithmetic estimate's verdict for an h100-80, and the command
+    # that simulates it
+    assert "memory per GPU: fits on h100-80: ~" in result.output
+    command = f"`scaffold plan --algo sft --model {tiny_real_vocab_dir}"
+    assert f"GiB of 71.6 usable per GPU (estimate; {command}" in result.output
+    assert "--gpu-memory h100-80` simulates it)" in result.output
     result = CliRunner().invoke(
         cli, ["new", "--algo", "dpo", *model, "--out", str(tmp_path / "c"), "--gpu-memory", "24"]
     )
@@ -497,7 +500,7 @@ def test_grpo_lora_suggestions_are_valid_specs(tiny_real_vocab_dir, monkeypatch)
     spec = _grpo_spec(tiny_real_vocab_dir, algo="grpo-lora", gpus=2, engine_gpus=1)
     tried = []
 
-    def fake_simulate(specs, mbs, seq, progress=None, kl_coef=None, config=None):
+    def fake_simulate(specs, mbs, seq, progress=None, kl_coef=None, config=None, until=None):
         tried.extend(specs)
         return [
             PlanResult(
@@ -528,7 +531,8 @@ def test_cli_new_grpo_lora_prints_its_plan_command(tiny_real_vocab_dir, tmp_path
     model = ["--algo", "grpo-lora", "--model", str(tiny_real_vocab_dir)]
     result = CliRunner().invoke(cli, ["new", *model, "--out", str(tmp_path / "g")])
     assert result.exit_code == 0, result.output
-    assert f"memory per GPU: scaffold plan --algo grpo-lora --model {tiny_real_vocab_dir}" in (
+    assert "memory per GPU: fits on h100-80: ~" in result.output
+    assert f"(estimate; `scaffold plan --algo grpo-lora --model {tiny_real_vocab_dir}" in (
         result.output
     )
     check_simulable(Spec(algo="grpo-lora", model=str(tiny_real_vocab_dir)), None, None, kl_coef=0.1)
@@ -589,7 +593,9 @@ def test_plan_dir_suggestions_carry_its_config_edits(tiny_real_vocab_dir, monkey
     spec = Spec(model=str(tiny_real_vocab_dir))
     calls = []
 
-    def fake_simulate(specs, mbs, seq, progress=None, kl_coef=None, scripts=None, config=None):
+    def fake_simulate(
+        specs, mbs, seq, progress=None, kl_coef=None, scripts=None, config=None, until=None
+    ):
         calls.append(config)
         return [
             PlanResult(s, 2, 128, 1, {}, 0 if "lce" in s.tricks else 10 * GIB, 0, 0.0)

@@ -1,0 +1,228 @@
+"""The planner's arithmetic estimate: per-rank peak memory of a spec's training step from the
+model's shapes and the script's Config defaults, without simulating it (well under a second).
+
+`scaffold new` prints its verdict; the search in `generator.plan` uses it to skip candidates it
+rules out before simulating the others. The simulation (`generator.plan_harness`) stays the
+figure `scaffold plan` prints; `tests/generator/test_plan_estimate.py` holds this estimate
+within ESTIMATE_TOLERANCE of it over a matrix of models, algorithms, tricks and GPU counts.
+
+What it counts, per trainer rank (bytes):
+- resident: the sharded parameters (fp32 master weights of what is trained; the frozen LoRA base
+  in the script's dtype), their fp32 gradients and the optimizer's state (AdamW: 8 bytes per
+  trained parameter, 8-bit: 2, 4-bit: 1), each divided over the ranks that shard it;
+- in flight: the bf16 copies FSDP gathers (the root unit: embedding and head; two blocks);
+- activations: bytes per token per decoder block (the recipe's: saved tensors of a block, or
+  its input only under ac, plus one block recomputed), times the micro-batch's tokens;
+- the loss: the [T, V] logits and their fp32 work (none under lce but one chunk);
+- GRPO: the rollout engines' memory where they share the trainer's GPU (`engine_estimate`).
+The peak is the largest of three moments: the end of the forward (activations live), the end of
+the backward (every gradient) and the optimizer step.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+from dataclasses import dataclass
+
+from generator.plan_harness import GIB, is_grpo
+from generator.plan_report import HEADROOM, engine_estimate_of
+from generator.spec import Spec, model_config, trainer_gpus
+
+# The estimate is within this share of the simulated peak on the tests' matrix
+ESTIMATE_TOLERANCE = 0.15
+
+# Activation bytes per token per decoder block: a x hidden + b x intermediate + c x kv width,
+# bf16 (fp32 doubles them). Fitted to the simulated end of the forward (1 x 2048 tokens, 64
+# ranks so the weights are negligible) of Llama 3.2 1B, 3.1 8B, 3.3 70B, Qwen2.5 7B and
+# SmolLM2 1.7B: a block saves its normed inputs and their fp32 upcasts, q, k, v, the attention
+# output, the gate, up and their product. LoRA's blocks save 0.93 of that (within 1%
+# of 0.93 on all five but 70B: 0.98).
+ACT_PER_TOKEN = (17.8, 7.7, 10.0)
+LORA_ACT_SHARE = 0.93
+AC_PER_TOKEN = 2.0  # ac: a block keeps its bf16 input (x hidden); one block is recomputed
+# Optimizer state bytes per trained parameter
+OPTIMIZER_BYTES = {"adamw": 8, "adamw8bit": 2, "adamw4bit": 1}
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """An estimated per-rank peak (bytes) and its parts at that moment."""
+
+    spec: Spec
+    peak: int  # the trainer rank's peak, plus the engine on its GPU where one shares it
+    parts: dict  # name -> bytes at the peak moment
+    moment: str  # "forward", "backward" or "optimizer step"
+    world_size: int
+    micro_batch_size: int
+    max_seq_len: int
+
+
+def config_defaults(script_text: str) -> dict:
+    """The literal defaults of the `Config` dataclass in a rendered train.py, read with `ast` (no
+    import, so no torch): {field: value}; fields whose default is not a literal are left out."""
+    tree = ast.parse(script_text)
+    (config,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Config"]
+    values = {}
+    for node in config.body:
+        if not isinstance(node, ast.AnnAssign) or node.value is None:
+            continue
+        value = node.value
+        if isinstance(value, ast.Call) and getattr(value.func, "id", "") == "field":
+            factories = [k.value for k in value.keywords if k.arg == "default_factory"]
+            if not factories or not isinstance(factories[0], ast.Lambda):
+                continue
+            value = factories[0].body
+        try:
+            values[node.target.id] = ast.literal_eval(value)
+        except ValueError:
+            continue
+    return values
+
+
+def _dims(config: dict) -> dict:
+    D, heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim") or D // heads
+    kv = config.get("num_key_value_heads", heads) * head_dim
+    L, inter, V = config["num_hidden_layers"], config["intermediate_size"], config["vocab_size"]
+    tied = config.get("tie_word_embeddings", False)
+    block = D * heads * head_dim * 2 + D * kv * 2 + 3 * D * inter + 2 * D  # q, o, k, v, mlp, norms
+    root = V * D * (1 if tied else 2) + D
+    return {"D": D, "I": inter, "kv": kv, "q": heads * head_dim, "L": L, "V": V, "block": block,
+            "root": root, "params": root + L * block}  # fmt: skip
+
+
+def _adapter_params(d: dict, cfg: dict) -> int:
+    """LoRA (and DoRA's magnitudes) elements of the whole model, from the Config's rank and
+    target modules."""
+    D, inter, q, kv, r = d["D"], d["I"], d["q"], d["kv"], cfg.get("lora_rank", 8)
+    shapes = {"q_proj": (D, q), "k_proj": (D, kv), "v_proj": (D, kv), "o_proj": (q, D),
+              "gate_proj": (D, inter), "up_proj": (D, inter), "down_proj": (inter, D)}  # fmt: skip
+    targets = cfg.get("lora_target_modules", list(shapes))
+    dora = cfg.get("use_dora", False)
+    per_block = sum(
+        r * (shapes[t][0] + shapes[t][1]) + (shapes[t][1] if dora else 0)
+        for t in targets
+        if t in shapes
+    )
+    return per_block * d["L"]
+
+
+def _rollout(spec: Spec, cfg: dict, d: dict, seq: int) -> dict:
+    """The rollout dict `engine_estimate_of` reads (`engine_layout`'s numbers), from the
+    script's Config defaults and the model's shapes."""
+    dtype = {"bf16": 2, "fp32": 4}[cfg.get("dtype", spec.dtype)]
+    heads = model_config(spec).get("num_key_value_heads", model_config(spec)["num_attention_heads"])
+    vllm = cfg["engine"] == "vllm"
+    return {
+        "engine": cfg["engine"], "num_engines": cfg["num_engines"],
+        "engine_tp": cfg["engine_tensor_parallel_size"] if vllm else 1,
+        "engine_gpus": spec.engine_gpus,
+        "engine_gpu_memory_utilization": cfg["engine_gpu_memory_utilization"],
+        "weight_bytes": d["params"] * dtype, "kv_heads": heads,
+        "kv_bytes_per_token": 2 * d["L"] * d["kv"] * dtype,
+        "prompt_len": cfg["max_prompt_len"], "completion_len": seq - cfg["max_prompt_len"],
+        "prompts_per_step": cfg["prompts_per_step"], "num_generations": cfg["num_generations"],
+    }  # fmt: skip
+
+
+def estimate(
+    spec: Spec, script_text: str, micro_batch_size: int | None = None,
+    max_seq_len: int | None = None, gpu_gib: float = 79.6,
+) -> Estimate:  # fmt: skip
+    """Estimate the per-rank peak of `spec`'s step (bytes) from arithmetic alone.
+
+    Args:
+        script_text: the rendered train.py (its Config defaults: lengths, LoRA rank, engines).
+        micro_batch_size, max_seq_len: None = the Config's (GRPO: max_seq_len is prompt +
+            completion, the prompt keeping max_prompt_len).
+        gpu_gib: the GPU's memory in GiB (vLLM engines sharing a trainer GPU take a share of it).
+
+    Raises:
+        KeyError: the script has no Config field the estimate needs.
+    """
+    cfg = config_defaults(script_text)
+    d = _dims(model_config(spec))
+    grpo = is_grpo(spec)
+    world = trainer_gpus(spec) * spec.nodes
+    shard = world // spec.dp_replicate  # ranks one parameter is split over (TP's share included)
+    mbs = micro_batch_size or cfg["micro_batch_size"]
+    if grpo:
+        prompt = cfg["max_prompt_len"]
+        seq = max_seq_len or prompt + cfg["max_new_tokens"]
+    else:
+        seq = max_seq_len or cfg["max_seq_len"]
+    tokens = mbs * -(-seq // spec.tp) / spec.cp  # per rank: sequence parallel and cp split rows
+    dtype = 4 if spec.dtype == "fp32" else 2
+    tricks = set(spec.tricks)
+    adapters = "lora" in spec.algo or spec.algo in ("qlora", "dora")
+    unwrapped = world == 1 and spec.dtype == "fp32"  # the 1-process fp32 script: no FSDP
+
+    trained = _adapter_params(d, cfg) if adapters else d["params"]
+    frozen = d["params"] if adapters else 0
+    optimizer = next((o for o in ("adamw8bit", "adamw4bit") if o in tricks), "adamw")
+    params = (4 * trained + dtype * frozen) / shard
+    grads = 0 if "optim-in-bwd" in tricks else 4 * trained / shard
+    state = OPTIMIZER_BYTES[optimizer] * trained / shard
+    gathered = 0 if unwrapped else 2 * (d["root"] + 2 * d["block"]) / spec.tp
+
+    a, b, c = ACT_PER_TOKEN
+    per_block = (a * d["D"] + b * d["I"] + c * d["kv"]) * dtype / 2 / spec.tp
+    per_block *= LORA_ACT_SHARE if adapters else 1
+    if "ac" in tricks:
+        acts = tokens * (AC_PER_TOKEN * d["D"] * dtype / 2 * d["L"]) + tokens * per_block
+    else:
+        acts = tokens * per_block * d["L"]
+    if grpo:  # the loss on completion tokens only; the log-probs in fp32
+        loss_tokens = mbs * cfg["max_new_tokens"]
+    else:
+        loss_tokens = tokens
+    vocab = d["V"] / spec.tp
+    if "lce" in tricks:  # the chunked loss: lm_head's weight in fp32 (and its fp32 gradient
+        # where it is trained), two chunks of 1/8 of the tokens' fp32 logits
+        head = vocab * d["D"] * 4 * (1 if adapters else 2)
+        loss = head + loss_tokens * vocab * 4 * 2 / 8
+    else:  # the [T, V] logits in the dtype, their fp32 upcast and its gradient
+        loss = loss_tokens * vocab * (dtype + 4 + 4)
+
+    # GRPO accumulates over its micro-batches: the second one's forward runs with the first's
+    # gradients held (SFT's plan runs one micro-batch per step)
+    accumulated = 0
+    if grpo:
+        rows = cfg["prompts_per_step"] * cfg["num_generations"]
+        if math.ceil(math.ceil(rows / world) / mbs) > 1:
+            accumulated = grads
+    moments = {
+        "forward": {"parameters": params + gathered, "gradients": accumulated,
+                    "optimizer state": state, "activations": acts, "loss": loss},
+        "backward": {"parameters": params + gathered, "gradients": grads,
+                     "optimizer state": state, "loss": loss / 2},
+        "optimizer step": {"parameters": params, "gradients": grads, "optimizer state": state,
+                           "update": 4 * trained / shard * (0 if "optim-in-bwd" in tricks else 0.25)},
+    }  # fmt: skip
+    moment = max(moments, key=lambda m: sum(moments[m].values()))
+    parts = {k: int(v) for k, v in moments[moment].items()}
+    engine = engine_estimate_of(_rollout(spec, cfg, d, seq), gpu_gib) if grpo else None
+    if engine and engine["shared"]:
+        parts["rollout engine"] = int(engine["on_trainer_gpu"])
+    return Estimate(
+        spec=spec, peak=sum(parts.values()), parts=parts, moment=moment, world_size=world,
+        micro_batch_size=mbs, max_seq_len=seq,
+    )  # fmt: skip
+
+
+def estimate_fits(e: Estimate, gpu_gib: float) -> bool:
+    """The estimated peak within the GPU's memory less HEADROOM."""
+    return e.peak <= (1 - HEADROOM) * gpu_gib * GIB
+
+
+def format_estimate(e: Estimate, gpu_label: str, gpu_gib: float, command: str) -> str:
+    """`scaffold new`'s one verdict line, e.g. `fits on h100-80: ~66 GiB of 71.6 usable per GPU
+    (estimate; scaffold plan ... simulates it)`."""
+    budget = (1 - HEADROOM) * gpu_gib
+    verdict = "fits" if estimate_fits(e, gpu_gib) else "does NOT fit"
+    per = "trainer GPU" if is_grpo(e.spec) else "GPU"
+    return (
+        f"{verdict} on {gpu_label}: ~{e.peak / GIB:.0f} GiB of {budget:.1f} usable per {per} "
+        f"(estimate; `{command}` simulates it)"
+    )

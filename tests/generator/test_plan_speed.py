@@ -1,0 +1,127 @@
+"""The planner's fast paths against its full simulation: the depth extrapolation (a model
+simulated at 3 and 4 blocks, extrapolated to its depth) gives the same bytes as simulating every
+block, and the arithmetic estimate (`generator.plan_estimate`) is within ESTIMATE_TOLERANCE of
+the simulated peak over a matrix of models, algorithms, tricks and GPU counts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from generator.plan import (
+    ESTIMATE_TOLERANCE,
+    GIB,
+    engine_estimate,
+    estimate,
+    simulate,
+)
+from generator.plan_estimate import config_defaults
+from generator.plan_harness import extrapolate_depth
+from generator.render import render
+from generator.spec import Spec
+
+# A config-only Llama (the plan reads no weights) with 6 identical blocks: deeper than
+# EXTRAPOLATION_DEPTHS, small enough that a full simulation takes a second
+DEEP_TINY = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", vocab_size=512,
+    hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, rms_norm_eps=1e-5,
+    rope_theta=100000.0, tie_word_embeddings=True, attention_bias=False, mlp_bias=False,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def deep_tiny_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("deep_tiny")
+    (out / "config.json").write_text(json.dumps(DEEP_TINY))
+    return out
+
+
+def test_extrapolated_simulation_equals_the_full_one(deep_tiny_dir):
+    """sft (plain, ac + lce, optim-in-bwd on 2 ranks, adamw8bit, fp32 unwrapped), lora, grpo
+    (plain, ac + lce, on 2 trainer ranks) and grpo-lora: every category and the peak equal."""
+    m = str(deep_tiny_dir)
+    grpo = dict(algo="grpo", model=m, dataset="chain_sum.jsonl")
+    specs = [
+        Spec(model=m),
+        Spec(model=m, tricks=("ac", "lce")),
+        Spec(model=m, gpus=2, tricks=("lce", "optim-in-bwd")),
+        Spec(model=m, tricks=("ac", "adamw8bit")),
+        Spec(model=m, dtype="fp32"),
+        Spec(algo="lora", model=m, tricks=("ac",)),
+    ]
+    grpo_specs = [
+        Spec(**grpo),
+        Spec(**grpo, tricks=("ac", "lce")),
+        Spec(**grpo, gpus=3, engine_gpus=1),
+        Spec(**dict(grpo, algo="grpo-lora")),
+    ]
+    for group, mbs, seq in ((specs, 2, 64), (grpo_specs, 2, 256 + 32)):
+        fast = simulate(group, mbs, seq)
+        full = simulate(group, mbs, seq, full_depth=True)
+        for f, s in zip(fast, full, strict=True):
+            assert f.simulated_depths == [3, 4] and s.simulated_depths is None
+            assert (f.categories, f.peak, f.logits) == (s.categories, s.peak, s.logits), f.spec
+
+
+@pytest.mark.fast
+def test_extrapolation_refuses_steps_that_differ_between_depths():
+    a = {"segments": [[[0, "fw", 0, "gap"], {"activations": 1}, 1]], "logits": 0}
+    b = {"segments": [[[0, "fw", 0, "gap"], {"activations": 3}, 3]], "logits": 0, "peak": 3}
+    assert extrapolate_depth(a, b, (3, 4), 10)["peak"] == 3 + 6 * 2
+    assert extrapolate_depth(a, {**b, "segments": []}, (3, 4), 10) is None
+    with pytest.raises(ValueError, match="consecutive"):
+        extrapolate_depth(a, b, (2, 4), 10)
+
+
+@pytest.mark.fast
+def test_config_defaults_are_read_without_importing_the_script():
+    cfg = config_defaults(render(Spec(algo="grpo-lora", dataset="chain_sum.jsonl")))
+    assert cfg["max_prompt_len"] == 256 and cfg["lora_rank"] == 8
+    assert "q_proj" in cfg["lora_target_modules"] and cfg["reward_weights"] == [1.0, 0.2]
+
+
+def _grpo(model: str, gpus: int, **kw) -> Spec:
+    layout = dict(engine_gpus=gpus // 2, engine_tp=gpus // 2) if gpus > 1 else {}
+    return Spec(algo="grpo", model=model, gpus=gpus, dataset="chain_sum.jsonl", **layout, **kw)
+
+
+# (model size, algorithm, tricks, GPUs): the catalog's real shapes at the scripts' default
+# lengths; the plan extrapolates their depth, so each simulation takes seconds
+ESTIMATE_MATRIX = [
+    Spec(model="llama3.1-8b"),
+    Spec(model="llama3.1-8b", gpus=8),
+    Spec(model="llama3.1-8b", gpus=8, tp=2, tricks=("ac", "lce")),
+    Spec(model="llama3.1-8b", gpus=8, tricks=("ac", "lce", "optim-in-bwd")),
+    Spec(model="llama3.1-8b", gpus=8, tricks=("ac", "lce", "adamw8bit")),
+    Spec(model="llama3.3-70b", gpus=8),
+    Spec(model="llama3.3-70b", gpus=8, tricks=("ac", "lce", "optim-in-bwd", "adamw4bit")),
+    Spec(algo="lora", model="llama3.1-8b"),
+    Spec(algo="lora", model="llama3.3-70b", gpus=8),
+    Spec(algo="lora", model="llama3.3-70b", gpus=8, tricks=("ac", "lce")),
+    Spec(model="qwen2.5-7b", gpus=4, tricks=("lce",)),
+    Spec(model="smollm2-1.7b", gpus=2, tricks=("ac",)),
+    _grpo("llama3.1-8b", 8),
+    _grpo("llama3.3-70b", 8, tricks=("ac", "lce")),
+    _grpo("llama3.1-8b", 1),  # the runtime's sampler shares the GPU: its weights + KV cache
+    _grpo("llama3.2-1b", 1, tricks=("lce",)),
+]
+
+
+def test_estimate_is_within_tolerance_of_the_simulation():
+    """The arithmetic estimate (plus the engine on the trainer's GPU where one shares it) against
+    the simulated peak of the same spec; prints each error (the worst is in benchmarks/RESULTS.md)."""
+    worst = 0.0
+    for result in simulate(ESTIMATE_MATRIX, None, None):
+        e = estimate(result.spec, render(result.spec))
+        engines = engine_estimate(result, 79.6)
+        simulated = result.peak + (engines["on_trainer_gpu"] if engines else 0)
+        error = (e.peak - simulated) / simulated
+        worst = max(worst, abs(error))
+        s = result.spec
+        print(f"{s.model} {s.algo} x{s.gpus} {','.join(s.tricks) or '-'}: simulated "
+              f"{simulated / GIB:.2f} GiB, estimated {e.peak / GIB:.2f} GiB ({error:+.1%})")  # fmt: skip
+        assert abs(error) <= ESTIMATE_TOLERANCE, (s, simulated / GIB, e)
+    print(f"worst {worst:.1%}")
