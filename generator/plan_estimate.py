@@ -14,7 +14,10 @@ What it counts, per trainer rank (bytes):
 - activations: bytes per token per decoder block (the recipe's: saved tensors of a block, or
   its input only under ac, plus one block recomputed), times the micro-batch's tokens;
 - the loss: the [T, V] logits and their fp32 work (none under lce but one chunk);
-- GRPO: the rollout engines' memory where they share the trainer's GPU (`engine_estimate`).
+- GRPO: the largest phase of the layout on the trainer's GPU (`plan_report.grpo_phases`):
+  split, the trainer peak (plus the engine where one shares its GPU); colocated, the max of the
+  trainer step (+ a sleeping engine), the generation (the awake engine + what the trainer keeps
+  resident) and the weight sync.
 The peak is the largest of three moments: the end of the forward (activations live), the end of
 the backward (every gradient) and the optimizer step.
 """
@@ -25,8 +28,9 @@ import ast
 import math
 from dataclasses import dataclass
 
-from generator.plan_harness import GIB, is_grpo
-from generator.plan_report import HEADROOM, engine_estimate_of
+from generator.features import PEFT_ALGOS
+from generator.plan_harness import GIB, OPTIMIZER_BYTES, adapter_params, is_grpo, model_dims
+from generator.plan_report import HEADROOM, grpo_phases
 from generator.spec import Spec, model_config, trainer_gpus
 
 # The estimate is within this share of the simulated peak on the tests' matrix
@@ -41,8 +45,6 @@ ESTIMATE_TOLERANCE = 0.15
 ACT_PER_TOKEN = (17.8, 7.7, 10.0)
 LORA_ACT_SHARE = 0.93
 AC_PER_TOKEN = 2.0  # ac: a block keeps its bf16 input (x hidden); one block is recomputed
-# Optimizer state bytes per trained parameter
-OPTIMIZER_BYTES = {"adamw": 8, "adamw8bit": 2, "adamw4bit": 1}
 
 
 @dataclass(frozen=True)
@@ -50,9 +52,10 @@ class Estimate:
     """An estimated per-rank peak (bytes) and its parts at that moment."""
 
     spec: Spec
-    peak: int  # the trainer rank's peak, plus the engine on its GPU where one shares it
+    peak: int  # the largest phase on a trainer GPU (non-GRPO: the trainer rank's peak)
     parts: dict  # name -> bytes at the peak moment
-    moment: str  # "forward", "backward" or "optimizer step"
+    moment: str  # "forward", "backward", "optimizer step"; GRPO colocated may be "generation"
+    # or "weight sync"
     world_size: int
     micro_batch_size: int
     max_seq_len: int
@@ -80,38 +83,12 @@ def config_defaults(script_text: str) -> dict:
     return values
 
 
-def _dims(config: dict) -> dict:
-    D, heads = config["hidden_size"], config["num_attention_heads"]
-    head_dim = config.get("head_dim") or D // heads
-    kv = config.get("num_key_value_heads", heads) * head_dim
-    L, inter, V = config["num_hidden_layers"], config["intermediate_size"], config["vocab_size"]
-    tied = config.get("tie_word_embeddings", False)
-    block = D * heads * head_dim * 2 + D * kv * 2 + 3 * D * inter + 2 * D  # q, o, k, v, mlp, norms
-    root = V * D * (1 if tied else 2) + D
-    return {"D": D, "I": inter, "kv": kv, "q": heads * head_dim, "L": L, "V": V, "block": block,
-            "root": root, "params": root + L * block}  # fmt: skip
-
-
-def _adapter_params(d: dict, cfg: dict) -> int:
-    """LoRA (and DoRA's magnitudes) elements of the whole model, from the Config's rank and
-    target modules."""
-    D, inter, q, kv, r = d["D"], d["I"], d["q"], d["kv"], cfg.get("lora_rank", 8)
-    shapes = {"q_proj": (D, q), "k_proj": (D, kv), "v_proj": (D, kv), "o_proj": (q, D),
-              "gate_proj": (D, inter), "up_proj": (D, inter), "down_proj": (inter, D)}  # fmt: skip
-    targets = cfg.get("lora_target_modules", list(shapes))
-    dora = cfg.get("use_dora", False)
-    per_block = sum(
-        r * (shapes[t][0] + shapes[t][1]) + (shapes[t][1] if dora else 0)
-        for t in targets
-        if t in shapes
-    )
-    return per_block * d["L"]
-
-
 def _rollout(spec: Spec, cfg: dict, d: dict, seq: int) -> dict:
-    """The rollout dict `engine_estimate_of` reads (`engine_layout`'s numbers), from the
-    script's Config defaults and the model's shapes."""
+    """The rollout dict `engine_estimate_of` and `grpo_phases` read (`engine_layout`'s
+    numbers), from the script's Config defaults and the model's shapes."""
     dtype = {"bf16": 2, "fp32": 4}[cfg.get("dtype", spec.dtype)]
+    adapters = spec.algo in PEFT_ALGOS
+    optimizer = next((o for o in ("adamw8bit", "adamw4bit") if o in spec.tricks), "adamw")
     heads = model_config(spec).get("num_key_value_heads", model_config(spec)["num_attention_heads"])
     vllm = cfg["engine"] == "vllm"
     return {
@@ -123,6 +100,14 @@ def _rollout(spec: Spec, cfg: dict, d: dict, seq: int) -> dict:
         "kv_bytes_per_token": 2 * d["L"] * d["kv"] * dtype,
         "prompt_len": cfg["max_prompt_len"], "completion_len": seq - cfg["max_prompt_len"],
         "prompts_per_step": cfg["prompts_per_step"], "num_generations": cfg["num_generations"],
+        "layout": cfg.get("layout", "split"), "engine_sleep_level": cfg.get("engine_sleep_level", 0),
+        "offload_optimizer": bool(cfg.get("offload_optimizer", False)),
+        "trainer_ranks": trainer_gpus(spec) * spec.nodes, "num_params": d["params"],
+        "trained_params": adapter_params(d, cfg) if adapters else d["params"],
+        "optimizer_bytes": OPTIMIZER_BYTES[optimizer],
+        "reference": cfg.get("kl_coef", 0) > 0 and not adapters,
+        "largest_param": max(d["V"], d["I"], d["q"], d["kv"]) * d["D"],
+        "vocab_size": d["V"], "dtype_bytes": dtype,
     }  # fmt: skip
 
 
@@ -142,7 +127,7 @@ def estimate(
         KeyError: the script has no Config field the estimate needs.
     """
     cfg = config_defaults(script_text)
-    d = _dims(model_config(spec))
+    d = model_dims(model_config(spec))
     grpo = is_grpo(spec)
     world = trainer_gpus(spec) * spec.nodes
     shard = world // spec.dp_replicate  # ranks one parameter is split over (TP's share included)
@@ -158,7 +143,7 @@ def estimate(
     adapters = "lora" in spec.algo or spec.algo in ("qlora", "dora")
     unwrapped = world == 1 and spec.dtype == "fp32"  # the 1-process fp32 script: no FSDP
 
-    trained = _adapter_params(d, cfg) if adapters else d["params"]
+    trained = adapter_params(d, cfg) if adapters else d["params"]
     frozen = d["params"] if adapters else 0
     optimizer = next((o for o in ("adamw8bit", "adamw4bit") if o in tricks), "adamw")
     params = (4 * trained + dtype * frozen) / shard
@@ -202,9 +187,18 @@ def estimate(
     }  # fmt: skip
     moment = max(moments, key=lambda m: sum(moments[m].values()))
     parts = {k: int(v) for k, v in moments[moment].items()}
-    engine = engine_estimate_of(_rollout(spec, cfg, d, seq), gpu_gib) if grpo else None
-    if engine and engine["shared"]:
-        parts["rollout engine"] = int(engine["on_trainer_gpu"])
+    if grpo:  # the largest phase of the layout on the trainer's GPU (`grpo_phases`)
+        phases = grpo_phases(_rollout(spec, cfg, d, seq), sum(parts.values()), gpu_gib)["phases"]
+        name = max(phases, key=lambda n: sum(phases[n].values()))
+        trainer = parts
+        parts = {}
+        for part, nbytes in phases[name].items():
+            if part == "trainer peak":
+                parts.update(trainer)
+            else:
+                parts[part] = int(nbytes)
+        if name != "trainer step":
+            moment = name
     return Estimate(
         spec=spec, peak=sum(parts.values()), parts=parts, moment=moment, world_size=world,
         micro_batch_size=mbs, max_seq_len=seq,

@@ -123,6 +123,41 @@ ROWS = {
 }
 
 
+# Optimizer state bytes per trained parameter
+OPTIMIZER_BYTES = {"adamw": 8, "adamw8bit": 2, "adamw4bit": 1}
+
+
+def model_dims(config: dict) -> dict:
+    """A dense decoder's shapes and parameter counts from its HF config (`plan_estimate` and
+    `engine_layout`): hidden D, intermediate I, kv / q widths, layers L, vocab V, elements per
+    block, of the root (embedding, head, final norm) and in all."""
+    D, heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim") or D // heads
+    kv = config.get("num_key_value_heads", heads) * head_dim
+    L, inter, V = config["num_hidden_layers"], config["intermediate_size"], config["vocab_size"]
+    tied = config.get("tie_word_embeddings", False)
+    block = D * heads * head_dim * 2 + D * kv * 2 + 3 * D * inter + 2 * D  # q, o, k, v, mlp, norms
+    root = V * D * (1 if tied else 2) + D
+    return {"D": D, "I": inter, "kv": kv, "q": heads * head_dim, "L": L, "V": V, "block": block,
+            "root": root, "params": root + L * block}  # fmt: skip
+
+
+def adapter_params(d: dict, cfg: dict) -> int:
+    """LoRA (and DoRA's magnitudes) elements of the whole model, from the Config's rank and
+    target modules."""
+    D, inter, q, kv, r = d["D"], d["I"], d["q"], d["kv"], cfg.get("lora_rank", 8)
+    shapes = {"q_proj": (D, q), "k_proj": (D, kv), "v_proj": (D, kv), "o_proj": (q, D),
+              "gate_proj": (D, inter), "up_proj": (D, inter), "down_proj": (inter, D)}  # fmt: skip
+    targets = cfg.get("lora_target_modules", list(shapes))
+    dora = cfg.get("use_dora", False)
+    per_block = sum(
+        r * (shapes[t][0] + shapes[t][1]) + (shapes[t][1] if dora else 0)
+        for t in targets
+        if t in shapes
+    )
+    return per_block * d["L"]
+
+
 class PlanError(ScaffoldError, ValueError):
     """A bad `scaffold plan` option, or a configuration the planner cannot simulate."""
 
@@ -230,6 +265,8 @@ def describe_spec(spec: Spec) -> str:
         engines = (
             f" + {spec.engine_gpus} engine GPU(s) per node (engine_tp {spec.engine_tp})"
             if spec.engine_gpus
+            else f", colocated engines (engine_tp {spec.engine_tp}) asleep while it steps"
+            if spec.layout == "colocated"
             else ", engines on the trainer's GPU(s)"
         )
         return f"{spec.model} {spec.algo} {spec.dtype}, {tricks}, {ranks} trainer rank(s){engines}"
@@ -760,9 +797,28 @@ def engine_layout(spec: Spec, cfg, model_dir: Path) -> dict:
     Config (engine, num_engines, GPUs per engine, vLLM's memory share) and the model's config."""
     from runtime import ModelArgs, read_hf_config
 
-    args = ModelArgs.from_hf_config(read_hf_config(model_dir))
+    hf = read_hf_config(model_dir)
+    args = ModelArgs.from_hf_config(hf)
     dtype_bytes = {"bf16": 2, "fp32": 4}[cfg.dtype]  # the engines sample in cfg.dtype
+    d = model_dims(hf)
+    lora = {k: getattr(cfg, k) for k in ("lora_rank", "lora_target_modules", "use_dora")
+            if hasattr(cfg, k)}  # fmt: skip
     return {
+        # the phase model of the layout (`plan_report.grpo_phases`): the script's Config; a
+        # split script has no sleep (level 0) and no optimizer offload
+        "layout": getattr(cfg, "layout", "split"),
+        "engine_sleep_level": getattr(cfg, "engine_sleep_level", 0),
+        "offload_optimizer": bool(getattr(cfg, "offload_optimizer", False)),
+        "trainer_ranks": trainer_gpus(spec) * spec.nodes,
+        "num_params": args.num_params(),
+        "trained_params": adapter_params(d, lora) if has_adapters(spec) else args.num_params(),
+        "optimizer_bytes": OPTIMIZER_BYTES[
+            next((o for o in ("adamw8bit", "adamw4bit") if o in spec.tricks), "adamw")
+        ],
+        "reference": getattr(cfg, "kl_coef", 0) > 0 and not has_adapters(spec),
+        "largest_param": max(d["V"], d["I"], d["q"], d["kv"]) * d["D"],
+        "vocab_size": d["V"],
+        "dtype_bytes": dtype_bytes,
         "engine": cfg.engine,
         "num_engines": cfg.num_engines,
         "engine_tp": cfg.engine_tensor_parallel_size if cfg.engine == "vllm" else 1,

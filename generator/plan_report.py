@@ -113,6 +113,110 @@ def engine_estimate_of(r: dict, gpu_gib: float) -> dict:
     }  # fmt: skip
 
 
+# What a sleeping colocated engine keeps on its GPU (`grpo_phases`): its process's CUDA context
+# and small buffers; vLLM also its CUDA-graph pools (its sleep frees only the weights and the KV
+# cache; the script does not set enforce_eager, so the graphs are captured)
+ENGINE_CONTEXT = int(0.5 * GIB)
+VLLM_GRAPH_POOLS = 1 * GIB
+
+
+def trainer_resident(r: dict) -> dict:
+    """What a trainer rank keeps on its GPU between steps (bytes; the colocated generation and
+    sync phases): its parameter shards (fp32 master weights of what is trained, a LoRA base in
+    the dtype), the frozen reference's shards (grpo with kl_coef > 0; grpo-lora's reference is
+    the policy with its adapters off), the optimizer state (AdamW 8 B per trained parameter,
+    8-bit 2, 4-bit 1; 0 with offload_optimizer, which moves it to host memory). Gradients are
+    freed after the step and the activations released (the weight sync empties the cache)."""
+    world, trained, full = r["trainer_ranks"], r["trained_params"], r["num_params"]
+    frozen = full if trained != full else 0  # LoRA: the whole base, frozen, beside the adapters
+    return {
+        "trainer weights": (4 * trained + r["dtype_bytes"] * frozen) / world,
+        "reference": r["dtype_bytes"] * full / world if r["reference"] else 0,
+        "optimizer state": 0 if r["offload_optimizer"] else r["optimizer_bytes"] * trained / world,
+    }
+
+
+def grpo_phases(r: dict, trainer_peak: int, gpu_gib: float) -> dict:
+    """The memory of each phase of a GRPO layout, per GPU (bytes): the verdict is the largest
+    phase on the trainer's GPU, not a sum (the phases take turns).
+
+    colocated (every GPU holds one trainer rank and 1/engine_tp of an engine, taking turns):
+    - "trainer step": the simulated trainer peak + what a sleeping engine keeps (ENGINE_CONTEXT;
+      vLLM: VLLM_GRAPH_POOLS); sleep level 1 moves its weights to host, 2 discards them.
+    - "generation": the awake engine (vLLM: engine_gpu_memory_utilization x the GPU for weights
+      + KV cache; the runtime's sampler: weights / engine_tp in the dtype, the KV cache of its
+      batch, its fp32 [B, V] logits) + its context + `trainer_resident`.
+    - "weight sync": `trainer_resident` + the engine's weights (its KV cache still asleep) + its
+      context + one gathered full tensor per rank (the largest parameter, fp32).
+    Host memory (not in the verdict): level 1 the engines' weights, offload_optimizer the
+    optimizer state, per node. vLLM start-up: utilization x the GPU must be free when it starts
+    (the trainer's weights and CUDA context already resident, its optimizer state not yet).
+    split: today's numbers as two places: the trainer's GPUs carry the trainer peak (plus the
+    awake engine where one shares them, engine_gpus 0), the engine GPUs the engine.
+
+    Returns:
+        {"layout", "phases": {name: {part: bytes}} of the trainer's GPU, "verdict": the
+        largest phase's bytes, "engine_ok": colocated vLLM starts and its share holds its
+        weights and one rollout's KV cache (split: True, its engine line says), "engine_gpu":
+        {part: bytes} or None, "host": {name: bytes}, "startup": {"needed", "free", "ok"} or
+        None}.
+    """
+    e = engine_estimate_of(r, gpu_gib)
+    vllm = r["engine"] == "vllm"
+    if r.get("layout") != "colocated":
+        if e["shared"]:
+            step = {"trainer peak": trainer_peak, "awake engine": e["on_trainer_gpu"]}
+            phases, engine_gpu = {"trainer step + engine": step}, None
+        else:
+            phases = {"trainer step": {"trainer peak": trainer_peak}}
+            engine_gpu = (
+                {"vLLM share": e["share"]} if vllm
+                else {"engine weights": e["weights_per_gpu"], "KV cache": e["kv_needed"]}
+            )  # fmt: skip
+        verdict = max(sum(p.values()) for p in phases.values())
+        return {"layout": "split", "phases": phases, "verdict": verdict, "engine_ok": True,
+                "engine_gpu": engine_gpu, "host": {}, "startup": None}  # fmt: skip
+    asleep = ENGINE_CONTEXT + (VLLM_GRAPH_POOLS if vllm else 0)
+    resident = {k: v for k, v in trainer_resident(r).items() if v}
+    if vllm:
+        awake = {"vLLM share": e["share"]}
+    else:
+        rows = -(-r["prompts_per_step"] // r["num_engines"]) * r["num_generations"]
+        awake = {
+            "engine weights": e["weights_per_gpu"], "KV cache": e["kv_needed"],
+            "decode logits": rows * r["vocab_size"] * 4,
+        }  # fmt: skip
+    phases = {
+        "trainer step": {"trainer peak": trainer_peak, "sleeping engine": asleep},
+        # vLLM's CUDA graphs come out of its share while it is awake
+        "generation": {**awake, "engine context": ENGINE_CONTEXT, **resident},
+        "weight sync": {
+            "engine weights": e["weights_per_gpu"],
+            "sleeping engine": asleep,
+            **resident,
+            "gathered tensor": 4 * r["largest_param"],
+        },
+    }
+    ranks_per_node = r["trainer_ranks"]  # colocated is one node: a trainer rank per GPU
+    host = {}
+    if r["engine_sleep_level"] == 1:
+        host["engine weights (sleep level 1)"] = r["num_engines"] * r["weight_bytes"]
+    if r["offload_optimizer"]:
+        host["optimizer state (offload_optimizer)"] = (
+            r["optimizer_bytes"] * r["trained_params"] / r["trainer_ranks"] * ranks_per_node
+        )
+    startup = None
+    if vllm:
+        free = gpu_gib * GIB - ENGINE_CONTEXT - trainer_resident(r)["trainer weights"]
+        startup = {"needed": e["share"], "free": free, "ok": e["share"] <= free}
+    verdict = max(sum(p.values()) for p in phases.values())
+    # colocated vLLM must start (its share free) and hold its weights + one rollout's KV cache
+    # in its share (`engine_estimate_of`'s "fits"), or it refuses to run on the trainer's GPU
+    engine_ok = e["fits"] and (startup is None or startup["ok"])
+    return {"layout": "colocated", "phases": phases, "verdict": verdict, "engine_ok": engine_ok,
+            "engine_gpu": None, "host": host, "startup": startup}  # fmt: skip
+
+
 def _kv_per_token(rollout: dict, engine_tp: int) -> float:
     """KV cache bytes per token on one engine GPU: vLLM splits the KV heads over its
     tensor-parallel GPUs (and replicates them when engine_tp exceeds them)."""
@@ -121,11 +225,15 @@ def _kv_per_token(rollout: dict, engine_tp: int) -> float:
 
 
 def fits(result: PlanResult, gpu_gib: float) -> bool:
-    """Peak within the GPU's memory less HEADROOM; for GRPO engines on the trainer's GPUs, the
-    peak plus the engine's memory (`engine_estimate`) on the GPU that hosts it."""
-    engines = engine_estimate(result, gpu_gib)
-    extra = engines["on_trainer_gpu"] if engines else 0
-    return result.peak + extra <= (1 - HEADROOM) * gpu_gib * GIB
+    """Peak within the GPU's memory less HEADROOM; GRPO: the largest phase of its layout on the
+    trainer's GPU (`grpo_phases`: split with engines on the trainer's GPUs, the peak plus the
+    engine; colocated, the max of trainer step, generation and weight sync), and vLLM able to
+    start there (colocated)."""
+    budget = (1 - HEADROOM) * gpu_gib * GIB
+    if result.rollout is None:
+        return result.peak <= budget
+    p = grpo_phases(result.rollout, result.peak, gpu_gib)
+    return p["verdict"] <= budget and p["engine_ok"]
 
 
 def format_result(result: PlanResult, gpu_label: str, gpu_gib: float) -> str:
@@ -192,14 +300,13 @@ def format_result(result: PlanResult, gpu_label: str, gpu_gib: float) -> str:
     lines.append(f"  {'peak':16} {r.peak / GIB:9.2f} GiB  (sum of the rows at the peak)")
     engines = engine_estimate(r, gpu_gib)
     where = ""
-    if engines and engines["shared"]:
-        total = r.peak + engines["on_trainer_gpu"]
-        lines.append(
-            f"  {'+ rollout engine':16} {engines['on_trainer_gpu'] / GIB:9.2f} GiB  (computed "
-            "estimate, not simulated: the engine on the trainer's GPU, see below)"
-        )
-        lines.append(f"  {'peak + engine':16} {total / GIB:9.2f} GiB  (the GPU that hosts it)")
-        where = " for the trainer GPU that hosts the engine"
+    if engines:
+        phases = grpo_phases(r.rollout, r.peak, gpu_gib)
+        lines += _format_phases(phases, r.rollout)
+        if phases["layout"] == "colocated":
+            where = " (the largest phase)"
+        elif engines["shared"]:
+            where = " for the trainer GPU that hosts the engine"
     budget = (1 - HEADROOM) * gpu_gib
     verdict = "fits" if fits(r, gpu_gib) else "does NOT fit"
     lines.append(
@@ -211,12 +318,60 @@ def format_result(result: PlanResult, gpu_label: str, gpu_gib: float) -> str:
     return "\n".join(lines)
 
 
+def _format_phases(p: dict, ro: dict) -> list[str]:
+    """The phase rows of `format_result` (`grpo_phases`): each phase's total and its parts."""
+
+    def row(name: str, parts: dict) -> str:
+        what = " + ".join(f"{k} {v / GIB:.2f}" for k, v in parts.items())
+        return f"  {name:16} {sum(parts.values()) / GIB:9.2f} GiB  ({what})"
+
+    if p["layout"] == "split":
+        where = "on GPUs of their own" if p["engine_gpu"] else "on the trainer's GPUs"
+        lines = [
+            f"phases per GPU (split: the engines awake {where}, beside the trainer; the trainer "
+            "peak simulated, the engine computed):"
+        ]
+        for name, parts in p["phases"].items():
+            lines.append(row(name, parts) + "  on a trainer GPU")
+        if p["engine_gpu"]:
+            lines.append(row("generation", p["engine_gpu"]) + "  on an engine GPU")
+        return lines
+    level = ro["engine_sleep_level"]
+    offload = "on" if ro["offload_optimizer"] else "off"
+    lines = [
+        f"phases per GPU (colocated: one trainer rank and 1/{ro['engine_tp']} of an engine take "
+        f"turns; engine_sleep_level {level}, offload_optimizer {offload}; the trainer peak "
+        "simulated, the rest computed; the verdict is the largest):"
+    ]
+    for name, parts in p["phases"].items():
+        lines.append(row(name, parts))
+    lines.append(f"  {'max':16} {p['verdict'] / GIB:9.2f} GiB")
+    if p["host"]:
+        host = "; ".join(f"{k} {v / GIB:.2f} GiB" for k, v in p["host"].items())
+        lines.append(f"host memory per node (not in the verdict): {host}")
+    if p["startup"]:
+        st = p["startup"]
+        lines.append(
+            f"vLLM start-up: needs {st['needed'] / GIB:.2f} GiB free "
+            f"(engine_gpu_memory_utilization x the GPU), {st['free'] / GIB:.2f} GiB is (the "
+            f"trainer's weights and CUDA context resident): {'ok' if st['ok'] else 'does NOT start'}"
+        )
+    return lines
+
+
 def _format_engines(r: PlanResult, e: dict, gpu_label: str, gpu_gib: float) -> str:
     """The rollout engines' line of `format_result` (a computed estimate, labelled so)."""
     ro = r.rollout
     row = ro["prompt_len"] + ro["completion_len"]
     weights = f"{ro['dtype']} weights {ro['weight_bytes'] / GIB:.2f} GiB"
     head = "rollout engines (computed estimate, not simulated): "
+    if ro["engine"] != "vllm" and ro.get("layout") == "colocated":
+        return (
+            f"{head}the runtime's KV-cache sampler, {ro['num_engines']} engine(s), one on each "
+            f"trainer GPU, asleep while it steps: {weights} + the KV cache of its batch "
+            f"({e['kv_needed'] / GIB:.2f} GiB for {e['kv_needed'] / e['kv_per_token'] / row:.0f} "
+            f"rollouts x {row} tokens), in the generation phase above"
+        )
     if ro["engine"] != "vllm":
         return (
             f"{head}the runtime's KV-cache sampler shares the trainer's GPU (one process: no GPU "
@@ -241,7 +396,9 @@ def _format_engines(r: PlanResult, e: dict, gpu_label: str, gpu_gib: float) -> s
             f"does NOT fit: the weights leave {max(e['kv_room'], 0) / GIB:.1f} GiB, less than "
             f"the KV cache of one rollout of {row} tokens ({e['kv_needed'] / GIB:.3f} GiB)"
         )
-        if e["shared"]:
+        if ro.get("layout") == "colocated":
+            kv += " (so the verdict above says no); use a larger --engine-tp"
+        elif e["shared"]:
             kv += "; give the engines GPUs of their own (--engine-gpus)"
         else:
             config = model_config(r.spec)
@@ -256,7 +413,13 @@ def _format_engines(r: PlanResult, e: dict, gpu_label: str, gpu_gib: float) -> s
                 else "; give the engines more GPUs (--engine-gpus)"
             )
         kv += ", or raise engine_gpu_memory_utilization in the script's Config"
-    if e["shared"]:
+    if ro.get("layout") == "colocated":
+        layout = (
+            f"{ro['num_engines']} vLLM engine(s) of engine_tp {ro['engine_tp']} on the trainer's "
+            f"GPUs (colocated): {weights} / {ro['engine_tp']} = {e['weights_per_gpu'] / GIB:.2f} "
+            f"GiB per GPU; {share} (in the generation phase above)"
+        )
+    elif e["shared"]:
         layout = (
             f"{ro['num_engines']} vLLM engine(s) share the trainer's GPUs (--engine-gpus 0); "
             f"{share}; the trainer GPU that hosts one carries the {e['share'] / GIB:.1f} GiB "

@@ -401,7 +401,8 @@ def test_cli_plan_and_new_print_the_grpo_engines(tiny_real_vocab_dir, tmp_path):
     assert (tmp_path / "g" / "train.py").exists()
     assert "1 trainer rank(s), engines on the trainer's GPU(s)" in result.output
     assert "320 tokens (256 prompt + 64 completion" in result.output  # the script's defaults
-    assert "+ rollout engine" in result.output and "peak + engine" in result.output
+    assert "phases per GPU (split: the engines awake on the trainer's GPUs" in result.output
+    assert "trainer step + engine" in result.output and "+ awake engine" in result.output
     assert "the runtime's KV-cache sampler shares the trainer's GPU" in result.output
     assert "verdict for the trainer GPU that hosts the engine: fits on 24 GiB" in result.output
     # a completion needs a token past the prompt; kl_coef is a GRPO option
