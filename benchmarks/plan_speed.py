@@ -67,7 +67,8 @@ def run_plan(options: str) -> tuple[float, str]:
 def parse(stdout: str) -> dict:
     """The simulated peak (GiB; with the engine on the trainer's GPU where one shares it), the
     verdict and the suggestion line of a `scaffold plan` output."""
-    peaks = re.findall(r"^  (?:peak|peak \+ engine)\s+([\d.]+) GiB", stdout, re.M)
+    # the last of: the trainer's peak, the trainer + engine sharing its GPU, colocated's max phase
+    peaks = re.findall(r"^  (?:peak|trainer step \+ engine|max)\s+([\d.]+) GiB", stdout, re.M)
     verdict = "yes" if re.search(r"^verdict[^:]*: fits", stdout, re.M) else "no"
     suggestion = next(
         (line for line in stdout.splitlines() if line.startswith(("fits with", "nothing tried"))),

@@ -245,7 +245,8 @@ def plan(
     peak of one rank, a fits / does not fit verdict, and what would make it fit.
     --algo grpo / grpo-lora: the trainer's (gpus - engine_gpus) x nodes ranks, stepping on
     rollouts of the script's lengths; the rollout engines' memory is a computed estimate beside
-    it.
+    it, each phase of the layout printed (--layout colocated: the verdict is the largest of the
+    trainer step, the generation and the weight sync).
 
     \b
     With DIR (a directory `scaffold new` wrote): DIR's spec and DIR/train.py as you edited it,

@@ -210,6 +210,14 @@ def format_suggestion(s: Suggestion | None, base: Spec, directory: str | None = 
     """The suggestion's line; with `directory` (`scaffold plan DIR`) as the `scaffold regen`
     command that makes the change in DIR (its edits kept)."""
     if s is None:
+        if is_grpo(base) and base.layout == "colocated":
+            tricks = [t for t in FIT_TRICKS if refusal(t, base.algo) is None]
+            return (
+                f"nothing tried fits: --tricks {','.join(tricks)} (colocated runs on one node: "
+                "no more GPUs to try); lower --micro-batch-size or --max-seq-len, set "
+                "offload_optimizer or a lower engine_gpu_memory_utilization in the script's "
+                "Config (`scaffold plan DIR` plans them), or use --layout split on more nodes"
+            )
         if is_grpo(base):
             tricks = [t for t in FIT_TRICKS if refusal(t, base.algo) is None]
             return (

@@ -46,7 +46,9 @@ What is simulated, and what is not:
   main() does. Micro-batches from the second on repeat the second's memory exactly,
   so at most SIMULATED_MICRO_BATCHES run per step. The rollout engines (vLLM or the runtime's
   sampler, on Ray) are not simulated: their memory is a computed estimate (`engine_estimate`),
-  reported beside the trainer's, and added to the trainer's when they share its GPU (grpo-lora's
+  reported beside the trainer's, and combined with it per phase of the layout
+  (`plan_report.grpo_phases`: split adds an engine sharing the trainer's GPU to its peak;
+  colocated takes the max of trainer step, generation and weight sync) (grpo-lora's
   engines hold the merged plain model: the same estimate). Nor is the weight sync after each
   step (`gather_hf_state_dict`; grpo-lora's `gather_merged_hf_state_dict` computes each merged
   weight W + lora_scale * B A in fp32): on the GPU it adds one full parameter (merged: and its

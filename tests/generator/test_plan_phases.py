@@ -15,7 +15,16 @@ import pytest
 from click.testing import CliRunner
 
 from generator.cli import cli
-from generator.plan import GIB, PlanResult, engine_layout, estimate, fits, format_result, suggest
+from generator.plan import (
+    GIB,
+    PlanResult,
+    engine_layout,
+    estimate,
+    fits,
+    format_result,
+    format_suggestion,
+    suggest,
+)
 from generator.plan import model_dir_for as _model_dir_for
 from generator.plan_report import ENGINE_CONTEXT, VLLM_GRAPH_POOLS, grpo_phases
 from generator.render import render
@@ -194,6 +203,10 @@ def test_suggest_uses_the_phases_for_colocated(tmp_path, monkeypatch):
     assert worst["verdict"] > _sum(worst["phases"]["trainer step"])
     s = suggest(base, gpu, None, None)
     assert s is not None and s.added_tricks == ("adamw8bit",) and fits(s.result, gpu)
+    # nothing fits: one node, so no more GPUs are tried, and the line says what is left
+    assert suggest(base, 0.5, None, None) is None
+    line = format_suggestion(None, spec)
+    assert "colocated runs on one node" in line and "offload_optimizer" in line
 
 
 @pytest.mark.fast
