@@ -83,7 +83,7 @@ from runtime.metrics import (
 from runtime.models.llama import CausalLM, KVCache, LlamaForCausalLM, ModelArgs, build_model
 from runtime.models.moe import load_balancing_loss
 from runtime.offload import offload_activations
-from runtime.optim import cosine_schedule_with_warmup
+from runtime.optim import cosine_schedule_with_warmup, low_bit_state, torchao_adamw
 from runtime.optim_in_backward import setup_optimizer_in_backward
 from runtime.packing import (
     collate_preference_packs,
@@ -227,6 +227,8 @@ __all__ = [
     "checkpoint_dtype",
     "copy_tokenizer_files",
     "cosine_schedule_with_warmup",
+    "low_bit_state",
+    "torchao_adamw",
     "chunked_kd_loss",
     "kd_kl_sum",
     "cross_entropy_sum",

@@ -71,6 +71,11 @@ def validate_spec(spec: Spec) -> None:
                 )
     if spec.dtype not in DTYPES:
         raise SpecError(f"--dtype {spec.dtype!r}; valid: {', '.join(DTYPES)}")
+    if "bf16-sr" in spec.tricks and spec.dtype != "bf16":
+        raise SpecError(
+            f"--tricks bf16-sr stores the weights in bf16 and --dtype is {spec.dtype}: use "
+            "--dtype bf16, or drop bf16-sr for fp32 weights"
+        )
     if spec.gpus < 1 or spec.nodes < 1:
         raise SpecError(f"--gpus {spec.gpus} and --nodes {spec.nodes} must both be >= 1")
     if spec.ep != 1:
