@@ -92,6 +92,8 @@ def validate_spec(spec: Spec) -> None:
 # plan's own arithmetic (degrees dividing the world, the model's heads and vocab).
 _TP_REFUSED_TRICKS = {
     "compile": "per-block torch.compile of DTensor (tensor-parallel) blocks is not tested here",
+    "bf16-sr": "bf16 weights with the stochastic-rounding AdamW are tested under FSDP only",
+    "cpu-offload": "FSDP2 CPU offload of tensor-parallel shards is not tested here",
 }
 
 
@@ -296,6 +298,8 @@ _CP_REFUSED_TRICKS = {
     "attention is plain causal over whole rows",
     "compile": "per-block torch.compile of the K/V all-gather attention is not tested here",
     "offload": "activation offloading (CUDA) with the context-parallel attention is not tested",
+    "bf16-sr": "bf16 weights with the stochastic-rounding AdamW are tested under FSDP only",
+    "cpu-offload": "FSDP2 CPU offload over the dp_shard x cp mesh is not tested here",
 }
 
 
@@ -336,6 +340,8 @@ def _validate_cp(spec: Spec, world: int) -> None:
 
 MOE_FAMILIES = ("qwen3_moe",)  # model families with experts (`--ep` shards them)
 EP_TRICKS_REFUSED = {
+    "bf16-sr": "bf16 weights with the stochastic-rounding AdamW are tested on dense models only",
+    "cpu-offload": "FSDP2 CPU offload beside the expert-parallel (unsharded) experts is not tested",
     "optim-in-bwd": "it steps each parameter inside backward, before the expert-parallel "
     "gradient norm over all ranks' experts exists",
 }
