@@ -84,8 +84,10 @@ from runtime.models.moe import load_balancing_loss
 from runtime.offload import offload_activations
 from runtime.optim import (
     cosine_schedule_with_warmup,
+    low_bit_state,
     offload_optimizer_state,
     restore_optimizer_state,
+    torchao_adamw,
 )
 from runtime.optim_in_backward import setup_optimizer_in_backward
 from runtime.packing import (
@@ -238,6 +240,8 @@ __all__ = [
     "cosine_schedule_with_warmup",
     "offload_optimizer_state",
     "restore_optimizer_state",
+    "low_bit_state",
+    "torchao_adamw",
     "chunked_kd_loss",
     "kd_kl_sum",
     "cross_entropy_sum",

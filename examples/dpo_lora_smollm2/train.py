@@ -36,6 +36,8 @@ Differs from Rafailov et al. 2023 (arXiv:2305.18290) / Hugging Face TRL's DPOTra
 - Log-probabilities take lm_head's logits at the supervised positions only ([T, V], T = reply
   tokens); `--tricks lce` takes them in chunks instead.
 - dtype="bf16" computes in bf16 but keeps fp32 master weights and fp32 AdamW state.
+- Bytes per trained parameter (FSDP-sharded, GPU): weights 4 (fp32 master) + gradients 4 (fp32) +
+  AdamW state 8 (fp32) = 16; frozen base 2 (bf16).
 - LoRA (Hu et al. 2021, arXiv:2106.09685): each targeted linear gains lora_A [r, D_in] and lora_B
   [D_out, r], scaled by lora_alpha / lora_rank; only they reach the optimizer. A is
   kaiming-uniform and B zero, as Hugging Face PEFT. The adapter is saved in PEFT layout

@@ -20,6 +20,8 @@ Differs from Hugging Face TRL / torchtune defaults:
 - dtype="bf16" computes in bf16 but keeps fp32 master weights and fp32 AdamW state
   (FSDP2 MixedPrecisionPolicy); pure bf16 weights lose most updates at fine-tuning learning rates.
 - Warmup starts at lr * 1/(warmup_steps+1), not 0.
+- Bytes per trained parameter (FSDP-sharded, GPU): weights 4 (fp32 master) + gradients 4 (fp32) +
+  AdamW state 8 (fp32) = 16; frozen teacher 2 (bf16).
 - Knowledge distillation (Hinton et al. 2015, arXiv:1503.02531): loss per supervised token =
   (1 - kd_ratio) * CE + kd_ratio * kd_temperature^2 * KL(teacher || student) at kd_temperature
   (kd_loss="reverse": KL(student || teacher), MiniLLM, arXiv:2306.08543). Both models' logits are

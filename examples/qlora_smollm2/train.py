@@ -20,6 +20,8 @@ Differs from Hugging Face TRL / torchtune defaults:
 - dtype="bf16" computes in bf16 but keeps fp32 master weights and fp32 AdamW state
   (FSDP2 MixedPrecisionPolicy); pure bf16 weights lose most updates at fine-tuning learning rates.
 - Warmup starts at lr * 1/(warmup_steps+1), not 0.
+- Bytes per trained parameter (FSDP-sharded, GPU): weights 4 (fp32 master) + gradients 4 (fp32) +
+  AdamW state 8 (fp32) = 16; frozen base 0.5 (NF4).
 - LoRA (Hu et al. 2021, arXiv:2106.09685): each targeted linear gains lora_A [r, D_in] and lora_B
   [D_out, r], scaled by lora_alpha / lora_rank; only they reach the optimizer. A is
   kaiming-uniform and B zero, as Hugging Face PEFT. The adapter is saved in PEFT layout

@@ -20,6 +20,8 @@ Differs from Hugging Face TRL / torchtune defaults:
 - dtype="bf16" computes in bf16 but keeps fp32 master weights and fp32 AdamW state
   (FSDP2 MixedPrecisionPolicy); pure bf16 weights lose most updates at fine-tuning learning rates.
 - Warmup starts at lr * 1/(warmup_steps+1), not 0.
+- Bytes per trained parameter (FSDP-sharded, GPU): weights 4 (fp32 master) + gradients 4 (fp32) +
+  AdamW state 8 (fp32) = 16.
 - Tensor parallel (--tp): Megatron-style TP + sequence parallel over mesh["tp"], loss parallel
   on the vocab-sharded lm_head (no [T, V] all-gather); sequences are padded to a multiple of tp.
   Data, token counts and the loss are reduced over the data-parallel ranks (mesh["dp"]) only:

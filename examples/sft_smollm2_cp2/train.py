@@ -20,6 +20,8 @@ Differs from Hugging Face TRL / torchtune defaults:
 - dtype="bf16" computes in bf16 but keeps fp32 master weights and fp32 AdamW state
   (FSDP2 MixedPrecisionPolicy); pure bf16 weights lose most updates at fine-tuning learning rates.
 - Warmup starts at lr * 1/(warmup_steps+1), not 0.
+- Bytes per trained parameter (FSDP-sharded, GPU): weights 4 (fp32 master) + gradients 4 (fp32) +
+  AdamW state 8 (fp32) = 16.
 - Context parallel (--cp): each row is cut into 2*cp chunks and cp rank r keeps chunks r and
   2*cp-1-r (balanced causal work); attention all-gathers K/V over mesh["cp"], the rest runs on
   the local tokens (Llama 3, arXiv:2407.21783 sec. 3.3.2). FSDP shards and sums gradients over

@@ -20,6 +20,8 @@ Differs from Hugging Face TRL / torchtune defaults:
 - dtype="bf16" computes in bf16 but keeps fp32 master weights and fp32 AdamW state
   (FSDP2 MixedPrecisionPolicy); pure bf16 weights lose most updates at fine-tuning learning rates.
 - Warmup starts at lr * 1/(warmup_steps+1), not 0.
+- Bytes per trained parameter (FSDP-sharded, GPU): weights 4 (fp32 master) + gradients 0 (freed in
+  backward) + AdamW state 8 (fp32) = 12.
 - Activation checkpointing (trick "ac"): each block's activations are recomputed in backward;
   about 1/3 more compute for activation memory of one block instead of all.
 - Linear cross-entropy (trick "lce"): ignored positions are dropped before the output projection

@@ -20,6 +20,8 @@ Differs from Hugging Face TRL / torchtune defaults:
 - dtype="bf16" computes in bf16 but keeps fp32 master weights and fp32 AdamW state
   (FSDP2 MixedPrecisionPolicy); pure bf16 weights lose most updates at fine-tuning learning rates.
 - Warmup starts at lr * 1/(warmup_steps+1), not 0.
+- Bytes per trained parameter (FSDP-sharded, GPU): weights 4 (fp32 master) + gradients 0 (freed in
+  backward) + AdamW state 1.06 (4-bit) = 5.06.
 - Packing (trick "packing"): whole documents are packed greedily into rows of max_seq_len;
   positions restart per document and attention is block-causal by document (flex attention on
   CUDA, SDPA with a dense [B, 1, S, S] mask on CPU), so the loss is that of the unpacked documents
@@ -105,6 +107,7 @@ from runtime import (
     split_train_val,
     step_line,
     to_messages,
+    torchao_adamw,
 )
 
 
@@ -290,11 +293,9 @@ def build_optimizer(cfg: Config, model: torch.nn.Module):
     # torchao: both AdamW moments stored in 4 bits with block-wise scales (blocks of 128; 8x less
     # optimizer state than fp32); tensors under 4096 elements keep fp32 state. Its first step compiles
     # (seconds on CPU).
-    # Imported here, after `runtime`, so torchao's import does not print its CUDA kernels' failed
-    # loads under a CPU-only torch (runtime/quiet.py).
-    from torchao.optim import AdamW4bit
-
-    optimizer_cls = AdamW4bit
+    # torchao `AdamW4bit`, with each parameter's state type decided on the whole parameter and every
+    # shard alike (`low_bit_state`), so it is the same at 1 and N ranks.
+    optimizer_cls = torchao_adamw(4)
     # PyTorch 2.13's on-disk AOTAutograd cache keys a DTensor (FSDP2) input by its global spec only, not
     # by the torchao state subclass inside it, so a cached 8-bit step is served to the 4-bit optimizer
     # and back ("wrong number of dimensions"). Skip that cache; inductor's own kernel cache stays on.

@@ -59,6 +59,47 @@ def _parallelize_steps(spec: Spec) -> str:
     return ", ".join([name for name, on in steps if on] + ["FSDP2"])
 
 
+def _bytes_per_param(spec: Spec) -> str:
+    """The header's memory line: bytes per trained parameter (weights, gradients, AdamW state),
+    and per frozen parameter where the algorithm keeps one (LoRA's base, a reference, a teacher).
+
+    Low-bit states count their fp32 block scales (one per 256 values at 8 bits, 128 at 4 bits);
+    an optimizer-in-backward gradient lives only until its parameter steps (the last micro-batch).
+    The planner measures the same terms (scaffold plan), with activations and gathered blocks.
+    """
+    tricks = spec.tricks
+    half = spec.dtype == "bf16"
+    if "bf16-sr" in tricks:
+        weights = (2, "bf16")
+    else:
+        weights = (4, "fp32 master" if half else "fp32")
+    grads = (0, "freed in backward") if "optim-in-bwd" in tricks else (weights[0], weights[1][:4])
+    if "adamw8bit" in tricks:
+        state = (2 * (1 + 4 / 256), "8-bit")
+    elif "adamw4bit" in tricks:
+        state = (2 * (0.5 + 4 / 128), "4-bit")
+    elif "bf16-sr" in tricks:
+        state = (4, "bf16")
+    else:
+        state = (8, "fp32")
+    total = weights[0] + grads[0] + state[0]
+    where = "CPU, cpu-offload" if "cpu-offload" in tricks else "GPU"
+    line = (
+        f"- Bytes per trained parameter (FSDP-sharded, {where}): weights "
+        f"{weights[0]} ({weights[1]}) + gradients {grads[0]} ({grads[1]}) + AdamW state "
+        f"{state[0]:.3g} ({state[1]}) = {total:.3g}"
+    )
+    algo = ALGOS[spec.algo]
+    frozen = "0.5 (NF4)" if spec.algo == "qlora" else ("2 (bf16)" if half else "4 (fp32)")
+    if algo.template == "lora":
+        line += f"; frozen base {frozen}"
+    elif algo.template == "kd":
+        line += f"; frozen teacher {frozen}"
+    elif algo.skeleton in ("dpo", "grpo"):
+        line += f"; a separate frozen reference {frozen}"
+    return line + "."
+
+
 def build_answers(spec: Spec) -> dict:
     """Every value the templates print, computed once (after `validate_spec`)."""
     validate_spec(spec)
@@ -150,6 +191,7 @@ def build_answers(spec: Spec) -> dict:
         # the enabled tricks: the Model section's `parallelize` applies them in its fixed order
         "tricks": ordered_tricks,
         "parallelize_steps": _parallelize_steps(spec),
+        "bytes_per_param": _bytes_per_param(spec),
         # a frozen copy of the checkpoint is built (DPO's separate reference, GRPO's KL reference)
         "frozen_copy": algo.skeleton == "dpo"
         or (algo.skeleton == "grpo" and algo.template != "lora"),

@@ -71,6 +71,11 @@ def validate_spec(spec: Spec) -> None:
                 )
     if spec.dtype not in DTYPES:
         raise SpecError(f"--dtype {spec.dtype!r}; valid: {', '.join(DTYPES)}")
+    if "bf16-sr" in spec.tricks and spec.dtype != "bf16":
+        raise SpecError(
+            f"--tricks bf16-sr stores the weights in bf16 and --dtype is {spec.dtype}: use "
+            "--dtype bf16, or drop bf16-sr for fp32 weights"
+        )
     if spec.gpus < 1 or spec.nodes < 1:
         raise SpecError(f"--gpus {spec.gpus} and --nodes {spec.nodes} must both be >= 1")
     if spec.ep != 1:
@@ -87,6 +92,8 @@ def validate_spec(spec: Spec) -> None:
 # plan's own arithmetic (degrees dividing the world, the model's heads and vocab).
 _TP_REFUSED_TRICKS = {
     "compile": "per-block torch.compile of DTensor (tensor-parallel) blocks is not tested here",
+    "bf16-sr": "bf16 weights with the stochastic-rounding AdamW are tested under FSDP only",
+    "cpu-offload": "FSDP2 CPU offload of tensor-parallel shards is not tested here",
 }
 
 
@@ -332,6 +339,8 @@ _CP_REFUSED_TRICKS = {
     "attention is plain causal over whole rows",
     "compile": "per-block torch.compile of the K/V all-gather attention is not tested here",
     "offload": "activation offloading (CUDA) with the context-parallel attention is not tested",
+    "bf16-sr": "bf16 weights with the stochastic-rounding AdamW are tested under FSDP only",
+    "cpu-offload": "FSDP2 CPU offload over the dp_shard x cp mesh is not tested here",
 }
 
 
@@ -372,6 +381,8 @@ def _validate_cp(spec: Spec, world: int) -> None:
 
 MOE_FAMILIES = ("qwen3_moe",)  # model families with experts (`--ep` shards them)
 EP_TRICKS_REFUSED = {
+    "bf16-sr": "bf16 weights with the stochastic-rounding AdamW are tested on dense models only",
+    "cpu-offload": "FSDP2 CPU offload beside the expert-parallel (unsharded) experts is not tested",
     "optim-in-bwd": "it steps each parameter inside backward, before the expert-parallel "
     "gradient norm over all ranks' experts exists",
 }

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from generator.catalog import MODELS
 from generator.cli import cli
-from generator.features import TRICKS
+from generator.features import TRICKS, refusal
 from generator.render import FIRST_PARTY, render, ruff_bin
 from generator.spec import Spec, SpecError
 
@@ -87,13 +87,19 @@ MATRIX += [
 ]
 # every trick on the algorithms it reached with the shared partials: each alone, and the two
 # maximal stacks (one per low-bit optimizer; offload is refused with ac)
-_STACKS = [
-    ("packing", "ac", "compile", "lce", "optim-in-bwd", low) for low in ("adamw8bit", "adamw4bit")
-]
+LOW_BITS = ("adamw8bit", "adamw4bit")
+_STACKS = [("packing", "ac", "compile", "lce", "optim-in-bwd", low) for low in LOW_BITS]
 MATRIX += [
     Spec(algo=algo, tricks=t, out="runs/x")
     for algo in ("kd", "dpo", "dpo-lora", "grpo", "grpo-lora")
-    for t in [*((name,) for name in TRICKS), *_STACKS]
+    for t in [*((name,) for name in TRICKS if refusal(name, algo) is None), *_STACKS]
+]
+# the precision recipes on the SFT skeleton, each with the memory stack they compose with
+MATRIX += [
+    Spec(algo=algo, tricks=t, gpus=g, out="runs/x")
+    for algo in ("sft", "kd")
+    for t in [("bf16-sr", "cpu-offload", "ac", "lce", "optim-in-bwd", low) for low in LOW_BITS]
+    for g in (1, 8)
 ]
 
 
@@ -290,7 +296,11 @@ def test_list_and_help():
         if not line.strip().startswith("no:")
     }
     assert rows["lce"] == ["yes"] * 8 and rows["optim-in-bwd"] == ["yes"] * 8
-    assert all(rows[t] == ["yes"] * 8 for t in TRICKS)  # every trick on every algorithm
+    # every trick on every algorithm, but the precision recipes: built on the SFT skeleton
+    precision = ("bf16-sr", "cpu-offload")
+    assert all(rows[t] == ["yes"] * 8 for t in TRICKS if t not in precision)
+    assert rows["bf16-sr"] == ["yes", "no", "no", "no", "no", "no", "no", "yes"]
+    assert rows["cpu-offload"] == ["yes", "no", "no", "no", "no", "no", "no", "yes"]
     assert rows["--tp"] == ["yes"] + ["no"] * 7
     assert any(
         line.strip().startswith("no: --tp with dpo, dpo-lora: not wired") for line in support

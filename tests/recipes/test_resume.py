@@ -244,13 +244,24 @@ def _model_state(checkpoint: Path) -> dict:
     return torch.load(target, weights_only=False)["model"]
 
 
-@pytest.mark.parametrize("tricks", ["ac,lce,optim-in-bwd", "optim-in-bwd,adamw8bit"])
+# the precision recipes (bf16 runs): bf16 weights rounded stochastically from torch's RNG (saved
+# per rank), with 8-bit state under optimizer-in-backward, and CPU offload
+@pytest.mark.parametrize(
+    "tricks",
+    [
+        "ac,lce,optim-in-bwd",
+        "optim-in-bwd,adamw8bit",
+        "bf16-sr,optim-in-bwd,adamw8bit",
+        "bf16-sr,cpu-offload",
+    ],
+)
 def test_optimizer_in_backward_resumes_lr_and_states_exactly(
     tricks, tiny_model_dir, small_dataset, tmp_path
 ):
-    """Optimizer-in-backward (per-parameter AdamW, or torchao AdamW8bit), warmup over the resume
-    point and clipping on: after a kill at step 3 and a resume from step 2, the learning rates,
-    losses, final weights and every per-parameter optimizer state equal an uninterrupted run's."""
+    """Optimizer-in-backward (per-parameter AdamW, or torchao AdamW8bit), and the precision
+    recipes, warmup over the resume point and clipping on: after a kill at step 3 and a resume from
+    step 2, the learning rates, losses, final weights and every optimizer state equal an
+    uninterrupted run's."""
     if tricks == "ac,lce,optim-in-bwd":
         script = MEMORY
     else:
@@ -258,6 +269,8 @@ def test_optimizer_in_backward_resumes_lr_and_states_exactly(
     steps = 5
     ref_out, out = tmp_path / "ref", tmp_path / "killed"
     extra = ["--warmup_steps", "4", "--gradient_accumulation_steps", "2", "--micro_batch_size", "2"]
+    if "bf16-sr" in tricks:
+        extra += ["--dtype", "bf16"]
     run_reference(script, [*common_args(tiny_model_dir, small_dataset, ref_out, steps), *extra])
     args = [*common_args(tiny_model_dir, small_dataset, out, steps), *extra]
     assert_killed(run(script, args, kill=("after_step", 3)))

@@ -23,7 +23,9 @@ REPO = Path(__file__).resolve().parents[2]
 # AdamW moments: those define the math; ac, lce and optim-in-bwd change memory and speed, not the math.
 MATH = ("packing", "adamw8bit", "adamw4bit")
 EXACT = ("ac", "lce", "optim-in-bwd")
-SWEPT = tuple(t for t in TRICKS if t not in ("compile", "offload"))
+# bf16-sr and cpu-offload (the precision recipes) run bf16 and have their own parity tests
+# (tests/recipes/test_precision.py).
+SWEPT = tuple(t for t in TRICKS if t not in ("compile", "offload", "bf16-sr", "cpu-offload"))
 
 
 def _allowed(combo) -> bool:
