@@ -290,15 +290,12 @@ def build_optimizer(cfg: Config, model: torch.nn.Module):
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    # torchao: both AdamW moments stored in 4 bits with block-wise scales (blocks of 128; 8x less
-    # optimizer state than fp32); tensors under 4096 elements keep fp32 state. Its first step compiles
-    # (seconds on CPU).
-    # torchao `AdamW4bit`, with each parameter's state type decided on the whole parameter and every
-    # shard alike (`low_bit_state`), so it is the same at 1 and N ranks.
+    # torchao `AdamW4bit`: both moments in 4 bits, block-wise scales (blocks of 128; 8x less
+    # state than fp32); tensors under 4096 elements keep fp32 state, decided per whole parameter
+    # so every rank agrees (`low_bit_state`). Its first step compiles (seconds on CPU).
     optimizer_cls = torchao_adamw(4)
-    # PyTorch 2.13's on-disk AOTAutograd cache keys a DTensor (FSDP2) input by its global spec only, not
-    # by the torchao state subclass inside it, so a cached 8-bit step is served to the 4-bit optimizer
-    # and back ("wrong number of dimensions"). Skip that cache; inductor's own kernel cache stays on.
+    # PyTorch 2.13's AOTAutograd disk cache keys an FSDP2 DTensor input by its spec, not the
+    # torchao state inside: it served a cached 8-bit step here. Skip it (inductor's stays).
     torch._functorch.config.enable_autograd_cache = False
     # one optimizer per parameter, stepped from its post-accumulate-grad hook: the full set of gradients
     # never exists (with gradient_accumulation_steps > 1 they live until the last micro-batch)
