@@ -30,17 +30,21 @@ demo: install
 	$(BIN)/scaffold plot $(DEMO_DIR)
 
 # Everything (what CI runs); prints the 20 slowest tests, whose list is kept in tests/README.md.
+# TEST_WORKERS=N spreads the tests over N pytest-xdist workers of cores/N intra-op threads each (tests
+# on the shared local Ray stay on one worker: tests/conftest.py). The default, 0, is one process:
+# the 2-worker run passes but has no quiet-machine timing against it yet (tests/README.md).
+TEST_WORKERS ?= 0
 test: install
 	$(BIN)/pip install --quiet -e '.[test]'
 	$(BIN)/scaffold assets
-	$(BIN)/python -m pytest -q --durations=20
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=20
 
 # The fast tier (marker `fast`, tests/README.md): every model block's and loss's parity, every render,
 # the bad-input corpus in one process, one short end-to-end run; about 4 min on 2 cores (tests/README.md).
 test-fast: install
 	$(BIN)/pip install --quiet -e '.[test]'
 	$(BIN)/scaffold assets
-	$(BIN)/python -m pytest -q -m 'fast and not slow and not gpu and not multi_gpu and not vllm'
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m 'fast and not slow and not gpu and not multi_gpu and not vllm'
 
 # vLLM engine tests (tests/vllm, marker vllm) in their own venv (scripts/vllm_venv.sh; times in
 # benchmarks/RESULTS.md, test suite and CI). addopts deselects `vllm` by default, so it is cleared

@@ -6,6 +6,7 @@ simple reward, a slice of chain_sum and a local Ray. Helpers (no fixtures) are i
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,23 @@ from tests.helpers import (
     import_script,
     small_tokenizer_files,
 )
+
+# Under pytest-xdist (`make test` runs `-n 2`) each worker gets its share of the cores, and the
+# scripts it starts inherit it through OMP_NUM_THREADS: two workers at 2 intra-op threads each on 2
+# cores would spin against each other. In-process and subprocess runs of one test see the same count.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    _threads = max(1, (os.cpu_count() or 1) // _workers)
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
+    torch.set_num_threads(_threads)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test on the `ray_session` fixture runs on one xdist worker (`--dist loadgroup`): one
+    local Ray at a time on the machine, started once per module as without xdist."""
+    for item in items:
+        if "ray_session" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("ray"))
 
 
 @pytest.fixture(scope="session")
@@ -156,3 +174,28 @@ def chain_sum_64(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("data") / "chain_sum64.jsonl"
     path.write_text("\n".join(rows) + "\n")
     return path
+
+
+@pytest.fixture(scope="session")
+def run_once(tmp_path_factory):
+    """`run_once(name, compute)`: `compute()`'s JSON value, computed once per test run even when
+    pytest-xdist spreads the tests over workers: the first worker to ask computes it under a file
+    lock in the run's shared temporary directory and the others read it. (Without xdist the value
+    is kept in this process only: the parent of a lone run's basetemp holds every past run.)"""
+    from filelock import FileLock
+
+    values: dict = {}
+
+    def once(name: str, compute):
+        if name not in values:
+            if "PYTEST_XDIST_WORKER" not in os.environ:
+                values[name] = compute()
+                return values[name]
+            path = tmp_path_factory.getbasetemp().parent / f"run_once_{name}.json"
+            with FileLock(f"{path}.lock"):
+                if not path.is_file():
+                    path.write_text(json.dumps(compute()))
+                values[name] = json.loads(path.read_text())
+        return values[name]
+
+    return once

@@ -41,12 +41,13 @@ def plain_bf16(tmp_path_factory, tiny_model_dir, small_dataset) -> list[float]:
 def test_cpu_offload_gives_the_plain_losses(
     tricks, plain_bf16, tmp_path, tiny_model_dir, small_dataset
 ):
-    """CPU offload moves where the shards live, not the math: the plain bf16 losses (1e-5), alone
-    and under ac, lce and optim-in-bwd; with 8-bit AdamW state: step 1 equal, step 2 within the
-    quantization bound of the trick sweep (2e-3)."""
+    """CPU offload moves where the shards live, not the math: the plain bf16 losses (1e-5) alone;
+    under ac, lce and optim-in-bwd step 2 within 1e-4 (bf16 compute: lce sums the chunked
+    cross-entropy in another order, 2.1e-5 off at one intra-op thread); with 8-bit AdamW state:
+    step 1 equal, step 2 within the quantization bound of the trick sweep (2e-3)."""
     losses = _losses(tricks, tmp_path, tiny_model_dir, small_dataset)
     assert losses[0] == pytest.approx(plain_bf16[0], abs=1e-5)
-    bound = 2e-3 if "adamw8bit" in tricks else 1e-5
+    bound = 2e-3 if "adamw8bit" in tricks else 1e-4 if "lce" in tricks else 1e-5
     assert losses[1] == pytest.approx(plain_bf16[1], abs=bound), (losses, plain_bf16)
     assert losses[1] < losses[0]
 
@@ -143,43 +144,75 @@ RECIPES = {
 }
 
 
-@pytest.mark.slow
-def test_real_smollm2_precision_recipes_track_fp32(smollm2_dir, alpaca_path, tmp_path):
-    """The real SmolLM2-135M on 8 real rows (one row of <= 64 tokens per step, so an epoch is 8
-    steps and every recipe sees the same rows in the same order), 50 steps at the fine-tuning lr
-    2e-5: each memory-lean recipe's loss curve stays within a mean gap of 0.1 of fp32's (the issue asks 0.01, but on these
-    one-row steps bf16 compute alone, the default recipe with fp32 master weights, is 0.056 from
-    fp32: benchmarks/RESULTS.md) and its last 8 steps (an epoch) are lower than its first 8; pure
-    bf16 (round to nearest) loses the updates and ends far above fp32. Prints the table of
-    benchmarks/RESULTS.md (`pytest -s`)."""
+# three epochs of the 8 rows: the tracking recipes' losses fall from about 2.06 and pure bf16's stay
+# near it (benchmarks/RESULTS.md, precision recipes, has 50-step curves)
+LEARNING_STEPS = 24
+
+
+def _real_curve(name: str, smollm2_dir: Path, alpaca_path: Path, tmp: Path) -> list[float]:
+    """RECIPES[name] on the real SmolLM2-135M: 8 real rows, one row of <= 64 tokens per step (an
+    epoch is 8 steps, the same rows in the same order for every recipe), LEARNING_STEPS steps at
+    the fine-tuning lr 2e-5 without warmup; the loss of every step."""
+    tricks, extra = RECIPES[name]
     rows = json.loads(alpaca_path.read_text())[100:108]
-    data = tmp_path / "eight.json"
-    data.write_text(json.dumps(rows))
-    args = ["--model", str(smollm2_dir), "--dataset", str(data), "--max_steps", "50",
-            "--warmup_steps", "0", "--lr", "2e-5", "--micro_batch_size", "1", "--max_seq_len", "64",
-            "--val_fraction", "0", "--eval_every_steps", "0", "--sample_max_new_tokens", "0",
-            "--save_every_steps", "0"]  # fmt: skip
-    curves = {}
-    for name, (tricks, extra) in RECIPES.items():
-        run = tmp_path / name.replace(" ", "_").replace(",", "_").replace("-", "_")
-        run.mkdir()
-        (run / "train.py").write_text(render(Spec(tricks=tricks, out=str(run))))
-        script = import_script(run / "train.py", f"learn_{run.name}")
-        script.main([*args, *extra, "--out_dir", str(run / "out")])
-        curves[name] = [row["loss"] for row in read_metrics(run / "out")]
-    fp32 = curves["fp32"]
-    print(
-        "\n| recipe | mean loss gap vs fp32 | first epoch (mean, 8 steps) | last 8 steps (mean) |"
-    )
-    print("|---|---|---|---|")
-    gaps = {}
-    for name, losses in curves.items():
-        gaps[name] = sum(abs(a - b) for a, b in zip(losses, fp32, strict=True)) / len(fp32)
-        print(
-            f"| {name} | {gaps[name]:.4f} | {sum(losses[:8]) / 8:.4f} | {sum(losses[-8:]) / 8:.4f} |"
+    run = tmp / name.replace(" ", "_").replace(",", "_").replace("-", "_")
+    run.mkdir()
+    (run / "eight.json").write_text(json.dumps(rows))
+    (run / "train.py").write_text(render(Spec(tricks=tricks, out=str(run))))
+    args = ["--model", str(smollm2_dir), "--dataset", str(run / "eight.json"),
+            "--max_steps", str(LEARNING_STEPS), "--warmup_steps", "0", "--lr", "2e-5",
+            "--micro_batch_size", "1", "--max_seq_len", "64", "--val_fraction", "0",
+            "--eval_every_steps", "0", "--sample_max_new_tokens", "0", "--save_every_steps", "0"]  # fmt: skip
+    script = import_script(run / "train.py", f"learn_{run.name}")
+    script.main([*args, *extra, "--out_dir", str(run / "out")])
+    return [row["loss"] for row in read_metrics(run / "out")]
+
+
+@pytest.fixture(scope="session")
+def real_curve(run_once, smollm2_dir, alpaca_path, tmp_path_factory):
+    """`real_curve(name)`: RECIPES[name]'s losses (`_real_curve`), each recipe run once per test
+    run: the fp32 reference is shared by every recipe's test, also across xdist workers."""
+
+    def curve(name: str) -> list[float]:
+        tmp = tmp_path_factory.mktemp("precision")
+        return run_once(
+            f"precision_{name}", lambda: _real_curve(name, smollm2_dir, alpaca_path, tmp)
         )
-    for name in ("adamw8bit", "bf16-sr", "bf16-sr,adamw8bit"):
-        assert gaps[name] < 0.1, (name, gaps, curves)
-        assert sum(curves[name][-8:]) < sum(curves[name][:8]) - 8 * 0.2, (name, curves[name])
-    assert gaps["pure bf16"] > 3 * max(gaps[n] for n in ("bf16-sr", "bf16-sr,adamw8bit"))
-    assert sum(curves["pure bf16"][-8:]) / 8 > sum(fp32[-8:]) / 8 + 0.5, curves
+
+    return curve
+
+
+def _gap(losses: list[float], reference: list[float]) -> float:
+    """Mean |loss - reference loss| over the steps."""
+    return sum(abs(a - b) for a, b in zip(losses, reference, strict=True)) / len(reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["adamw8bit", "bf16-sr", "bf16-sr,adamw8bit"])
+def test_real_smollm2_precision_recipe_tracks_fp32(name, real_curve):
+    """A memory-lean recipe on the real SmolLM2 (`_real_curve`): its loss curve stays within a mean
+    gap of 0.1 of fp32's (the issue asks 0.01, but on these one-row steps bf16 compute alone, the
+    default recipe with fp32 master weights, is 0.056 from fp32: benchmarks/RESULTS.md) and its
+    last 8 steps (an epoch) are lower than its first 8 by 0.2 on average. Prints its row of the
+    table (`pytest -s`)."""
+    fp32, losses = real_curve("fp32"), real_curve(name)
+    first, last = sum(losses[:8]) / 8, sum(losses[-8:]) / 8
+    print(
+        f"\n| {name} | gap vs fp32 {_gap(losses, fp32):.4f} | first 8 {first:.4f} | last 8 {last:.4f} |"
+    )
+    assert _gap(losses, fp32) < 0.1, (name, losses, fp32)
+    assert last < first - 0.2, (name, losses)
+
+
+@pytest.mark.slow
+def test_real_smollm2_pure_bf16_loses_the_updates(real_curve):
+    """Pure bf16 (bf16 weights rounded to nearest) at the same lr loses the updates: its gap to
+    fp32 is over 3x that of either stochastic-rounding recipe, and its last epoch ends 0.5 above
+    fp32's."""
+    fp32, pure = real_curve("fp32"), real_curve("pure bf16")
+    tracking = max(_gap(real_curve(n), fp32) for n in ("bf16-sr", "bf16-sr,adamw8bit"))
+    print(
+        f"\n| pure bf16 | gap vs fp32 {_gap(pure, fp32):.4f} | stochastic rounding {tracking:.4f} |"
+    )
+    assert _gap(pure, fp32) > 3 * tracking, (pure, fp32)
+    assert sum(pure[-8:]) / 8 > sum(fp32[-8:]) / 8 + 0.5, (pure, fp32)
