@@ -23,7 +23,7 @@ from tests.helpers import (
     small_tokenizer_files,
 )
 
-# Under pytest-xdist (`make test` runs `-n 2`) each worker gets its share of the cores, and the
+# Under pytest-xdist (`make test TEST_WORKERS=2`) each worker gets its share of the cores, and the
 # scripts it starts inherit it through OMP_NUM_THREADS: two workers at 2 intra-op threads each on 2
 # cores would spin against each other. In-process and subprocess runs of one test see the same count.
 if "PYTEST_XDIST_WORKER" in os.environ:
@@ -187,15 +187,16 @@ def run_once(tmp_path_factory):
     values: dict = {}
 
     def once(name: str, compute):
-        if name not in values:
-            if "PYTEST_XDIST_WORKER" not in os.environ:
-                values[name] = compute()
-                return values[name]
-            path = tmp_path_factory.getbasetemp().parent / f"run_once_{name}.json"
-            with FileLock(f"{path}.lock"):
-                if not path.is_file():
-                    path.write_text(json.dumps(compute()))
-                values[name] = json.loads(path.read_text())
+        if name in values:
+            return values[name]
+        if "PYTEST_XDIST_WORKER" not in os.environ:
+            values[name] = compute()
+            return values[name]
+        path = tmp_path_factory.getbasetemp().parent / f"run_once_{name}.json"
+        with FileLock(f"{path}.lock"):
+            if not path.is_file():
+                path.write_text(json.dumps(compute()))
+            values[name] = json.loads(path.read_text())
         return values[name]
 
     return once

@@ -174,10 +174,10 @@ def real_curve(run_once, smollm2_dir, alpaca_path, tmp_path_factory):
     run: the fp32 reference is shared by every recipe's test, also across xdist workers."""
 
     def curve(name: str) -> list[float]:
-        tmp = tmp_path_factory.mktemp("precision")
-        return run_once(
-            f"precision_{name}", lambda: _real_curve(name, smollm2_dir, alpaca_path, tmp)
-        )
+        def compute():
+            return _real_curve(name, smollm2_dir, alpaca_path, tmp_path_factory.mktemp("precision"))
+
+        return run_once(f"precision_{name}", compute)
 
     return curve
 
