@@ -253,9 +253,9 @@ def claim_out_dir(out_dir: str | os.PathLike, resume: str, overwrite: bool, is_m
     checkpoint, or `resume="none"`) are refused: a second run would otherwise append to its
     metrics.jsonl (and `scaffold plot` draw both) and overwrite its model without a word.
 
-    Collective when `overwrite` deletes: call it on every rank after the process group is up.
-    Every rank decides from the same files before rank 0 deletes anything; the others wait for it
-    at a barrier, so none of them sees a half-deleted checkpoint.
+    Collective under a process group: call it on every rank after the group is up. Every rank
+    decides from the same files, and a barrier holds them until all have: before rank 0 deletes
+    anything (with `overwrite`), and before rank 0 writes this run's first file.
 
     Args:
         out_dir: the run's output directory (created if missing).
@@ -289,7 +289,12 @@ def claim_out_dir(out_dir: str | os.PathLike, resume: str, overwrite: bool, is_m
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
         return out
-    if not found or resolve_resume(resume, out / "checkpoints") is not None:
+    fresh_or_resume = not found or resolve_resume(resume, out / "checkpoints") is not None
+    if dist.is_available() and dist.is_initialized():
+        # every rank has read out_dir before any writes to it (rank 0's run.json comes next): a
+        # rank that looked later would see this run's own files as an earlier run's and refuse
+        dist.barrier()
+    if fresh_or_resume:
         return out
     why = "resume='none'" if resume == "none" else "no complete checkpoint to resume from"
     raise FileExistsError(

@@ -107,6 +107,12 @@ def _spawn_once(fn, world_size: int, backend: str, args: tuple) -> list:
         try:
             rank, status, payload = queue.get(timeout=5)
             results[rank] = (status, payload)
+            if status == "error":
+                # the other ranks may wait in a collective this one never reaches: stop them now
+                # and show this traceback, not a deadline 600 s later
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"rank {rank}:\n{payload}")
             continue
         except queue_module.Empty:
             pass
