@@ -276,25 +276,21 @@ def claim_out_dir(out_dir: str | os.PathLike, resume: str, overwrite: bool, is_m
     """
     out = prepare_out_dir(out_dir)
     found = [name for name in RUN_OUTPUTS if _nonempty(out / name)]
-    if overwrite:
-        if resume not in ("auto", "none"):
-            raise ValueError(
-                f"overwrite=True starts a fresh run, but resume={resume!r} asks to continue one; "
-                "drop one of the two"
-            )
-        if is_main:
-            for name in found:
-                path = out / name
-                shutil.rmtree(path) if path.is_dir() else path.unlink()
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier()
-        return out
-    fresh_or_resume = not found or resolve_resume(resume, out / "checkpoints") is not None
+    if overwrite and resume not in ("auto", "none"):
+        raise ValueError(
+            f"overwrite=True starts a fresh run, but resume={resume!r} asks to continue one; "
+            "drop one of the two"
+        )
+    allowed = overwrite or not found or resolve_resume(resume, out / "checkpoints") is not None
+    if overwrite and is_main:
+        for name in found:
+            path = out / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
     if dist.is_available() and dist.is_initialized():
-        # every rank has read out_dir before any writes to it (rank 0's run.json comes next): a
-        # rank that looked later would see this run's own files as an earlier run's and refuse
+        # every rank has read out_dir before rank 0 deletes or writes there (its run.json comes
+        # next): a rank that looked later would take this run's own files for an earlier run's
         dist.barrier()
-    if fresh_or_resume:
+    if allowed:
         return out
     why = "resume='none'" if resume == "none" else "no complete checkpoint to resume from"
     raise FileExistsError(
