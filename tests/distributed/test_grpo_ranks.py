@@ -22,18 +22,35 @@ if __name__ == "__main__":
 """
 
 
-def test_two_trainer_processes_equal_one(even_model_dir, chain_sum_64, tmp_path):
-    driver = tmp_path / "driver.py"
-    driver.write_text(DRIVER.format(repo=str(REPO)))
-    args = [
-        "--model", str(even_model_dir), "--dataset", str(chain_sum_64), "--dtype", "fp32",
+def _args(model_dir, data) -> list[str]:
+    """Sync mode (the same rollouts in every run), one engine, 3 steps of 2 prompts x 4."""
+    return [
+        "--model", str(model_dir), "--dataset", str(data), "--dtype", "fp32",
         "--rollout", "sync", "--num_generations", "4", "--prompts_per_step", "2",
         "--max_new_tokens", "6", "--micro_batch_size", "2", "--lr", "1e-2", "--warmup_steps", "0",
         "--max_steps", "3", "--reward_weights", "1.0", "--save_final_model", "false",
-        "--resume", "none", "--ray_num_cpus", "2",
+        "--resume", "none", "--ray_num_cpus", "2", "--num_engines", "1",
     ]  # fmt: skip
-    one = run_script(tmp_path, args, nproc=1, script=driver)
-    two = run_script(tmp_path, args, nproc=2, script=driver)
+
+
+@pytest.fixture(scope="module")
+def one_process(even_model_dir, chain_sum_64, tmp_path_factory, run_once) -> list[dict]:
+    """The split script's 1-process run of `_args`: the reference of both tests, run once."""
+
+    def compute() -> list[dict]:
+        tmp = tmp_path_factory.mktemp("grpo_one")
+        driver = tmp / "driver.py"
+        driver.write_text(DRIVER.format(repo=str(REPO)))
+        return run_script(tmp, _args(even_model_dir, chain_sum_64), nproc=1, script=driver)
+
+    return run_once("grpo_split_one_process", compute)
+
+
+def test_two_trainer_processes_equal_one(even_model_dir, chain_sum_64, one_process, tmp_path):
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER.format(repo=str(REPO)))
+    one = one_process
+    two = run_script(tmp_path, _args(even_model_dir, chain_sum_64), nproc=2, script=driver)
     assert [r["step"] for r in two] == [1, 2, 3]
     for a, b in zip(one, two, strict=True):
         assert b["reward"] == pytest.approx(a["reward"], abs=1e-6)  # the same rollouts
@@ -58,7 +75,7 @@ if __name__ == "__main__":
 
 
 def test_colocated_two_ranks_with_offloaded_fsdp_state_equal_one_split(
-    even_model_dir, chain_sum_64, tmp_path
+    even_model_dir, chain_sum_64, one_process, tmp_path
 ):
     """The colocated script on 2 trainer processes (FSDP2: the optimizer state is DTensor shards)
     with --offload_optimizer: every sync empties the shards' storages and the next step refills
@@ -73,16 +90,7 @@ def test_colocated_two_ranks_with_offloaded_fsdp_state_equal_one_split(
     )
     colocated = tmp_path / "colocated_driver.py"
     colocated.write_text(COLOCATED_DRIVER.format(repo=str(REPO), script=str(script)))
-    split = tmp_path / "driver.py"
-    split.write_text(DRIVER.format(repo=str(REPO)))
-    args = [
-        "--model", str(even_model_dir), "--dataset", str(chain_sum_64), "--dtype", "fp32",
-        "--rollout", "sync", "--num_generations", "4", "--prompts_per_step", "2",
-        "--max_new_tokens", "6", "--micro_batch_size", "2", "--lr", "1e-2", "--warmup_steps", "0",
-        "--max_steps", "3", "--reward_weights", "1.0", "--save_final_model", "false",
-        "--resume", "none", "--ray_num_cpus", "2", "--num_engines", "1",
-    ]  # fmt: skip
-    one = run_script(tmp_path, args, nproc=1, script=split)
+    args, one = _args(even_model_dir, chain_sum_64), one_process
     more = ["--offload_optimizer", "true", "--engine", "runtime"]  # a 2-GPU spec defaults to vllm
     two = run_script(tmp_path, [*args, *more], nproc=2, script=colocated)
     for a, b in zip(one, two, strict=True):
