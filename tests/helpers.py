@@ -45,7 +45,13 @@ def _free_port() -> int:
 # interpreter re-imports torch and the runtime (about 8 s of wall time for 2 ranks on 2 cores,
 # 0.1 s from the forkserver, measured). The modules are imported before any intra-op thread pool
 # starts, so the fork is safe.
-_PRELOAD = ["torch", "torch.distributed.fsdp", "torch.distributed.tensor", "runtime", "tests.helpers"]
+_PRELOAD = [
+    "torch",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "runtime",
+    "tests.helpers",
+]
 
 
 def _worker(
@@ -114,9 +120,7 @@ def _spawn_once(fn, world_size: int, backend: str, args: tuple) -> list:
     port = _free_port()
     env, cwd = dict(os.environ), os.getcwd()
     procs = [
-        ctx.Process(
-            target=_worker, args=(r, world_size, port, backend, fn, args, queue, env, cwd)
-        )
+        ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, queue, env, cwd))
         for r in range(world_size)
     ]
     for p in procs:
