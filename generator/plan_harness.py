@@ -79,6 +79,7 @@ FSDPMemTracker around one training step); PyTorch `torch.distributed._tools.mem_
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -989,7 +990,7 @@ def _simulate_here(
 
 def _in_fork(fn):
     """fn() in a fork of this process, its JSON-ready result sent back through a pipe: each
-    measurement starts from the same process state (see `_child`).
+    measurement starts from the same process state (see `_request`).
 
     Raises:
         PlanError: the fork failed (its exception's type and message).
@@ -1119,12 +1120,14 @@ def simulate(
     config: dict | None = None, full_depth: bool = False, until=None,
 ) -> list[PlanResult]:  # fmt: skip
     """Simulate each spec in one child process (the fake process group and the imported scripts
-    stay out of the caller). `progress(line)` receives one line per spec as it starts.
+    stay out of the caller), forked by the planner's server (`_server`: started at this
+    process's first call, reused by the later ones). `progress(line)` receives one line per spec
+    as it starts.
 
     A deep model is simulated at EXTRAPOLATION_DEPTHS blocks and extrapolated to its depth
     (`extrapolate_depth`: equal bytes, about 20x faster at 80 blocks); full_depth=True
     simulates every block. `until(result)`: a predicate; the first result it holds for ends
-    the run there (the child is stopped), so fewer results than specs come back.
+    the run there (the child and the server are stopped), so fewer results than specs come back.
 
     micro_batch_size / max_seq_len / kl_coef None take the script's Config defaults (GRPO:
     max_seq_len is prompt + completion, `grpo_config`).
@@ -1153,63 +1156,138 @@ def simulate(
         "config": config,
         "full_depth": full_depth,
     }
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [_repo_root(), os.environ.get("PYTHONPATH")])),
-    }
+    # the request process takes this process's environment and directory (the server keeps the
+    # ones it started with), so SCAFFOLD_DEBUG and relative script paths mean what they mean here
+    request.update(env=dict(os.environ), cwd=os.getcwd())
+    server = _server()
     # stderr to a file: the child's warnings (torchao's import lines) must not fill a pipe
-    with tempfile.TemporaryFile("w+") as stderr:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "generator.plan_harness"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env,
-            start_new_session=True,  # its own process group: `until` stops its forks too
-        )  # fmt: skip
-        proc.stdin.write(json.dumps(request))
-        proc.stdin.close()
-        results = []
-        for line in proc.stdout:
+    with tempfile.NamedTemporaryFile("w+", prefix="scaffold-plan-", suffix=".log") as stderr:
+        request["stderr"] = stderr.name
+        server.stdin.write(json.dumps(request) + "\n")
+        server.stdin.flush()
+        results, error, status, pid = [], None, None, None
+        for line in server.stdout:
             if not line.startswith(_MESSAGE):
                 continue  # anything else the script's code printed
             msg = json.loads(line[len(_MESSAGE) :])
+            if "pid" in msg:
+                pid = msg["pid"]
             if "start" in msg and progress:
                 progress(msg["start"])
             if "result" in msg:
                 results.append(PlanResult.from_json(msg["result"]))
                 if until is not None and until(results[-1]):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+                    # a fork killed mid-line could garble the server's next line: a fresh server
+                    os.killpg(pid, signal.SIGKILL)
+                    _stop_server()
                     return results
-            if "error" in msg:
-                proc.wait()
-                raise PlanError(msg["error"])
-        status = proc.wait()
+            error = msg.get("error", error)
+            if "done" in msg:
+                status = msg["done"]
+                break
         stderr.seek(0)
         last = (stderr.read().strip().splitlines() or ["no output"])[-1]
+    if status is None:  # the server itself died
+        _stop_server()
+        last = _server_log_tail() or last
+    if error is not None:
+        raise PlanError(error)
     if status != 0 or len(results) != len(specs):
         raise PlanError(f"the memory simulation failed: {last} (SCAFFOLD_DEBUG=1 shows more)")
     return results
 
 
-_MESSAGE = "scaffold-plan: "  # prefix of the child's JSON lines on stdout
+_MESSAGE = "scaffold-plan: "  # prefix of the server's and request processes' JSON lines on stdout
+
+# The planner's server: `python -m generator.plan_harness`, started at a process's first
+# simulate() and kept for its later ones, so torch and the runtime are imported once per process
+# (a new interpreter's start-up and imports take several seconds; a fork, milliseconds)
+_SERVER: subprocess.Popen | None = None
+_SERVER_LOG = None  # the server's own stderr (a start-up failure's message)
+
+
+def _server() -> subprocess.Popen:
+    global _SERVER, _SERVER_LOG
+    if _SERVER is not None and _SERVER.poll() is None:
+        return _SERVER
+    _stop_server()
+    atexit.register(_stop_server)  # once per server; a second call finds none to stop
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [_repo_root(), os.environ.get("PYTHONPATH")])),
+    }
+    _SERVER_LOG = tempfile.TemporaryFile("w+")
+    _SERVER = subprocess.Popen(
+        [sys.executable, "-m", "generator.plan_harness"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=_SERVER_LOG, text=True, env=env,
+    )  # fmt: skip
+    return _SERVER
+
+
+def _stop_server() -> None:
+    """Stop the server (if any); the next simulate() starts a new one."""
+    global _SERVER
+    if _SERVER is not None:
+        _SERVER.kill()
+        _SERVER.wait()
+        _SERVER.stdin.close()
+        _SERVER.stdout.close()
+        _SERVER = None
+
+
+def _server_log_tail() -> str | None:
+    if _SERVER_LOG is None:
+        return None
+    _SERVER_LOG.seek(0)
+    lines = _SERVER_LOG.read().strip().splitlines()
+    return lines[-1] if lines else None
 
 
 def _repo_root() -> str:
     return str(Path(__file__).resolve().parents[1])
 
 
-def _child() -> None:
-    """`python -m generator.plan_harness`: read a request on stdin, print one JSON line per event.
+def _send(msg: dict) -> None:
+    print(_MESSAGE + json.dumps(msg), flush=True)
 
-    Each spec is simulated in a fork of this process (torch and the runtime imported once,
-    before the fork), so no simulation sees what an earlier one left in the process (module
-    caches, the harness's patches of torch and the script), at a fraction of a new
-    interpreter's start-up."""
+
+def _serve() -> None:
+    """`python -m generator.plan_harness`: one request per line on stdin (until it closes), each
+    handled in a forked request process (`_request`) whose events are JSON lines on stdout; then
+    `{"done": exit status}`. torch and the runtime are imported before the first fork."""
     import runtime  # noqa: F401  (imported before the forks, so each starts with it)
 
-    request = json.loads(sys.stdin.read())
+    for line in sys.stdin:
+        request = json.loads(line)
+        sys.stdout.flush()
+        pid = os.fork()
+        if pid == 0:
+            status = 1
+            try:
+                _request(request)
+                status = 0
+            finally:
+                sys.stdout.flush()
+                os._exit(status)
+        _, status = os.waitpid(pid, 0)
+        _send({"done": os.waitstatus_to_exitcode(status)})
+
+
+def _request(request: dict) -> None:
+    """One simulate() call: in its own session (`until` kills it and its forks as a group), with
+    the caller's environment and directory, stderr to the request's file. Each spec is simulated
+    in a fork of this process, so no simulation sees what an earlier one left in the process
+    (module caches, the harness's patches of torch and the script)."""
+    os.setsid()
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    with open(request["stderr"], "w") as err:
+        os.dup2(err.fileno(), 2)
+    _send({"pid": os.getpid()})
     for index, data in enumerate(request["specs"]):
         spec = Spec(**dict(data, tricks=tuple(data["tricks"])))
-        print(_MESSAGE + json.dumps({"start": describe_spec(spec)}), flush=True)
+        _send({"start": describe_spec(spec)})
         pid = os.fork()
         if pid == 0:
             status = 3
@@ -1225,11 +1303,11 @@ def _child() -> None:
                 os._exit(status)
         _, status = os.waitpid(pid, 0)
         if status != 0:
-            return  # the fork printed its error (or died: simulate() reports the missing result)
+            return  # the fork sent its error (or died: simulate() reports the missing result)
 
 
 def _child_one(request: dict, index: int, spec: Spec) -> bool:
-    """Simulate one spec of the request and print its result line; False after an error line."""
+    """Simulate one spec of the request and send its result; False after sending an error."""
     script = request["scripts"][index]
     try:
         result = _simulate_here(
@@ -1237,18 +1315,18 @@ def _child_one(request: dict, index: int, spec: Spec) -> bool:
             request["kl_coef"], script, request["config"], request.get("full_depth", False),
         )  # fmt: skip
     except PlanError as e:
-        print(_MESSAGE + json.dumps({"error": str(e)}), flush=True)
+        _send({"error": str(e)})
         return False
     except Exception as e:
         if os.environ.get("SCAFFOLD_DEBUG"):
             raise
         what = f"{script} ({describe_spec(spec)})" if script else describe_spec(spec)
         msg = f"simulating {what} failed: {type(e).__name__}: {e}"
-        print(_MESSAGE + json.dumps({"error": " ".join(msg.split())[:2000]}), flush=True)
+        _send({"error": " ".join(msg.split())[:2000]})
         return False
-    print(_MESSAGE + json.dumps({"result": result.to_json()}), flush=True)
+    _send({"result": result.to_json()})
     return True
 
 
 if __name__ == "__main__":
-    _child()
+    _serve()

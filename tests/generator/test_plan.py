@@ -626,3 +626,47 @@ def test_config_with_applies_edits_where_the_config_has_them(tmp_path):
     )
     assert (cfg.micro_batch_size, cfg.lora_rank, cfg.max_seq_len) == (2, 16, 64)
     assert cfg.enable_activation_checkpointing is True  # the render's own default, untouched
+
+
+def test_simulations_of_one_process_share_a_server_and_survive_its_failures(
+    tiny_real_vocab_dir, tmp_path, monkeypatch
+):
+    """simulate()'s server (`generator.plan_harness._server`) outlives a call: the next call
+    reuses it and gives the same bytes; a script that raises gives its one-line PlanError and the
+    server still simulates; `until` stops a call after its first result and the next call starts
+    a new server; a relative script path and the environment are the caller's, not the
+    server's."""
+    from generator import plan_harness
+
+    spec = Spec(model=str(tiny_real_vocab_dir))
+    (first,) = simulate([spec], 2, 64)
+    server = plan_harness._SERVER
+    (again,) = simulate([spec], 2, 64)
+    assert plan_harness._SERVER is server and server.poll() is None
+    assert (again.categories, again.peak) == (first.categories, first.peak)
+
+    broken = tmp_path / "run" / "train.py"
+    broken.parent.mkdir()
+    text = render(spec).replace(
+        "def setup_model(",
+        "def setup_model(*a, **k):\n    raise OSError('disk gone')\n\n\ndef _unused(",
+        1,
+    )
+    broken.write_text(text)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(
+        PlanError, match=r"simulating run/train\.py \(.*\) failed: OSError: disk gone"
+    ):
+        simulate([spec], 2, 64, scripts=["run/train.py"])
+    assert plan_harness._SERVER is server and server.poll() is None
+    # the caller's environment: SCAFFOLD_DEBUG re-raises in the fork (its traceback to stderr)
+    monkeypatch.setenv("SCAFFOLD_DEBUG", "1")
+    with pytest.raises(PlanError, match="the memory simulation failed: OSError: disk gone"):
+        simulate([spec], 2, 64, scripts=["run/train.py"])
+    monkeypatch.delenv("SCAFFOLD_DEBUG")
+
+    stopped = simulate([spec, spec], 2, 64, until=lambda result: True)
+    assert len(stopped) == 1 and plan_harness._SERVER is None and server.poll() is not None
+    (after,) = simulate([spec], 2, 64)
+    assert plan_harness._SERVER is not server
+    assert (after.categories, after.peak) == (first.categories, first.peak)
