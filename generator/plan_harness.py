@@ -1165,26 +1165,13 @@ def simulate(
         request["stderr"] = stderr.name
         server.stdin.write(json.dumps(request) + "\n")
         server.stdin.flush()
-        results, error, status, pid = [], None, None, None
-        for line in server.stdout:
-            if not line.startswith(_MESSAGE):
-                continue  # anything else the script's code printed
-            msg = json.loads(line[len(_MESSAGE) :])
-            if "pid" in msg:
-                pid = msg["pid"]
-            if "start" in msg and progress:
-                progress(msg["start"])
-            if "result" in msg:
-                results.append(PlanResult.from_json(msg["result"]))
-                if until is not None and until(results[-1]):
-                    # a fork killed mid-line could garble the server's next line: a fresh server
-                    os.killpg(pid, signal.SIGKILL)
-                    _stop_server()
-                    return results
-            error = msg.get("error", error)
-            if "done" in msg:
-                status = msg["done"]
-                break
+        try:
+            results, error, status, stopped = _events(server, progress, until)
+        except BaseException:  # an interrupt, or a callback that raised: the stream is mid-request
+            _stop_server()
+            raise
+        if stopped:
+            return results
         stderr.seek(0)
         last = (stderr.read().strip().splitlines() or ["no output"])[-1]
     if status is None:  # the server itself died
@@ -1199,11 +1186,40 @@ def simulate(
 
 _MESSAGE = "scaffold-plan: "  # prefix of the server's and request processes' JSON lines on stdout
 
+
+def _events(server: subprocess.Popen, progress, until) -> tuple[list, str | None, int | None, bool]:
+    """Read one request's events from the server: (results, the error it sent or None, its
+    exit status or None if the server died, whether `until` stopped it: then the request's
+    processes and the server are stopped, since a fork killed mid-line could garble the
+    server's next line)."""
+    results, error, pid = [], None, None
+    for line in server.stdout:
+        if not line.startswith(_MESSAGE):
+            continue  # anything else the script's code printed
+        msg = json.loads(line[len(_MESSAGE) :])
+        if "pid" in msg:
+            pid = msg["pid"]
+            _REQUEST[0] = pid
+        if "start" in msg and progress:
+            progress(msg["start"])
+        if "result" in msg:
+            results.append(PlanResult.from_json(msg["result"]))
+            if until is not None and until(results[-1]):
+                _stop_server()
+                return results, None, 0, True
+        error = msg.get("error", error)
+        if "done" in msg:
+            _REQUEST[0] = None
+            return results, error, msg["done"], False
+    return results, error, None, False
+
+
 # The planner's server: `python -m generator.plan_harness`, started at a process's first
 # simulate() and kept for its later ones, so torch and the runtime are imported once per process
 # (a new interpreter's start-up and imports take several seconds; a fork, milliseconds)
 _SERVER: subprocess.Popen | None = None
 _SERVER_LOG = None  # the server's own stderr (a start-up failure's message)
+_REQUEST = [None]  # the pid (and process group) of the request in flight, else None
 
 
 def _server() -> subprocess.Popen:
@@ -1225,8 +1241,13 @@ def _server() -> subprocess.Popen:
 
 
 def _stop_server() -> None:
-    """Stop the server (if any); the next simulate() starts a new one."""
+    """Stop the request in flight (its process group) and the server, if any; the next
+    simulate() starts a new server."""
     global _SERVER
+    if _REQUEST[0] is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(_REQUEST[0], signal.SIGKILL)
+        _REQUEST[0] = None
     if _SERVER is not None:
         _SERVER.kill()
         _SERVER.wait()

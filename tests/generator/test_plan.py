@@ -635,7 +635,7 @@ def test_simulations_of_one_process_share_a_server_and_survive_its_failures(
     reuses it and gives the same bytes; a script that raises gives its one-line PlanError and the
     server still simulates; `until` stops a call after its first result and the next call starts
     a new server; a relative script path and the environment are the caller's, not the
-    server's."""
+    server's; an interrupted call stops the server."""
     from generator import plan_harness
 
     spec = Spec(model=str(tiny_real_vocab_dir))
@@ -665,8 +665,15 @@ def test_simulations_of_one_process_share_a_server_and_survive_its_failures(
         simulate([spec], 2, 64, scripts=["run/train.py"])
     monkeypatch.delenv("SCAFFOLD_DEBUG")
 
+    # a caller interrupted mid-request (a progress callback that raises): the request and the
+    # server stop, so the next call cannot read the rest of this one's lines
+    def interrupt(line: str) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        simulate([spec], 2, 64, progress=interrupt)
+    assert plan_harness._SERVER is None and server.poll() is not None
     stopped = simulate([spec, spec], 2, 64, until=lambda result: True)
-    assert len(stopped) == 1 and plan_harness._SERVER is None and server.poll() is not None
+    assert len(stopped) == 1 and plan_harness._SERVER is None
     (after,) = simulate([spec], 2, 64)
-    assert plan_harness._SERVER is not server
     assert (after.categories, after.peak) == (first.categories, first.peak)
