@@ -30,8 +30,8 @@ demo: install
 	$(BIN)/scaffold plot $(DEMO_DIR)
 
 # Everything (what CI runs); prints the 20 slowest tests, whose list is kept in tests/README.md.
-# TEST_WORKERS=N spreads the tests over N pytest-xdist workers of cores/N intra-op threads each (tests
-# on the shared local Ray stay on one worker: tests/conftest.py). The default is 2: one process timed
+# TEST_WORKERS=N spreads the tests over N pytest-xdist workers of cores/N intra-op threads each (each
+# worker may start its own local Ray: tests/README.md). The default is 2: one process timed
 # out CI's 90 minutes at 704 of 1,120 tests on a slow day, where 2 workers ran all of them in 49
 # minutes on the same kind of day (tests/README.md). TEST_WORKERS=0 is one process.
 TEST_WORKERS ?= 2

@@ -187,14 +187,7 @@ def _gap(losses: list[float], reference: list[float]) -> float:
     return sum(abs(a - b) for a, b in zip(losses, reference, strict=True)) / len(reference)
 
 
-# The real-model tests share their curves (fp32's in every one): on one xdist worker each curve is
-# computed when its first test needs it, where across workers a second worker would wait on the
-# first one's lock, idle, while it computes fp32
-ON_ONE_WORKER = pytest.mark.xdist_group("precision_real_curves")
-
-
 @pytest.mark.slow
-@ON_ONE_WORKER
 @pytest.mark.parametrize("name", ["adamw8bit", "bf16-sr", "bf16-sr,adamw8bit"])
 def test_real_smollm2_precision_recipe_tracks_fp32(name, real_curve):
     """A memory-lean recipe on the real SmolLM2 (`_real_curve`): its loss curve stays within a mean
@@ -212,7 +205,6 @@ def test_real_smollm2_precision_recipe_tracks_fp32(name, real_curve):
 
 
 @pytest.mark.slow
-@ON_ONE_WORKER
 def test_real_smollm2_pure_bf16_loses_the_updates(real_curve):
     """Pure bf16 (bf16 weights rounded to nearest) at the same lr loses the updates: its gap to
     fp32 is over 3x that of either stochastic-rounding recipe, and its last epoch ends 0.5 above
