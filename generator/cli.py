@@ -18,6 +18,7 @@ from generator.catalog import MODELS
 from generator.features import ALGOS, PEFT_ALGOS, PEFT_METHODS, TRICKS, support_table
 from generator.options import SPEC_OPTION_NAMES, spec_from_options, spec_options
 from generator.plan import GPU_MEMORY_GIB, parse_gpu_memory
+from generator.recipe import recipe_line
 from generator.rundir import (
     SCRIPT,
     SPEC_FILE,
@@ -117,7 +118,7 @@ def new(
 
     spec = spec_from_options(
         algo, peft, model, tricks, gpus, nodes, tp, cp, dp_replicate, ep, dtype, dataset, out,
-        engine_gpus, engine_tp, teacher, layout,
+        engine_gpus, engine_tp, teacher, layout, fit_gpu=gpu or ("h100-80", GPU_MEMORY_GIB["h100-80"]),
     )  # fmt: skip
     out_dir = Path(out)
     script = out_dir / SCRIPT
@@ -144,6 +145,8 @@ def new(
     note = engine_weight_note(spec)
     if note:
         click.echo(note)
+    if spec.fit_for:
+        click.echo(recipe_line(spec))
     _plan_summary(spec, gpu, text)
 
 
@@ -276,8 +279,10 @@ def plan(
     else:
         spec = spec_from_options(
             algo, peft, model, tricks, gpus, nodes, tp, cp, dp_replicate, 1, dtype, None, None,
-            engine_gpus, engine_tp, layout=layout,
+            engine_gpus, engine_tp, layout=layout, fit_gpu=(gpu_label, gpu_gib),
         )  # fmt: skip
+        if spec.fit_for:
+            click.echo(recipe_line(spec))
         answers = build_answers(spec)  # validates the spec
         if not is_grpo(spec):  # GRPO's defaults are its script's Config (rollout lengths)
             mbs = answers["micro_batch_size"] if mbs is None else mbs

@@ -263,10 +263,9 @@ def _refusals() -> dict[tuple[str, str], str]:
                 "experts and a reference or teacher MoE under EP are not built yet"
             )
         if algo.skeleton != "sft":
-            for trick in ("bf16-sr", "cpu-offload"):
-                out[trick, name] = _PRECISION_NOT_WIRED.format(
-                    skeleton=algo.skeleton.upper(), extra=extra
-                )
+            out["cpu-offload", name] = _PRECISION_NOT_WIRED.format(
+                skeleton=algo.skeleton.upper(), extra=extra
+            )
         if algo.template == "lora":
             out["bf16-sr", name] = _BF16_SR_ADAPTERS
             out["cpu-offload", name] = _OFFLOAD_ADAPTERS

@@ -8,7 +8,7 @@ from dataclasses import replace
 import click
 
 from generator.features import ALGOS, PEFT_ALGOS, PEFT_METHODS, TRICKS
-from generator.spec import Spec, resolve_engine_layout
+from generator.spec import Spec, SpecError, resolve_engine_layout
 
 # In --help order. `new` adds --ep, --dataset, --out, --teacher, --force and --gpu-memory;
 # `plan` adds the batch shape, --kl-coef, --gpu-memory and --suggest.
@@ -29,7 +29,11 @@ SPEC_OPTIONS = [
         help="Catalog name (see `scaffold list models`) or a local Hugging Face directory.",
     ),
     click.option(
-        "--tricks", default="", help=f"Comma-separated memory/speed tricks: {', '.join(TRICKS)}."
+        "--tricks",
+        default=None,
+        help=f"Comma-separated memory/speed tricks: {', '.join(TRICKS)}; `none` for none "
+        "[default: none if the plain script fits the GPU (--gpu-memory, h100-80 by default), else "
+        "the least lossy recipe whose estimate fits (sft, lora, grpo, grpo-lora in bf16)].",
     ),
     click.option(
         "--gpus", default=1, show_default=True, type=int, help="Processes (GPUs) per node."
@@ -72,11 +76,12 @@ SPEC_OPTIONS = [
     ),
     click.option(
         "--layout",
-        default="split",
-        show_default=True,
+        default=None,
         help="--algo grpo: split (the engines on GPUs of their own; at --engine-gpus 0 they share "
         "the trainer's, both awake) or colocated (the engines on every trainer GPU, asleep while it "
-        "steps: their KV cache and, at engine_sleep_level 2, their weights freed; sync rollouts).",
+        "steps: their KV cache and, at engine_sleep_level 2, their weights freed; sync rollouts) "
+        "[default: split, or colocated where only it fits when --tricks, --engine-gpus and "
+        "--engine-tp are not given].",
     ),
     click.option(
         "--dtype",
@@ -97,15 +102,25 @@ def spec_options(command):
 
 def spec_from_options(
     algo, peft, model, tricks, gpus, nodes, tp, cp, dp_replicate, ep, dtype, dataset=None, out=None,
-    engine_gpus=None, engine_tp=None, teacher="", layout="split",
+    engine_gpus=None, engine_tp=None, teacher="", layout=None, fit_gpu=None,
 ) -> Spec:  # fmt: skip
-    """The Spec of `scaffold new` / `scaffold plan` options: --tricks split on commas, --dataset
-    defaulting to the algorithm's demo set, GRPO's engine GPUs chosen when not given."""
+    """The Spec of `scaffold new` / `scaffold plan` options: --tricks split on commas (`none`: no
+    tricks), --dataset defaulting to the algorithm's demo set, GRPO's engine GPUs chosen when not
+    given. tricks None (not given) with `fit_gpu` (name, GiB): the default recipe for that GPU
+    (`generator.recipe.choose_recipe`; GRPO's layout too where layout and the engine GPUs were
+    not given either)."""
+    names = tuple(t.strip() for t in (tricks or "").split(",") if t.strip())
+    if "none" in names:
+        if len(names) > 1:
+            raise SpecError(
+                f"--tricks {tricks}: `none` means no tricks and cannot be combined with others"
+            )
+        names = ()
     spec = Spec(
         algo=algo,
         peft=peft,
         model=model,
-        tricks=tuple(t.strip() for t in tricks.split(",") if t.strip()),
+        tricks=names,
         gpus=gpus,
         nodes=nodes,
         tp=tp,
@@ -116,12 +131,18 @@ def spec_from_options(
         dataset=dataset or (ALGOS[algo].dataset if algo in ALGOS else Spec.dataset),
         out=out,
         teacher=teacher,
-        layout=layout,
+        layout=layout or "split",
     )
     if algo not in ALGOS or gpus < 1:  # validate_spec names the bad option
         return spec
-    engine_gpus, engine_tp = resolve_engine_layout(spec, engine_gpus, engine_tp)
-    return replace(spec, engine_gpus=engine_gpus, engine_tp=engine_tp)
+    resolved = resolve_engine_layout(spec, engine_gpus, engine_tp)
+    spec = replace(spec, engine_gpus=resolved[0], engine_tp=resolved[1])
+    if tricks is None and fit_gpu is not None:
+        from generator.recipe import choose_recipe
+
+        vary_layout = layout is None and engine_gpus is None and engine_tp is None
+        spec = choose_recipe(spec, fit_gpu, vary_layout)
+    return spec
 
 
 # their parameter names (`scaffold plan DIR` refuses them: DIR's spec is recorded); click's

@@ -7,9 +7,10 @@ figure `scaffold plan` prints; `tests/generator/test_plan_estimate.py` holds thi
 within ESTIMATE_TOLERANCE of it over a matrix of models, algorithms, tricks and GPU counts.
 
 What it counts, per trainer rank (bytes):
-- resident: the sharded parameters (fp32 master weights of what is trained; the frozen LoRA base
-  in the script's dtype), their fp32 gradients and the optimizer's state (AdamW: 8 bytes per
-  trained parameter, 8-bit: 2, 4-bit: 1), each divided over the ranks that shard it;
+- resident: the sharded parameters (fp32 master weights of what is trained, bf16 under bf16-sr;
+  the frozen LoRA base in the script's dtype), their gradients (the weights' dtype) and the
+  optimizer's state (AdamW: 8 bytes per trained parameter, 4 under bf16-sr's bf16 moments, 8-bit:
+  2, 4-bit: 1), each divided over the ranks that shard it (`plan_harness.trained_bytes`);
 - in flight: the bf16 copies FSDP gathers (the root unit: embedding and head; two blocks);
 - activations: bytes per token per decoder block (the recipe's: saved tensors of a block, or
   its input only under ac, plus one block recomputed), times the micro-batch's tokens;
@@ -25,11 +26,12 @@ the backward (every gradient) and the optimizer step.
 from __future__ import annotations
 
 import ast
+import functools
 import math
 from dataclasses import dataclass
 
 from generator.features import PEFT_ALGOS
-from generator.plan_harness import GIB, OPTIMIZER_BYTES, adapter_params, is_grpo, model_dims
+from generator.plan_harness import GIB, adapter_params, is_grpo, model_dims, trained_bytes
 from generator.plan_report import HEADROOM, grpo_phases
 from generator.spec import Spec, model_config, trainer_gpus
 
@@ -59,11 +61,18 @@ class Estimate:
     world_size: int
     micro_batch_size: int
     max_seq_len: int
+    # GRPO: the engines start and hold their weights and a rollout's KV cache (`grpo_phases`)
+    engine_ok: bool = True
 
 
 def config_defaults(script_text: str) -> dict:
     """The literal defaults of the `Config` dataclass in a rendered train.py, read with `ast` (no
     import, so no torch): {field: value}; fields whose default is not a literal are left out."""
+    return dict(_config_defaults(script_text))
+
+
+@functools.lru_cache(maxsize=8)  # the recipe search estimates every trick set on one text
+def _config_defaults(script_text: str) -> dict:
     tree = ast.parse(script_text)
     (config,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Config"]
     values = {}
@@ -88,7 +97,6 @@ def _rollout(spec: Spec, cfg: dict, d: dict, seq: int) -> dict:
     numbers), from the script's Config defaults and the model's shapes."""
     dtype = {"bf16": 2, "fp32": 4}[cfg.get("dtype", spec.dtype)]
     adapters = spec.algo in PEFT_ALGOS
-    optimizer = next((o for o in ("adamw8bit", "adamw4bit") if o in spec.tricks), "adamw")
     heads = model_config(spec).get("num_key_value_heads", model_config(spec)["num_attention_heads"])
     vllm = cfg["engine"] == "vllm"
     return {
@@ -104,7 +112,8 @@ def _rollout(spec: Spec, cfg: dict, d: dict, seq: int) -> dict:
         "offload_optimizer": bool(cfg.get("offload_optimizer", False)),
         "trainer_ranks": trainer_gpus(spec) * spec.nodes, "num_params": d["params"],
         "trained_params": adapter_params(d, cfg) if adapters else d["params"],
-        "optimizer_bytes": OPTIMIZER_BYTES[optimizer],
+        "weight_bytes_trained": trained_bytes(spec.tricks)[0],
+        "optimizer_bytes": trained_bytes(spec.tricks)[1],
         "reference": cfg.get("kl_coef", 0) > 0 and not adapters,
         "largest_param": max(d["V"], d["I"], d["q"], d["kv"]) * d["D"],
         "vocab_size": d["V"], "dtype_bytes": dtype,
@@ -145,10 +154,10 @@ def estimate(
 
     trained = adapter_params(d, cfg) if adapters else d["params"]
     frozen = d["params"] if adapters else 0
-    optimizer = next((o for o in ("adamw8bit", "adamw4bit") if o in tricks), "adamw")
-    params = (4 * trained + dtype * frozen) / shard
-    grads = 0 if "optim-in-bwd" in tricks else 4 * trained / shard
-    state = OPTIMIZER_BYTES[optimizer] * trained / shard
+    master, state_bytes = trained_bytes(tricks)  # fp32 master weights, or bf16 under bf16-sr
+    params = (master * trained + dtype * frozen) / shard
+    grads = 0 if "optim-in-bwd" in tricks else master * trained / shard
+    state = state_bytes * trained / shard
     gathered = 0 if unwrapped else 2 * (d["root"] + 2 * d["block"]) / spec.tp
 
     a, b, c = ACT_PER_TOKEN
@@ -176,19 +185,23 @@ def estimate(
     if grpo:
         rows = cfg["prompts_per_step"] * cfg["num_generations"]
         if math.ceil(math.ceil(rows / world) / mbs) > 1:
-            accumulated = grads
+            # optimizer-in-backward steps a parameter in the last micro-batch's backward only:
+            # until then its gradient accumulates like any other, so every one exists
+            grads = accumulated = master * trained / shard
     moments = {
         "forward": {"parameters": params + gathered, "gradients": accumulated,
                     "optimizer state": state, "activations": acts, "loss": loss},
         "backward": {"parameters": params + gathered, "gradients": grads,
                      "optimizer state": state, "loss": loss / 2},
         "optimizer step": {"parameters": params, "gradients": grads, "optimizer state": state,
-                           "update": 4 * trained / shard * (0 if "optim-in-bwd" in tricks else 0.25)},
+                           "update": master * trained / shard * (0 if "optim-in-bwd" in tricks else 0.25)},
     }  # fmt: skip
     moment = max(moments, key=lambda m: sum(moments[m].values()))
+    engine_ok = True
     parts = {k: int(v) for k, v in moments[moment].items()}
     if grpo:  # the largest phase of the layout on the trainer's GPU (`grpo_phases`)
-        phases = grpo_phases(_rollout(spec, cfg, d, seq), sum(parts.values()), gpu_gib)["phases"]
+        layout = grpo_phases(_rollout(spec, cfg, d, seq), sum(parts.values()), gpu_gib)
+        phases, engine_ok = layout["phases"], layout["engine_ok"]
         name = max(phases, key=lambda n: sum(phases[n].values()))
         trainer = parts
         parts = {}
@@ -201,7 +214,7 @@ def estimate(
             moment = name
     return Estimate(
         spec=spec, peak=sum(parts.values()), parts=parts, moment=moment, world_size=world,
-        micro_batch_size=mbs, max_seq_len=seq,
+        micro_batch_size=mbs, max_seq_len=seq, engine_ok=engine_ok,
     )  # fmt: skip
 
 

@@ -126,8 +126,19 @@ ROWS = {
 }
 
 
-# Optimizer state bytes per trained parameter
+# Optimizer state bytes per trained parameter (fp32 weights: AdamW's two fp32 moments)
 OPTIMIZER_BYTES = {"adamw": 8, "adamw8bit": 2, "adamw4bit": 1}
+
+
+def trained_bytes(tricks) -> tuple[int, float]:
+    """(weight bytes, optimizer state bytes) per trained parameter for a trick set: fp32 master
+    weights (4), or bf16 under bf16-sr (2, no master copy; torchao's AdamW then keeps its two
+    moments in bf16, 4 bytes, unless a low-bit state is chosen). Gradients have the weight's
+    dtype (FSDP2 reduces into the sharded parameter's dtype)."""
+    optimizer = next((o for o in ("adamw8bit", "adamw4bit") if o in tricks), "adamw")
+    if "bf16-sr" in tricks:
+        return 2, (4 if optimizer == "adamw" else OPTIMIZER_BYTES[optimizer])
+    return 4, OPTIMIZER_BYTES[optimizer]
 
 
 def model_dims(config: dict) -> dict:
@@ -815,9 +826,8 @@ def engine_layout(spec: Spec, cfg, model_dir: Path) -> dict:
         "trainer_ranks": trainer_gpus(spec) * spec.nodes,
         "num_params": args.num_params(),
         "trained_params": adapter_params(d, lora) if has_adapters(spec) else args.num_params(),
-        "optimizer_bytes": OPTIMIZER_BYTES[
-            next((o for o in ("adamw8bit", "adamw4bit") if o in spec.tricks), "adamw")
-        ],
+        "weight_bytes_trained": trained_bytes(spec.tricks)[0],
+        "optimizer_bytes": trained_bytes(spec.tricks)[1],
         "reference": getattr(cfg, "kl_coef", 0) > 0 and not has_adapters(spec),
         "largest_param": max(d["V"], d["I"], d["q"], d["kv"]) * d["D"],
         "vocab_size": d["V"],

@@ -130,7 +130,7 @@ def trainer_resident(r: dict) -> dict:
     world, trained, full = r["trainer_ranks"], r["trained_params"], r["num_params"]
     frozen = full if trained != full else 0  # LoRA: the whole base, frozen, beside the adapters
     return {
-        "trainer weights": (4 * trained + r["dtype_bytes"] * frozen) / world,
+        "trainer weights": (r["weight_bytes_trained"] * trained + r["dtype_bytes"] * frozen) / world,
         "reference": r["dtype_bytes"] * full / world if r["reference"] else 0,
         "optimizer state": 0 if r["offload_optimizer"] else r["optimizer_bytes"] * trained / world,
     }
@@ -147,7 +147,8 @@ def grpo_phases(r: dict, trainer_peak: int, gpu_gib: float) -> dict:
       + KV cache; the runtime's sampler: weights / engine_tp in the dtype, the KV cache of its
       batch, its fp32 [B, V] logits) + its context + `trainer_resident`.
     - "weight sync": `trainer_resident` + the engine's weights (its KV cache still asleep) + its
-      context + one gathered full tensor per rank (the largest parameter, fp32).
+      context + one gathered full tensor per rank (the largest parameter, in the trained weights'
+      dtype: fp32, bf16 under bf16-sr).
     Host memory (not in the verdict): level 1 the engines' weights, offload_optimizer the
     optimizer state, per node. vLLM start-up: utilization x the GPU must be free when it starts
     (the trainer's weights and CUDA context already resident, its optimizer state not yet).
@@ -194,7 +195,7 @@ def grpo_phases(r: dict, trainer_peak: int, gpu_gib: float) -> dict:
             "engine weights": e["weights_per_gpu"],
             "sleeping engine": asleep,
             **resident,
-            "gathered tensor": 4 * r["largest_param"],
+            "gathered tensor": r["weight_bytes_trained"] * r["largest_param"],
         },
     }
     ranks_per_node = r["trainer_ranks"]  # colocated is one node: a trainer rank per GPU

@@ -357,3 +357,45 @@ def first_short_pairs(tmp: Path, tokenizer_dir: Path, max_tokens: int) -> Path:
     path = tmp / "short_pairs.json"
     path.write_text(json.dumps(kept[:4]))
     return path
+
+
+def grpo_fixed_rollouts():
+    """8 fixed rollouts of 2 groups (prompt, completion, sampler log-probs, reward)."""
+    from runtime.grpo import group_advantages
+    from runtime.rollout import Rollout
+
+    rewards = [1.0, 0.0, 0.5, 0.0, 1.0, 1.0, 0.0, 0.25]
+    rollouts = [
+        Rollout([1, 2, 3 + i], [10 + i, 20, 30 + 2 * i], [-1.0] * 3, r, {}, 0, i // 4)
+        for i, r in enumerate(rewards)
+    ]
+    advantages, _ = group_advantages(torch.tensor(rewards), 4)
+    return rollouts, advantages
+
+
+def grpo_two_steps(script, model_dir: Path, dtype: str = "fp32") -> list[tuple[float, ...]]:
+    """(loss, grad_norm, kl, is_weight, clip_frac) of 2 GRPO train_steps on the same 8 fixed
+    rollouts, 2 micro-batches each, kl_coef 0.1 (the reference's log-probs too), clipping on, in
+    `dtype` (no Ray: the step only)."""
+    cfg = script.Config(
+        model=str(model_dir), dtype=dtype, device="cpu", lr=1e-3, warmup_steps=0,
+        micro_batch_size=4, kl_coef=0.1, max_prompt_len=8, max_new_tokens=8,
+    )  # fmt: skip
+    if hasattr(cfg, "lora_rank"):
+        cfg.lora_rank = 4
+    script.validate(cfg)
+    _, mesh = script.setup_distributed(cfg)
+    device = torch.device("cpu")
+    model = script.setup_model(cfg, model_dir, mesh, device)
+    reference = None
+    if hasattr(script, "setup_frozen_model"):
+        reference = script.setup_frozen_model(cfg, model_dir, mesh, device)
+    optimizer, scheduler = script.build_optimizer(cfg, model)
+    rollouts, advantages = grpo_fixed_rollouts()
+    num_tokens = sum(len(r.completion_ids) for r in rollouts)
+    out = []
+    for _ in range(2):
+        m = script.train_step(model, reference, optimizer, scheduler, rollouts, advantages, num_tokens, 2, cfg, device)  # fmt: skip
+        out.append((m["loss"], m["grad_norm"], m["kl"], m["is_weight"], m["clip_frac"]))
+    script.destroy_distributed()
+    return out

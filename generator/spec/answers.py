@@ -100,6 +100,33 @@ def _bytes_per_param(spec: Spec) -> str:
     return line + "."
 
 
+def _recipe_lines(spec: Spec) -> str:
+    """The header's why of a recipe `scaffold new` chose (`spec.fit_for`): each precision it
+    tried, cheapest set first, with its bytes per trained parameter and estimated peak."""
+    if not spec.fit_for:
+        return ""
+    from generator.plan_report import HEADROOM
+    from generator.recipe import RECIPE_MARGIN, fit_gib, recipe_rows
+
+    gib = fit_gib(spec.fit_for)
+    import textwrap
+
+    lines = [
+        f"- Recipe: `scaffold new` chose these tricks (no --tricks given) for {spec.fit_for}: "
+        f"{(1 - HEADROOM) * gib:.1f} GiB usable per GPU, a recipe fits when its arithmetic "
+        f"estimate is within {RECIPE_MARGIN:.0%} of that (`scaffold plan` simulates it). The "
+        "least lossy precision that fits, with the fewest and cheapest tricks; per precision "
+        "tried (bytes per trained parameter: weights + gradients + AdamW state):"
+    ]
+    for precision, tricks, nbytes, peak, fits in recipe_rows(spec):
+        verdict = "fits" if fits else "does not fit"
+        lines.append(f"  - {precision}, {tricks}: {nbytes} B, ~{peak:.0f} GiB per GPU, {verdict}")
+    return "\n".join(
+        textwrap.fill(line, 98, subsequent_indent="    " if i else "  ")
+        for i, line in enumerate(lines)
+    )
+
+
 def build_answers(spec: Spec) -> dict:
     """Every value the templates print, computed once (after `validate_spec`)."""
     validate_spec(spec)
@@ -192,6 +219,7 @@ def build_answers(spec: Spec) -> dict:
         "tricks": ordered_tricks,
         "parallelize_steps": _parallelize_steps(spec),
         "bytes_per_param": _bytes_per_param(spec),
+        "recipe_lines": _recipe_lines(spec),
         # a frozen copy of the checkpoint is built (DPO's separate reference, GRPO's KL reference)
         "frozen_copy": algo.skeleton == "dpo"
         or (algo.skeleton == "grpo" and algo.template != "lora"),

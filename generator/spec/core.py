@@ -49,6 +49,9 @@ class Spec:
     dataset: str = "alpaca_en_demo.json"
     out: str = "."
     teacher: str = ""  # algo kd: the teacher, catalog name or local HF dir ("" = the model itself)
+    # the GPU (a name of GPU_MEMORY_GIB or GiB) `scaffold new` chose the tricks for, when --tricks
+    # was not given and the plain script did not fit it (generator.recipe); "" = tricks as given
+    fit_for: str = ""
 
     def to_json(self) -> str:
         return json.dumps({"generator_version": __version__, "spec": asdict(self)}, indent=2) + "\n"

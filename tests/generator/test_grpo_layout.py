@@ -48,10 +48,13 @@ def test_auto_layout(model, gpus, expected):
 
 
 def test_70b_script_config_and_launch_line(tmp_path):
-    """The case of the issue: 8 GPUs -> 4 trainer processes, one vLLM engine of 4 GPUs."""
+    """The split layout at 8 GPUs (`--tricks none`: the plain script, not the default recipe,
+    which is colocated at 70B): 4 trainer processes, one vLLM engine of 4 GPUs."""
     out = tmp_path / "g70"
     result = CliRunner().invoke(
-        cli, ["new", "--algo", "grpo", "--model", "llama3.3-70b", "--gpus", "8", "--out", str(out)]
+        cli,
+        ["new", "--algo", "grpo", "--model", "llama3.3-70b", "--gpus", "8", "--tricks", "none",
+         "--out", str(out)],  # fmt: skip
     )
     assert result.exit_code == 0, result.output
     assert "torchrun --nproc-per-node 4)" in result.output
@@ -115,7 +118,7 @@ def test_commands_spell_out_the_engine_layout_and_warn_on_big_engine_shards(tmp_
     out = tmp_path / "e0"
     result = CliRunner().invoke(
         cli, ["new", "--algo", "grpo", "--model", "llama3.3-70b", "--gpus", "8",
-              "--engine-gpus", "0", "--out", str(out)],
+              "--engine-gpus", "0", "--tricks", "none", "--out", str(out)],
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     assert "--gpus 8 --engine-gpus 0 --engine-tp 1" in (out / "train.py").read_text()

@@ -40,8 +40,9 @@ def deep_tiny_dir(tmp_path_factory) -> Path:
 
 
 def test_extrapolated_simulation_equals_the_full_one(deep_tiny_dir):
-    """sft (plain, ac + lce, optim-in-bwd on 2 ranks, adamw8bit, fp32 unwrapped), lora, grpo
-    (plain, ac + lce, on 2 trainer ranks) and grpo-lora: every category and the peak equal."""
+    """sft (plain, ac + lce, optim-in-bwd on 2 ranks, adamw8bit, bf16-sr, fp32 unwrapped), lora,
+    grpo (plain, ac + lce, on 2 trainer ranks, colocated with the 70B default recipe) and
+    grpo-lora: every category and the peak equal."""
     m = str(deep_tiny_dir)
     grpo = dict(algo="grpo", model=m, dataset="chain_sum.jsonl")
     specs = [
@@ -49,6 +50,7 @@ def test_extrapolated_simulation_equals_the_full_one(deep_tiny_dir):
         Spec(model=m, tricks=("ac", "lce")),
         Spec(model=m, gpus=2, tricks=("lce", "optim-in-bwd")),
         Spec(model=m, tricks=("ac", "adamw8bit")),
+        Spec(model=m, gpus=2, tricks=("optim-in-bwd", "adamw8bit", "bf16-sr")),
         Spec(model=m, dtype="fp32"),
         Spec(algo="lora", model=m, tricks=("ac",)),
     ]
@@ -57,6 +59,7 @@ def test_extrapolated_simulation_equals_the_full_one(deep_tiny_dir):
         Spec(**grpo, tricks=("ac", "lce")),
         Spec(**grpo, gpus=3, engine_gpus=1),
         Spec(**dict(grpo, algo="grpo-lora")),
+        Spec(**grpo, gpus=2, layout="colocated", tricks=("ac", "adamw8bit", "bf16-sr")),
     ]
     for group, mbs, seq in ((specs, 2, 64), (grpo_specs, 2, 256 + 32)):
         fast = simulate(group, mbs, seq)
@@ -107,6 +110,10 @@ ESTIMATE_MATRIX = [
     _grpo("llama3.3-70b", 8, tricks=("ac", "lce")),
     _grpo("llama3.1-8b", 1),  # the runtime's sampler shares the GPU: its weights + KV cache
     _grpo("llama3.2-1b", 1, tricks=("lce",)),
+    # bf16-sr: bf16 weights, gradients and moments; GRPO's 16 micro-batches keep every gradient
+    # under optim-in-bwd (the 70B defaults: tests/generator/test_recipe.py)
+    Spec(model="llama3.1-8b", gpus=8, tricks=("bf16-sr",)),
+    _grpo("llama3.1-8b", 8, tricks=("ac", "optim-in-bwd", "bf16-sr")),
 ]
 
 

@@ -23,7 +23,7 @@ import torch
 from generator.features import ALGOS, TRICKS
 from generator.render import render
 from generator.spec import Spec, SpecError
-from tests.helpers import import_script, read_metrics, two_step_args
+from tests.helpers import grpo_two_steps, import_script, read_metrics, two_step_args
 
 REPO = Path(__file__).resolve().parents[2]
 EXACT_SETS = [("ac",), ("lce",), ("optim-in-bwd",), ("ac", "lce", "optim-in-bwd")]
@@ -53,47 +53,6 @@ def _offline_two_steps(script, algo, tmp, model_dir, data) -> list[tuple[float, 
         args += ["--lora_rank", "4"]
     script.main(args)
     return [(row["loss"], row["grad_norm"]) for row in read_metrics(out)]
-
-
-def _rollouts():
-    """8 fixed rollouts of 2 groups (prompt, completion, sampler log-probs, reward)."""
-    from runtime.grpo import group_advantages
-    from runtime.rollout import Rollout
-
-    rewards = [1.0, 0.0, 0.5, 0.0, 1.0, 1.0, 0.0, 0.25]
-    rollouts = [
-        Rollout([1, 2, 3 + i], [10 + i, 20, 30 + 2 * i], [-1.0] * 3, r, {}, 0, i // 4)
-        for i, r in enumerate(rewards)
-    ]
-    advantages, _ = group_advantages(torch.tensor(rewards), 4)
-    return rollouts, advantages
-
-
-def grpo_two_steps(script, model_dir: Path) -> list[tuple[float, ...]]:
-    """(loss, grad_norm, kl, is_weight, clip_frac) of 2 GRPO train_steps on the same 8 fixed rollouts, 2 micro-batches
-    each, kl_coef 0.1 (the reference's log-probs too), clipping on, fp32 (no Ray: the step only)."""
-    cfg = script.Config(
-        model=str(model_dir), dtype="fp32", device="cpu", lr=1e-3, warmup_steps=0,
-        micro_batch_size=4, kl_coef=0.1, max_prompt_len=8, max_new_tokens=8,
-    )  # fmt: skip
-    if hasattr(cfg, "lora_rank"):
-        cfg.lora_rank = 4
-    script.validate(cfg)
-    _, mesh = script.setup_distributed(cfg)
-    device = torch.device("cpu")
-    model = script.setup_model(cfg, model_dir, mesh, device)
-    reference = None
-    if hasattr(script, "setup_frozen_model"):
-        reference = script.setup_frozen_model(cfg, model_dir, mesh, device)
-    optimizer, scheduler = script.build_optimizer(cfg, model)
-    rollouts, advantages = _rollouts()
-    num_tokens = sum(len(r.completion_ids) for r in rollouts)
-    out = []
-    for _ in range(2):
-        m = script.train_step(model, reference, optimizer, scheduler, rollouts, advantages, num_tokens, 2, cfg, device)  # fmt: skip
-        out.append((m["loss"], m["grad_norm"], m["kl"], m["is_weight"], m["clip_frac"]))
-    script.destroy_distributed()
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -168,10 +127,10 @@ def test_compile_gives_the_plain_losses(algo, tmp_path, tiny_model_dir, small_da
         path.write_text(render(Spec(algo=algo, tricks=tricks, out="run")))
         driver = (
             "import json, sys; from pathlib import Path; sys.path.insert(0, {repo!r})\n"
-            "from tests.helpers import import_script\n"
+            "from tests.helpers import grpo_two_steps, import_script\n"
             "from tests.recipes import test_compose as t\n"
             "s = import_script(Path({path!r}), 'driver_script')\n"
-            "if {grpo}: r = t.grpo_two_steps(s, Path({model!r}))\n"
+            "if {grpo}: r = grpo_two_steps(s, Path({model!r}))\n"
             "else: r = t._offline_two_steps(s, {algo!r}, Path({tmp!r}), Path({model!r}), Path({data!r}))\n"
             "print('RESULT', json.dumps(r))\n"
         ).format(

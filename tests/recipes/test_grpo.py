@@ -347,3 +347,26 @@ def test_engines_without_new_weights_fail_instead_of_looping(
         assert pipeline.buffer.dropped == 8
     finally:
         pipeline.shutdown()
+
+
+def test_bf16_sr_resume_replays_the_run(ray_session, even_model_dir, chain_sum_64, tmp_path):
+    """`--tricks bf16-sr` (bf16 weights rounded stochastically from torch's RNG, seeded per step):
+    3 sync steps straight == 2 steps, stop, resume to 3 (checkpoint every step), metric for
+    metric; the rounding draws the same bits after a resume."""
+    from generator.render import render
+    from generator.spec import Spec
+
+    (tmp_path / "train.py").write_text(render(Spec(algo="grpo", tricks=("bf16-sr",), out="o")))
+    script = import_script(tmp_path / "train.py", "grpo_bf16_sr_train")
+    keys = ("reward", "loss", "grad_norm", "clip_frac", "is_weight")
+
+    def run(out: str, steps: int) -> list[dict]:
+        return run_grpo(
+            script, even_model_dir, chain_sum_64, tmp_path / out, "--dtype", "bf16",
+            "--rollout", "sync", "--save_every_steps", "1", "--resume", "auto", "--max_steps", str(steps),
+        )  # fmt: skip
+
+    straight, first, resumed = run("a", 3), run("b", 2), run("b", 3)
+    assert (len(first), len(resumed)) == (2, 1)
+    assert [[m[k] for k in keys] for m in straight] == [[m[k] for k in keys] for m in first + resumed]
+    assert straight[2]["loss"] != straight[1]["loss"]
