@@ -66,6 +66,30 @@ def test_extrapolated_simulation_equals_the_full_one(deep_tiny_dir):
             assert (f.categories, f.peak, f.logits) == (s.categories, s.peak, s.logits), f.spec
 
 
+def test_extrapolated_dpo_simulation_equals_the_full_one(deep_tiny_dir):
+    """dpo (its default separate reference with ac + lce on 2 ranks; precomputed with packing
+    and optim-in-bwd) and dpo-lora (its default adapters-off with ac; precomputed): every
+    category, the peak and each precomputed stage's peak equal."""
+    m = str(deep_tiny_dir)
+    dpo = dict(algo="dpo", model=m, dataset="dpo_en_demo.json")
+    lora = dict(dpo, algo="dpo-lora")
+    runs = [  # (specs, the Config's ref_mode, or None: the script's default)
+        ([Spec(**dpo, gpus=2, tricks=("ac", "lce")), Spec(**lora, tricks=("ac",))], None),
+        ([Spec(**dpo, tricks=("packing", "optim-in-bwd")), Spec(**lora)], "precomputed"),
+    ]
+    for group, ref_mode in runs:
+        config = {"ref_mode": ref_mode} if ref_mode else None
+        fast = simulate(group, 2, 64, config=config)
+        full = simulate(group, 2, 64, config=config, full_depth=True)
+        for f, s in zip(fast, full, strict=True):
+            assert f.simulated_depths == [3, 4] and s.simulated_depths is None
+            assert f.dpo["ref_mode"] == (ref_mode or ("adapters-off" if "lora" in s.spec.algo
+                                                      else "separate"))  # fmt: skip
+            assert (f.categories, f.peak, f.logits) == (s.categories, s.peak, s.logits), f.spec
+            assert f.stages == s.stages, f.spec
+            assert (f.stages is not None) == (ref_mode == "precomputed")
+
+
 @pytest.mark.fast
 def test_extrapolation_refuses_steps_that_differ_between_depths():
     a = {"segments": [[[0, "fw", 0, "gap"], {"activations": 1}, 1]], "logits": 0}
