@@ -8,7 +8,8 @@ only file a torch upgrade should have to touch. The verdict and the report are i
 
 The planner renders the script of a Spec into a temporary directory, imports it, and runs the
 script's own functions (`setup_distributed`, `setup_model`, `build_optimizer`, `train_step`;
-for GRPO `setup_model` and its rollout `train_step`) for two optimizer steps under
+for GRPO `setup_model` and its rollout `train_step`; for DPO also `build_reference` and its pair
+`train_step`) for two optimizer steps under
 `FakeTensorMode` (tensors carry shapes and dtypes, no memory), with a fake process group of the
 trainer's world size (`trainer_gpus(spec) * nodes`: `gpus * nodes`, less GRPO's engine GPUs;
 backend "fake", so collectives are no-ops) and PyTorch's `MemTracker` counting every tensor by
@@ -55,6 +56,19 @@ What is simulated, and what is not:
   temporaries) at a time after the gradients are freed, below the step's peak. With
   `--weight_transfer object-store` rank 0 keeps the gathered bf16 weights in host memory for the
   push, which the plan does not count; the collective transfer (vLLM's default) keeps none.
+- DPO (dpo, dpo-lora; `measure_dpo_step`): a micro-batch is micro_batch_size pairs, as the
+  script's collate batches them: 2 x micro_batch_size rows of max_seq_len tokens (the chosen
+  rows, then their rejected ones; with --tricks packing, one pair per packed row of
+  2 x max_seq_len), every position supervised, one micro-batch per step. The reference is the
+  script's Config `ref_mode` (its default: dpo separate, dpo-lora adapters-off; `scaffold plan
+  DIR` plans an edited one, `simulate(config={"ref_mode": ...})` any): separate builds the frozen
+  copy (`build_reference`, sharded like the policy, in the compute dtype) and runs its no-grad
+  forward per micro-batch; adapters-off runs the policy once more with its adapters off, no
+  second model; precomputed first runs the one-off pass over the pairs that main() runs before
+  training (the runtime's `precompute_reference_logprobs` with the script's log-prob function,
+  two micro-batches per rank), then the steps, which read the table. That pass and the steps
+  are two stages, each with its own peak (`PlanResult.stages`); the plan's peak is the larger
+  and the report says which. Not simulated: ref_device="cpu" (the reference in host memory).
 - Data-dependent branches take the path of a healthy step: `torch.isfinite(grad_norm)` is True
   (the optimizer steps), a boolean mask selects every position (GRPO's label mask: the
   completion tokens, as many as its rows have), and a number read on the host (the step's
@@ -71,7 +85,7 @@ What is simulated, and what is not:
 - Not simulated (the plan says so instead of printing a number): --tricks compile (inductor
   fuses temporaries, which fake tensors cannot model), offload (pinned host copies on a side
   stream), --algo qlora (NF4 quantization happens inside the checkpoint load), kd (the teacher is
-  loaded from disk), dpo and dpo-lora (their own skeleton, not yet driven by the planner).
+  loaded from disk).
 
 Reference: torchtitan `scripts/estimate/estimation.py` (FakeTensorMode + fake process group +
 FSDPMemTracker around one training step); PyTorch `torch.distributed._tools.mem_tracker`.
@@ -110,6 +124,8 @@ UNSIMULATED_TRICKS = {
     "compile": "inductor fuses temporaries, which fake tensors cannot model",
     "offload": "activations move to pinned host memory on a side stream, outside the simulation",
 }
+# Algorithms the planner refuses, with why (the SFT skeleton's sft and lora, the GRPO skeleton's
+# GRPO_SIMULATED and the DPO skeleton's dpo and dpo-lora are simulated)
 UNSIMULATED_ALGOS = {
     "qlora": "NF4 quantization of the base happens inside the checkpoint load, which the plan skips",
     "kd": "the teacher is loaded from disk while the model is built",
@@ -472,6 +488,10 @@ _BLOCK = re.compile(r"\.layers\.(\d+)(?:\.|$)")  # a decoder block's FQN in ModT
 
 def _peak_tracker(num_layers: int | None = None):
     """PyTorch's MemTracker reduced to the global peak by category.
+
+    `start_stage(name)` starts a stage (DPO precomputed: the reference pass, then the training
+    step): from then on the peak of the stage is kept too (`stage_peaks`: name -> {category
+    name: bytes}), and its segments' keys start with its name.
 
     With `num_layers` (the model's decoder depth, >= 3) it also keeps the peak of every segment
     of the step (`segment_peaks`: segment key -> {category name: bytes}), for the depth

@@ -272,6 +272,12 @@ def format_result(result: PlanResult, gpu_label: str, gpu_gib: float) -> str:
             f"ones hold the same memory); {reference}"
         )
         head = f"memory per trainer rank: {describe_spec(r.spec)}; {step}"
+    elif r.dpo:
+        head = (
+            f"memory per rank: {describe_spec(r.spec)}; micro-batch {r.dpo['pairs']} pair(s) = "
+            f"{r.dpo['sequences']} sequences (chosen + rejected) x {r.max_seq_len} tokens (every "
+            f"position supervised); {_dpo_reference(r)}"
+        )
     else:
         head = (
             f"memory per rank: {describe_spec(r.spec)}; micro-batch {r.micro_batch_size} x "
@@ -316,6 +322,31 @@ def format_result(result: PlanResult, gpu_label: str, gpu_gib: float) -> str:
     if engines:
         lines.append(_format_engines(r, engines, gpu_label, gpu_gib))
     return "\n".join(lines)
+
+
+def _dpo_reference(r: PlanResult) -> str:
+    """The DPO plan's reference clause: what the Config's ref_mode holds, and for precomputed
+    which stage the peak below is (the larger one)."""
+    mode = r.dpo["ref_mode"]
+    change = "(the script's Config ref_mode; `scaffold plan DIR` plans an edited one)"
+    if mode == "separate":
+        return (
+            f"reference: separate {change}, a frozen copy sharded like the policy in the compute "
+            "dtype, one no-grad forward per micro-batch"
+        )
+    if mode == "adapters-off":
+        return (
+            f"reference: adapters-off {change}, the policy with its adapters off, one more "
+            "no-grad forward per micro-batch, no second model"
+        )
+    stages = r.stages
+    ref, step = stages["reference pass"]["peak"], stages["training step"]["peak"]
+    larger = "the reference pass" if ref > step else "the training step"
+    return (
+        f"reference: precomputed {change}, one no-grad pass of the untrained policy over every "
+        f"pair before training (its peak {ref / GIB:.2f} GiB; the training step's "
+        f"{step / GIB:.2f} GiB), then only the policy is resident; the rows below are {larger}'s"
+    )
 
 
 def _format_phases(p: dict, ro: dict) -> list[str]:

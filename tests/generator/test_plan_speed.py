@@ -134,18 +134,40 @@ ESTIMATE_MATRIX = [
 ]
 
 
+def _dpo(model: str, gpus: int, **kw) -> Spec:
+    return Spec(model=model, gpus=gpus, dataset="dpo_en_demo.json", **{"algo": "dpo", **kw})
+
+
+# DPO rows: (spec, the Config's ref_mode), each reference mode's own memory (a frozen copy, the
+# one-off reference pass, the policy with its adapters off)
+DPO_ESTIMATE_MATRIX = [
+    (_dpo("llama3.1-8b", 8), "precomputed"),
+    (_dpo("llama3.3-70b", 8, tricks=("ac", "optim-in-bwd", "adamw8bit")), "precomputed"),
+    (_dpo("llama3.1-8b", 8, algo="dpo-lora"), "adapters-off"),
+    (_dpo("llama3.1-8b", 8, tricks=("ac", "lce")), "separate"),
+    (_dpo("llama3.2-1b", 1, tricks=("lce",)), "separate"),
+]
+
+
 def test_estimate_is_within_tolerance_of_the_simulation():
     """The arithmetic estimate (plus the engine on the trainer's GPU where one shares it) against
-    the simulated peak of the same spec; prints each error (the worst is in benchmarks/RESULTS.md)."""
+    the simulated peak of the same spec, DPO's with the same Config ref_mode; prints each error
+    (the worst is in benchmarks/RESULTS.md)."""
     worst = 0.0
-    for result in simulate(ESTIMATE_MATRIX, None, None):
-        e = estimate(result.spec, render(result.spec))
+    runs = [(result, None) for result in simulate(ESTIMATE_MATRIX, None, None)]
+    for ref_mode in dict.fromkeys(mode for _, mode in DPO_ESTIMATE_MATRIX):
+        config = {"ref_mode": ref_mode}
+        specs = [spec for spec, mode in DPO_ESTIMATE_MATRIX if mode == ref_mode]
+        runs += [(result, config) for result in simulate(specs, None, None, config=config)]
+    for result, config in runs:
+        e = estimate(result.spec, render(result.spec), config=config)
         engines = engine_estimate(result, 79.6)
         simulated = result.peak + (engines["on_trainer_gpu"] if engines else 0)
         error = (e.peak - simulated) / simulated
         worst = max(worst, abs(error))
         s = result.spec
-        print(f"{s.model} {s.algo} x{s.gpus} {','.join(s.tricks) or '-'}: simulated "
+        mode = f" {result.dpo['ref_mode']}" if result.dpo else ""
+        print(f"{s.model} {s.algo}{mode} x{s.gpus} {','.join(s.tricks) or '-'}: simulated "
               f"{simulated / GIB:.2f} GiB, estimated {e.peak / GIB:.2f} GiB ({error:+.1%})")  # fmt: skip
         assert abs(error) <= ESTIMATE_TOLERANCE, (s, simulated / GIB, e)
     print(f"worst {worst:.1%}")
