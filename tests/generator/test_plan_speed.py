@@ -98,6 +98,20 @@ def test_extrapolation_refuses_steps_that_differ_between_depths():
     assert extrapolate_depth(a, {**b, "segments": []}, (3, 4), 10) is None
     with pytest.raises(ValueError, match="consecutive"):
         extrapolate_depth(a, b, (2, 4), 10)
+    # staged keys (DPO precomputed): each stage's peak from its own segments; the reference
+    # pass holds no block's bytes here (2 at both depths), the step grows 2 per block
+    ref_pass = [["reference pass", 0, "fw", 0, "gap"], {"activations": 2}, 2]
+    staged_a = {"segments": [ref_pass, [["training step", 0, "fw", 0, "gap"],
+                                        {"activations": 1}, 1]], "logits": 0}  # fmt: skip
+    staged_b = {"segments": [ref_pass, [["training step", 0, "fw", 0, "gap"],
+                                        {"activations": 3}, 3]], "logits": 0, "peak": 3,
+                "stages": {"reference pass": {}, "training step": {}}}  # fmt: skip
+    staged = extrapolate_depth(staged_a, staged_b, (3, 4), 10)
+    assert staged["peak"] == 15
+    assert staged["stages"] == {
+        "reference pass": {"categories": {"activations": 2}, "peak": 2},
+        "training step": {"categories": {"activations": 15}, "peak": 15},
+    }
 
 
 @pytest.mark.fast
