@@ -585,16 +585,16 @@ def _assert_stages_agree(sim: PlanResult, real: dict) -> None:
 
 def test_dpo_simulation_matches_real_steps(process_group, tiny_real_vocab_dir, tmp_path):
     """dpo and dpo-lora, 1 rank, 1 pair x 128 tokens, in every reference mode of their Config
-    (dpo: separate, the default, plain and with ac + lce; precomputed. dpo-lora: adapters-off,
-    the default; precomputed; its separate reference is dpo's `build_reference`, left out for
-    time): simulated = the same calls on real tensors. The micro-batch is chosen + rejected:
-    logits of 2 x 128 positions; the separate reference adds a frozen copy in bf16;
+    (dpo: separate, the default, plain and with packing + ac + lce; precomputed. dpo-lora:
+    adapters-off, the default; precomputed; its separate reference is dpo's `build_reference`,
+    left out for time): simulated = the same calls on real tensors. The micro-batch is chosen +
+    rejected: logits of 2 x 128 positions; the separate reference adds a frozen copy in bf16;
     adapters-off and precomputed add no parameters; precomputed's reference pass is a stage of
     its own, measured as one."""
     m = tiny_real_vocab_dir
     cases = [  # (spec, ref_mode)
         (_dpo_spec(m), "separate"),
-        (_dpo_spec(m, tricks=("ac", "lce")), "separate"),
+        (_dpo_spec(m, tricks=("packing", "ac", "lce")), "separate"),  # one pair per packed row
         (_dpo_spec(m), "precomputed"),
         (_dpo_spec(m, algo="dpo-lora"), "adapters-off"),
         (_dpo_spec(m, algo="dpo-lora"), "precomputed"),
