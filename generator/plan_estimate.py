@@ -64,8 +64,9 @@ class Estimate:
     spec: Spec
     peak: int  # the largest phase on a trainer GPU (non-GRPO: the trainer rank's peak)
     parts: dict  # name -> bytes at the peak moment
-    moment: str  # "forward", "backward", "optimizer step"; GRPO colocated may be "generation"
-    # or "weight sync"
+    # "forward", "backward", "optimizer step"; DPO precomputed may be "reference pass"; GRPO
+    # colocated may be "generation" or "weight sync"
+    moment: str
     world_size: int
     micro_batch_size: int
     max_seq_len: int
@@ -203,7 +204,7 @@ def estimate(
                            "update": 4 * trained / shard * (0 if "optim-in-bwd" in tricks else 0.25)},
     }  # fmt: skip
     if dpo:
-        _dpo_moments(moments, cfg, d, spec, dtype, shard, unwrapped, loss_tokens, vocab, tricks)
+        _dpo_moments(moments, cfg, d, dtype, shard, unwrapped, loss_tokens, vocab, tricks)
     moment = max(moments, key=lambda m: sum(moments[m].values()))
     parts = {k: int(v) for k, v in moments[moment].items()}
     if grpo:  # the largest phase of the layout on the trainer's GPU (`grpo_phases`)
@@ -225,7 +226,7 @@ def estimate(
 
 
 def _dpo_moments(
-    moments: dict, cfg: dict, d: dict, spec: Spec, dtype: int, shard: int, unwrapped: bool,
+    moments: dict, cfg: dict, d: dict, dtype: int, shard: int, unwrapped: bool,
     loss_tokens: float, vocab: float, tricks: set,
 ) -> None:  # fmt: skip
     """Add the DPO reference of the Config's ref_mode to `moments` (bytes, in place).
