@@ -15,6 +15,9 @@ What it counts, per trainer rank (bytes):
 - activations: bytes per token per decoder block (the recipe's: saved tensors of a block, or
   its input only under ac, plus one block recomputed), times the micro-batch's tokens;
 - the loss: the [T, V] logits and their fp32 work (none under lce but one chunk);
+- DPO: a micro-batch of P pairs is 2P sequences of max_seq_len tokens; the reference of the
+  Config's ref_mode (`_dpo_moments`): separate's frozen copy (and its root left gathered),
+  nothing for adapters-off, and for precomputed a "reference pass" moment before training;
 - GRPO: the largest phase of the layout on the trainer's GPU (`plan_report.grpo_phases`):
   split, the trainer peak (plus the engine where one shares its GPU); colocated, the max of the
   trainer step (+ a sleeping engine), the generation (the awake engine + what the trainer keeps
@@ -31,7 +34,14 @@ import math
 from dataclasses import dataclass
 
 from generator.features import PEFT_ALGOS
-from generator.plan_harness import GIB, adapter_params, is_grpo, model_dims, trained_bytes
+from generator.plan_harness import (
+    GIB,
+    adapter_params,
+    is_dpo,
+    is_grpo,
+    model_dims,
+    trained_bytes,
+)
 from generator.plan_report import HEADROOM, grpo_phases
 from generator.spec import Spec, model_config, trainer_gpus
 
@@ -56,8 +66,9 @@ class Estimate:
     spec: Spec
     peak: int  # the largest phase on a trainer GPU (non-GRPO: the trainer rank's peak)
     parts: dict  # name -> bytes at the peak moment
-    moment: str  # "forward", "backward", "optimizer step"; GRPO colocated may be "generation"
-    # or "weight sync"
+    # "forward", "backward", "optimizer step"; DPO precomputed may be "reference pass"; GRPO
+    # colocated may be "generation" or "weight sync"
+    moment: str
     world_size: int
     micro_batch_size: int
     max_seq_len: int
@@ -122,22 +133,27 @@ def _rollout(spec: Spec, cfg: dict, d: dict, seq: int) -> dict:
 
 def estimate(
     spec: Spec, script_text: str, micro_batch_size: int | None = None,
-    max_seq_len: int | None = None, gpu_gib: float = 79.6,
+    max_seq_len: int | None = None, gpu_gib: float = 79.6, config: dict | None = None,
 ) -> Estimate:  # fmt: skip
     """Estimate the per-rank peak of `spec`'s step (bytes) from arithmetic alone.
 
     Args:
-        script_text: the rendered train.py (its Config defaults: lengths, LoRA rank, engines).
+        script_text: the rendered train.py (its Config defaults: lengths, LoRA rank, engines,
+            DPO's ref_mode).
         micro_batch_size, max_seq_len: None = the Config's (GRPO: max_seq_len is prompt +
-            completion, the prompt keeping max_prompt_len).
+            completion, the prompt keeping max_prompt_len; DPO: micro_batch_size is pairs, each
+            two sequences of max_seq_len).
         gpu_gib: the GPU's memory in GiB (vLLM engines sharing a trainer GPU take a share of it).
+        config: Config values instead of the script's defaults ({field: value}, as `simulate`'s
+            config), e.g. {"ref_mode": "precomputed"}.
 
     Raises:
         KeyError: the script has no Config field the estimate needs.
     """
-    cfg = config_defaults(script_text)
+    cfg = {**config_defaults(script_text), **(config or {})}
     d = model_dims(model_config(spec))
     grpo = is_grpo(spec)
+    dpo = is_dpo(spec)
     world = trainer_gpus(spec) * spec.nodes
     shard = world // spec.dp_replicate  # ranks one parameter is split over (TP's share included)
     mbs = micro_batch_size or cfg["micro_batch_size"]
@@ -147,6 +163,8 @@ def estimate(
     else:
         seq = max_seq_len or cfg["max_seq_len"]
     tokens = mbs * -(-seq // spec.tp) / spec.cp  # per rank: sequence parallel and cp split rows
+    if dpo:  # a pair is two sequences (chosen, rejected): 2P rows, or P packed rows of 2S
+        tokens *= 2
     dtype = 4 if spec.dtype == "fp32" else 2
     tricks = set(spec.tricks)
     adapters = "lora" in spec.algo or spec.algo in ("qlora", "dora")
@@ -196,6 +214,8 @@ def estimate(
         "optimizer step": {"parameters": params, "gradients": grads, "optimizer state": state,
                            "update": master * trained / shard * (0 if "optim-in-bwd" in tricks else 0.25)},
     }  # fmt: skip
+    if dpo:
+        _dpo_moments(moments, cfg, d, dtype, shard, unwrapped, loss_tokens, vocab, tricks)
     moment = max(moments, key=lambda m: sum(moments[m].values()))
     engine_ok = True
     parts = {k: int(v) for k, v in moments[moment].items()}
@@ -216,6 +236,38 @@ def estimate(
         spec=spec, peak=sum(parts.values()), parts=parts, moment=moment, world_size=world,
         micro_batch_size=mbs, max_seq_len=seq, engine_ok=engine_ok,
     )  # fmt: skip
+
+
+def _dpo_moments(
+    moments: dict, cfg: dict, d: dict, dtype: int, shard: int, unwrapped: bool,
+    loss_tokens: float, vocab: float, tricks: set,
+) -> None:  # fmt: skip
+    """Add the DPO reference of the Config's ref_mode to `moments` (bytes, in place).
+
+    A reference's no-grad forward (separate, adapters-off) runs after the policy's, with the
+    policy's activations live; its loss work, the [T, V] fp32 upcast and log_softmax (8 bytes
+    per logit; lce: two fp32 chunks of 1/8 of the tokens), is the size of the backward's first
+    [T, V] gradients, which the "loss" part already counts (simulated: Llama 3.1 8B x8, a
+    dpo-lora step peaks at the same bytes with adapters-off as with precomputed), so it adds no
+    moment of its own. What it does add:
+
+    - separate: a frozen copy in the dtype, sharded like the policy, resident through the
+      step, and its root (embedding, head) left gathered after its forward (FSDP does not
+      reshard a root after forward, and no backward comes);
+    - adapters-off: nothing (the policy itself, no second model);
+    - precomputed: a "reference pass" moment before training: the parameters, the gathered
+      copies and that forward's loss work, no optimizer state yet (created at the first step).
+    """
+    mode = cfg.get("ref_mode", "separate")
+    if mode == "precomputed":
+        no_grad_loss = loss_tokens * vocab * 4 * 2 / (8 if "lce" in tricks else 1)
+        moments["reference pass"] = {
+            "parameters": moments["forward"]["parameters"], "loss": no_grad_loss,
+        }  # fmt: skip
+    elif mode == "separate":
+        gathered_root = 0 if unwrapped else 2 * d["root"]
+        for moment in moments:
+            moments[moment]["reference"] = dtype * d["params"] / shard + gathered_root
 
 
 def estimate_fits(e: Estimate, gpu_gib: float) -> bool:

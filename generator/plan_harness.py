@@ -8,7 +8,8 @@ only file a torch upgrade should have to touch. The verdict and the report are i
 
 The planner renders the script of a Spec into a temporary directory, imports it, and runs the
 script's own functions (`setup_distributed`, `setup_model`, `build_optimizer`, `train_step`;
-for GRPO `setup_model` and its rollout `train_step`) for two optimizer steps under
+for GRPO `setup_model` and its rollout `train_step`; for DPO also `build_reference` and its pair
+`train_step`) for two optimizer steps under
 `FakeTensorMode` (tensors carry shapes and dtypes, no memory), with a fake process group of the
 trainer's world size (`trainer_gpus(spec) * nodes`: `gpus * nodes`, less GRPO's engine GPUs;
 backend "fake", so collectives are no-ops) and PyTorch's `MemTracker` counting every tensor by
@@ -55,6 +56,19 @@ What is simulated, and what is not:
   temporaries) at a time after the gradients are freed, below the step's peak. With
   `--weight_transfer object-store` rank 0 keeps the gathered bf16 weights in host memory for the
   push, which the plan does not count; the collective transfer (vLLM's default) keeps none.
+- DPO (dpo, dpo-lora; `measure_dpo_step`): a micro-batch is micro_batch_size pairs, as the
+  script's collate batches them: 2 x micro_batch_size rows of max_seq_len tokens (the chosen
+  rows, then their rejected ones; with --tricks packing, one pair per packed row of
+  2 x max_seq_len), every position supervised, one micro-batch per step. The reference is the
+  script's Config `ref_mode` (its default: dpo separate, dpo-lora adapters-off; `scaffold plan
+  DIR` plans an edited one, `simulate(config={"ref_mode": ...})` any): separate builds the frozen
+  copy (`build_reference`, sharded like the policy, in the compute dtype) and runs its no-grad
+  forward per micro-batch; adapters-off runs the policy once more with its adapters off, no
+  second model; precomputed first runs the one-off pass over the pairs that main() runs before
+  training (the runtime's `precompute_reference_logprobs` with the script's log-prob function,
+  two micro-batches per rank), then the steps, which read the table. That pass and the steps
+  are two stages, each with its own peak (`PlanResult.stages`); the plan's peak is the larger
+  and the report says which. Not simulated: ref_device="cpu" (the reference in host memory).
 - Data-dependent branches take the path of a healthy step: `torch.isfinite(grad_norm)` is True
   (the optimizer steps), a boolean mask selects every position (GRPO's label mask: the
   completion tokens, as many as its rows have), and a number read on the host (the step's
@@ -71,7 +85,7 @@ What is simulated, and what is not:
 - Not simulated (the plan says so instead of printing a number): --tricks compile (inductor
   fuses temporaries, which fake tensors cannot model), offload (pinned host copies on a side
   stream), --algo qlora (NF4 quantization happens inside the checkpoint load), kd (the teacher is
-  loaded from disk), dpo and dpo-lora (their own skeleton, not yet driven by the planner).
+  loaded from disk).
 
 Reference: torchtitan `scripts/estimate/estimation.py` (FakeTensorMode + fake process group +
 FSDPMemTracker around one training step); PyTorch `torch.distributed._tools.mem_tracker`.
@@ -110,11 +124,11 @@ UNSIMULATED_TRICKS = {
     "compile": "inductor fuses temporaries, which fake tensors cannot model",
     "offload": "activations move to pinned host memory on a side stream, outside the simulation",
 }
+# Algorithms the planner refuses, with why (the SFT skeleton's sft and lora, the GRPO skeleton's
+# GRPO_SIMULATED and the DPO skeleton's dpo and dpo-lora are simulated)
 UNSIMULATED_ALGOS = {
     "qlora": "NF4 quantization of the base happens inside the checkpoint load, which the plan skips",
     "kd": "the teacher is loaded from disk while the model is built",
-    "dpo": "the DPO skeleton is not driven by the planner yet",
-    "dpo-lora": "the DPO skeleton is not driven by the planner yet",
 }
 # MemTracker category -> row of the report
 ROWS = {
@@ -197,6 +211,11 @@ class PlanResult:
     # the decoder depths simulated when the model's own depth was extrapolated from them
     # (`extrapolate_depth`); None: every block simulated
     simulated_depths: list | None = None
+    # DPO: {"ref_mode", "pairs" per micro-batch, "sequences" (2 x pairs)}; None otherwise
+    dpo: dict | None = None
+    # DPO precomputed: each stage's peak, {"reference pass" | "training step": {"categories",
+    # "peak"}} (bytes); `peak` is the larger of the two. None: one stage (the step)
+    stages: dict | None = None
 
     def to_json(self) -> dict:
         return {**asdict(self), "spec": asdict(self.spec)}
@@ -210,6 +229,11 @@ class PlanResult:
 def is_grpo(spec: Spec) -> bool:
     """The spec renders the GRPO skeleton (rollouts, engines, `setup_model`)."""
     return ALGOS[spec.algo].skeleton == "grpo"
+
+
+def is_dpo(spec: Spec) -> bool:
+    """The spec renders the DPO skeleton (preference pairs, a reference: `measure_dpo_step`)."""
+    return ALGOS[spec.algo].skeleton == "dpo"
 
 
 def has_adapters(spec: Spec) -> bool:
@@ -476,6 +500,10 @@ _BLOCK = re.compile(r"\.layers\.(\d+)(?:\.|$)")  # a decoder block's FQN in ModT
 def _peak_tracker(num_layers: int | None = None):
     """PyTorch's MemTracker reduced to the global peak by category.
 
+    `start_stage(name)` starts a stage (DPO precomputed: the reference pass, then the training
+    step): from then on the peak of the stage is kept too (`stage_peaks`: name -> {category
+    name: bytes}), and its segments' keys start with its name.
+
     With `num_layers` (the model's decoder depth, >= 3) it also keeps the peak of every segment
     of the step (`segment_peaks`: segment key -> {category name: bytes}), for the depth
     extrapolation (`extrapolate_depth`). A segment is named so that the same key exists at every
@@ -507,8 +535,24 @@ def _peak_tracker(num_layers: int | None = None):
             self.segment_peaks: dict[tuple, dict] = {}
             self._phase, self._kind = -1, None
             self._sweep, self._visited = 0, set()
+            # DPO's precomputed reference: its one-off pass and the training steps are stages,
+            # each with its own peak (`stage_peaks`: name -> {category name: bytes}) and its own
+            # segments (the stage name leads their keys)
+            self.stage: str | None = None
+            self.stage_peaks: dict[str, dict] = {}
+
+        def start_stage(self, name: str) -> None:
+            """What runs from here on is stage `name`: its segments are counted from its own
+            first phase, so their keys are the same at every depth."""
+            self.stage = name
+            self._phase, self._kind = -1, None
+            self._sweep, self._visited = 0, set()
 
         def _segment_key(self) -> tuple:
+            key = self._stage_segment_key()
+            return key if self.stage is None else (self.stage, *key)
+
+        def _stage_segment_key(self) -> tuple:
             kind = "bw" if self._mod_tracker.is_bw else "opt" if self._in_opt else "fw"
             if kind != self._kind:  # a new phase starts before any block of it
                 self._phase, self._kind = self._phase + 1, kind
@@ -528,6 +572,11 @@ def _peak_tracker(num_layers: int | None = None):
 
         def _update_peak_stats(self, peak_state):
             super()._update_peak_stats(peak_state)
+            if self.stage is not None and self._curr_mem_snap:
+                (snap,) = self._curr_mem_snap.values()  # one device
+                best = self.stage_peaks.get(self.stage)
+                if best is None or best[_TOTAL] < snap[_TOTAL]:
+                    self.stage_peaks[self.stage] = {_name(k): v for k, v in snap.items()}
             if num_layers is None:
                 return
             key = self._segment_key()
@@ -691,6 +740,153 @@ def measure_step(
     measured = {
         "categories": categories, "peak": peak, "logits": logits[0],
         "micro_batch_size": micro_batch_size, "max_seq_len": max_seq_len, "dtype": cfg.dtype,
+    }  # fmt: skip
+    if segments:
+        measured["segments"] = _segments(tracker)
+    return measured
+
+
+def synthetic_pairs(pairs: int, max_seq_len: int, packing: bool, first_id: int = 0) -> dict:
+    """A collated DPO micro-batch of `pairs` preference pairs, every position supervised, in the
+    layout of the DPO script's collate: input_ids and labels [2P, S] int64 (the P chosen rows,
+    then their P rejected ones), num_tokens, sample_ids [P] (the pair ids first_id..).
+
+    packing: the script's `collate_preference_packs` layout with one pair per row, its two
+    sequences of max_seq_len tokens each (a row holds 2 * max_seq_len, the pair's two unpacked
+    rows: the most tokens a packed row can hold): input_ids, labels, position_ids (restarting
+    per sequence), document_ids (0 chosen, 1 rejected) and sequence_ids (row b: b chosen,
+    P + b rejected), all [P, 2S] int64.
+    """
+    import torch
+
+    P, S = pairs, max_seq_len
+    ids = torch.arange(first_id, first_id + P)
+    if not packing:
+        return {
+            "input_ids": torch.zeros(2 * P, S, dtype=torch.long),
+            "labels": torch.zeros(2 * P, S, dtype=torch.long),  # 0 != IGNORE_INDEX: supervised
+            "num_tokens": torch.tensor(2 * P * S),
+            "sample_ids": ids,
+        }
+    halves = torch.arange(2 * S) // S  # [2S]: 0 on the chosen sequence, 1 on the rejected one
+    return {
+        "input_ids": torch.zeros(P, 2 * S, dtype=torch.long),
+        "labels": torch.zeros(P, 2 * S, dtype=torch.long),
+        "position_ids": (torch.arange(2 * S) % S).expand(P, 2 * S).contiguous(),
+        "document_ids": halves.expand(P, 2 * S).contiguous(),
+        "sequence_ids": (torch.arange(P)[:, None] + P * halves).contiguous(),
+        "num_tokens": torch.tensor(2 * P * S),
+        "sample_ids": ids,
+    }
+
+
+REFERENCE_PASS, TRAINING_STEP = "reference pass", "training step"  # DPO precomputed's stages
+
+
+def measure_dpo_step(
+    script, model_dir: Path, micro_batch_size: int | None, max_seq_len: int | None, spec: Spec,
+    fake: bool, config: dict | None = None, segments: bool = False,
+) -> dict:  # fmt: skip
+    """The DPO script's model, reference and two `train_step`s under `MemTracker`, as its main()
+    runs them for the Config's ref_mode (the script's default, or `config`'s):
+
+    - separate: `build_reference` (a frozen copy, parallelized like the policy; one no-grad
+      forward per micro-batch in `pair_losses`);
+    - adapters-off (dpo-lora): no second model, the policy's no-grad forward with its adapters
+      off (`base_logprobs`);
+    - precomputed: first the one-off pass over the pairs before training, the runtime's
+      `precompute_reference_logprobs` with the script's log-prob function (main's: `base_logprobs`
+      where the script has it, else `sequence_logprobs`), on two micro-batches per rank (the
+      second holds what the first does; a real run's [N, 2] fp32 table of N pairs is N x 8
+      bytes), then the steps, which read the table. The two are stages of the measurement, each
+      with its own peak ("stages"); the peak is the larger.
+
+    A micro-batch is micro_batch_size pairs, 2 x micro_batch_size sequences of max_seq_len
+    tokens (`synthetic_pairs`), one per step (gradient_accumulation_steps = 1).
+
+    Needs a default process group; fake as `measure_step`.
+
+    Returns:
+        as `measure_step`, plus "dpo": {"ref_mode", "pairs" (per micro-batch), "sequences"},
+        and "stages": {stage: {"categories", "peak"}} for precomputed, else None.
+
+    Raises:
+        PlanError: ref_device="cpu" (a full reference copy in host memory, and its forward on
+            the CPU: not GPU memory, which the plan's one device cannot tell apart).
+    """
+    import functools
+
+    from runtime.parallel import data_parallel
+    from runtime.preference import precompute_reference_logprobs
+
+    sizes = {"micro_batch_size": micro_batch_size, "max_seq_len": max_seq_len}
+    cfg = config_with(
+        script, config, model=str(model_dir), device="cpu",
+        **{k: v for k, v in sizes.items() if v is not None},
+    )  # fmt: skip
+    script.validate(cfg)
+    if cfg.ref_device == "cpu":
+        raise PlanError(
+            "scaffold plan cannot simulate ref_device='cpu': the reference is a full copy in host "
+            "memory and its forward runs on the CPU, which the plan's one simulated device cannot "
+            "tell apart from GPU memory; plan ref_device='auto' (the reference sharded on the "
+            "GPUs: an upper bound of the GPU memory with the reference on the CPU)"
+        )
+    P, S, packing = cfg.micro_batch_size, cfg.max_seq_len, "packing" in spec.tricks
+    dist_info, mesh = script.setup_distributed(cfg)
+    dp_rank, dp_size, _ = data_parallel(mesh)
+    device = dist_info.device
+    stages = cfg.ref_mode == "precomputed"
+    with _simulated_build(script, fake):
+        with _fake_to_empty() if fake else contextlib.nullcontext(), _real_mesh_ops():
+            model = script.setup_model(cfg, model_dir, mesh, device)
+            reference = None
+            if cfg.ref_mode == "separate":
+                reference = script.build_reference(cfg, model_dir, mesh, device)
+        optimizer, scheduler = script.build_optimizer(cfg, model)
+        logits = [0]
+        hook = model.lm_head.register_forward_hook(
+            lambda mod, args, out: logits.__setitem__(0, max(logits[0], out.nbytes))
+        )
+        tracker = _peak_tracker(_num_layers(model_dir) if segments else None)
+        optimizers = getattr(optimizer, "optimizers", optimizer)  # optimizer-in-backward
+        tracker.track_external(model, optimizers, *([reference] if reference else []))
+        answers = _data_dependent_answers() if fake else contextlib.nullcontext()
+        propagation = _separate_propagation_fake_mode() if fake else contextlib.nullcontext()
+        ref_cache = None
+        with propagation, tracker, answers:
+            if stages:
+                tracker.start_stage(REFERENCE_PASS)
+                if hasattr(script, "base_logprobs"):  # dpo-lora: the base, adapters off
+                    logprob_fn = functools.partial(script.base_logprobs, cfg=cfg)
+                else:
+                    logprob_fn = lambda m, b: script.sequence_logprobs(m, b, cfg)[0]  # noqa: E731
+                # every rank scores its shard of the pairs: 2 micro-batches here
+                examples = [{"id": i} for i in range(2 * P * dp_size)]
+
+                def collate(rows: list[dict]) -> dict:
+                    return synthetic_pairs(len(rows), S, packing, rows[0]["id"])
+
+                ref_cache = precompute_reference_logprobs(
+                    model, examples, logprob_fn, collate, P, dp_rank, dp_size, device
+                )
+                tracker.start_stage(TRAINING_STEP)
+            batch = synthetic_pairs(P, S, packing)
+            for _ in range(2):  # step 1 creates the optimizer state; step 2 holds it
+                script.train_step(
+                    model, reference, ref_cache, optimizer, scheduler, [batch], cfg, device
+                )
+        hook.remove()
+        categories, peak = _peak_rows(tracker)
+    del model, reference, optimizer, scheduler
+    measured = {
+        "categories": categories, "peak": peak, "logits": logits[0],
+        "micro_batch_size": P, "max_seq_len": S, "dtype": cfg.dtype,
+        "dpo": {"ref_mode": cfg.ref_mode, "pairs": P, "sequences": 2 * P},
+        "stages": {
+            name: {"categories": _rows(snap), "peak": snap[_TOTAL]}
+            for name, snap in tracker.stage_peaks.items()
+        } if stages else None,
     }  # fmt: skip
     if segments:
         measured["segments"] = _segments(tracker)
@@ -1060,6 +1256,10 @@ def _measure_here(
                 script, model_dir, micro_batch_size, max_seq_len, spec, True, kl_coef,
                 config=config, segments=segments, engine_model_dir=engine_model_dir,
             )  # fmt: skip
+        if is_dpo(spec):
+            return measure_dpo_step(
+                script, model_dir, micro_batch_size, max_seq_len, spec, True, config, segments
+            )
         return measure_step(
             script, model_dir, micro_batch_size, max_seq_len, spec, True, config, segments
         )
@@ -1100,9 +1300,13 @@ def extrapolate_depth(a: dict, b: dict, depths: tuple[int, int], depth: int) -> 
     the largest segment's. Exact (equal bytes) where the blocks are identical; the tests check it
     against the full simulation.
 
+    Segments whose key starts with a stage name (DPO's precomputed reference: "reference pass",
+    "training step"; `_peak_tracker`) also give each stage's peak, the largest of its segments.
+
     Returns:
-        b with "categories" and "peak" extrapolated ("segments" dropped), or None when a and b
-        have different segments or logits (the step is not the same at both depths).
+        b with "categories" and "peak" extrapolated ("segments" dropped; "stages", where b has
+        them, extrapolated too), or None when a and b have different segments or logits (the
+        step is not the same at both depths).
     """
     (ka, kb) = depths
     if kb - ka != 1:
@@ -1112,15 +1316,19 @@ def extrapolate_depth(a: dict, b: dict, depths: tuple[int, int], depth: int) -> 
     if seg_a.keys() != seg_b.keys() or a["logits"] != b["logits"]:
         return None
     steps = depth - kb
-    best = None
+    best, stages = None, {}
     for key, (rows_b, total_b) in seg_b.items():
         rows_a, total_a = seg_a[key]
         rows = {row: n + steps * (n - rows_a[row]) for row, n in rows_b.items()}
         total = total_b + steps * (total_b - total_a)
         if best is None or total > best[1]:
             best = (rows, total)
+        if isinstance(key[0], str) and (key[0] not in stages or total > stages[key[0]]["peak"]):
+            stages[key[0]] = {"categories": rows, "peak": total}
     extrapolated = {k: v for k, v in b.items() if k != "segments"}
     extrapolated["categories"], extrapolated["peak"] = best
+    if b.get("stages"):
+        extrapolated["stages"] = stages
     return extrapolated
 
 

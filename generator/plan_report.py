@@ -47,7 +47,11 @@ def parse_gpu_memory(value: str) -> tuple[str, float]:
 
 
 def plan_command(spec: Spec, gpu_memory: str) -> str:
-    """The `scaffold plan` command line for `spec` (non-default options only)."""
+    """The `scaffold plan` command line for `spec` (non-default options only); a spec whose
+    recipe `scaffold new` chose (`fit_for`) is planned from its directory, whose script holds
+    what the options cannot say (dpo's chosen reference mode)."""
+    if spec.fit_for:
+        return shlex.join(["scaffold", "plan", spec.out, "--gpu-memory", gpu_memory])
     default = Spec()
     parts = ["scaffold", "plan", "--algo", spec.algo, "--model", spec.model]
     if spec.peft != default.peft:
@@ -130,7 +134,8 @@ def trainer_resident(r: dict) -> dict:
     world, trained, full = r["trainer_ranks"], r["trained_params"], r["num_params"]
     frozen = full if trained != full else 0  # LoRA: the whole base, frozen, beside the adapters
     return {
-        "trainer weights": (r["weight_bytes_trained"] * trained + r["dtype_bytes"] * frozen) / world,
+        "trainer weights": (r["weight_bytes_trained"] * trained + r["dtype_bytes"] * frozen)
+        / world,
         "reference": r["dtype_bytes"] * full / world if r["reference"] else 0,
         "optimizer state": 0 if r["offload_optimizer"] else r["optimizer_bytes"] * trained / world,
     }
@@ -273,6 +278,12 @@ def format_result(result: PlanResult, gpu_label: str, gpu_gib: float) -> str:
             f"ones hold the same memory); {reference}"
         )
         head = f"memory per trainer rank: {describe_spec(r.spec)}; {step}"
+    elif r.dpo:
+        head = (
+            f"memory per rank: {describe_spec(r.spec)}; micro-batch {r.dpo['pairs']} pair(s) = "
+            f"{r.dpo['sequences']} sequences (chosen + rejected) x {r.max_seq_len} tokens (every "
+            f"position supervised); {_dpo_reference(r)}"
+        )
     else:
         head = (
             f"memory per rank: {describe_spec(r.spec)}; micro-batch {r.micro_batch_size} x "
@@ -317,6 +328,31 @@ def format_result(result: PlanResult, gpu_label: str, gpu_gib: float) -> str:
     if engines:
         lines.append(_format_engines(r, engines, gpu_label, gpu_gib))
     return "\n".join(lines)
+
+
+def _dpo_reference(r: PlanResult) -> str:
+    """The DPO plan's reference clause: what the Config's ref_mode holds, and for precomputed
+    which stage the peak below is (the larger one)."""
+    mode = r.dpo["ref_mode"]
+    change = "(the script's Config ref_mode; `scaffold plan DIR` plans an edited one)"
+    if mode == "separate":
+        return (
+            f"reference: separate {change}, a frozen copy sharded like the policy in the compute "
+            "dtype, one no-grad forward per micro-batch"
+        )
+    if mode == "adapters-off":
+        return (
+            f"reference: adapters-off {change}, the policy with its adapters off, one more "
+            "no-grad forward per micro-batch, no second model"
+        )
+    stages = r.stages
+    ref, step = stages["reference pass"]["peak"], stages["training step"]["peak"]
+    larger = "the reference pass" if ref > step else "the training step"
+    return (
+        f"reference: precomputed {change}, one no-grad pass of the untrained policy over every "
+        f"pair before training (its peak {ref / GIB:.2f} GiB; the training step's "
+        f"{step / GIB:.2f} GiB), then only the policy is resident; the rows below are {larger}'s"
+    )
 
 
 def _format_phases(p: dict, ro: dict) -> list[str]:

@@ -36,7 +36,12 @@ from generator.spec.core import ROLLOUT_ALGOS
 
 # Algorithms the estimate models (their frozen parts included): the ones a recipe is chosen for.
 # kd's teacher and qlora's NF4 base are outside the estimate, so they keep the plain default.
-RECIPE_ALGOS = ("sft", "lora", "grpo", "grpo-lora")
+RECIPE_ALGOS = ("sft", "lora", "dpo", "dpo-lora", "grpo", "grpo-lora")
+# dpo's reference under a chosen recipe: the precomputed log-probs (one pass before training, then
+# only the policy is resident), not the separate frozen copy (a second model's shards); the
+# script's Config default follows (`generator.spec.answers`). dpo-lora's default (adapters-off)
+# has no second copy already.
+CHOSEN_REF_MODE = {"dpo": "precomputed"}
 # The chosen recipe's estimate must fit in this share of the usable memory (after the planner's
 # HEADROOM): the estimate is within 15% of the simulation on its test matrix, and 10% under it
 # on 70B GRPO colocated with bf16-sr,adamw8bit (67 GiB estimated, 74 simulated: at 0.95 that set
@@ -69,6 +74,7 @@ class Candidate:
     spec: Spec  # the spec with the candidate's tricks (and GRPO layout), fit_for unset
     peak: int  # estimated bytes per (trainer) GPU
     fits: bool  # within RECIPE_MARGIN of the usable memory, and the engines fit (GRPO)
+    ref_mode: str = ""  # dpo: the reference mode estimated ("" = the script's default)
 
     @property
     def tricks(self) -> tuple[str, ...]:
@@ -131,14 +137,17 @@ def candidates(spec: Spec, gpu_gib: float, vary_layout: bool = False) -> list[Ca
             if not any(o in combo for t in combo for o in TRICKS[t].conflicts):
                 sets.append(combo)
     out = []
+    ref_mode = CHOSEN_REF_MODE.get(spec.algo, "")
     for layout in _layouts(replace(spec, fit_for=""), vary_layout):
         text = render_raw(layout)
         for added in sets:
             trial = replace(layout, tricks=_ordered(layout, added))
             if added and not _valid(trial):
                 continue
-            e = estimate(trial, text, gpu_gib=gpu_gib)
-            out.append(Candidate(trial, e.peak, e.peak <= budget and e.engine_ok))
+            for mode in ("", ref_mode) if not out and ref_mode else (ref_mode,):
+                config = {"ref_mode": mode} if mode else None
+                e = estimate(trial, text, gpu_gib=gpu_gib, config=config)
+                out.append(Candidate(trial, e.peak, e.peak <= budget and e.engine_ok, mode))
     first, rest = out[0], sorted(out[1:], key=_sort_key)
     return [first, *rest]
 
@@ -177,7 +186,7 @@ def choose_recipe(spec: Spec, gpu: tuple[str, float], vary_layout: bool = False)
     (`applies`), if the spec as given fits, or if no candidate fits (then `scaffold plan`'s
     search suggests more GPUs); else the first fitting candidate (its tricks; GRPO with
     `vary_layout`: also its layout and engine_tp), with `fit_for=name`."""
-    if not applies(spec) or not _valid(spec):
+    if not _valid(spec) or not applies(spec):  # validate_spec names a bad option first
         return spec
     found = candidates(spec, gpu[1], vary_layout)
     if found[0].fits:
@@ -205,9 +214,13 @@ def recipe_rows(spec: Spec) -> list[tuple[str, str, str, float, bool]]:
         at_rank = [c for c in found if precision_rank(c.tricks) == rank]
         if not at_rank:
             continue
-        mine = [c for c in at_rank if c.spec == replace(spec, fit_for="")]
+        mine = [
+            c for c in at_rank
+            if c.spec == replace(spec, fit_for="")
+            and c.ref_mode == CHOSEN_REF_MODE.get(spec.algo, "")
+        ]  # fmt: skip
         best = mine[0] if mine else min(at_rank, key=lambda c: c.peak)
-        if best is not found[0]:
+        if best is not found[0] and _row(best) not in rows:
             rows.append(_row(best))
     return rows
 
@@ -222,6 +235,8 @@ def _row(c: Candidate) -> tuple[str, str, str, float, bool]:
     layout = ""
     if c.spec.algo in ROLLOUT_ALGOS and c.spec.gpus > 1:
         layout = f" ({c.spec.layout}, engine_tp {c.spec.engine_tp})"
+    if c.spec.algo in CHOSEN_REF_MODE:
+        layout = f" (reference {c.ref_mode or 'separate'})"
     return (
         PRECISION_NAMES[precision_rank(c.tricks)],
         (",".join(c.tricks) or "(none)") + layout,

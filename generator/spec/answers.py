@@ -129,6 +129,8 @@ def _recipe_lines(spec: Spec) -> str:
 
 def build_answers(spec: Spec) -> dict:
     """Every value the templates print, computed once (after `validate_spec`)."""
+    from generator.recipe import CHOSEN_REF_MODE
+
     validate_spec(spec)
     entry = MODELS.get(spec.model)
     if entry:
@@ -208,7 +210,12 @@ def build_answers(spec: Spec) -> dict:
         "adapters": algo.template == "lora",
         "ref_modes": list(ref_modes),
         "ref_modes_literal": repr(tuple(ref_modes)),
-        "ref_mode": ref_modes[0] if ref_modes else "",
+        # a recipe chosen for the GPU (`generator.recipe`): dpo's reference that fits with it
+        "ref_mode": (
+            CHOSEN_REF_MODE.get(spec.algo, ref_modes[0] if ref_modes else "")
+            if spec.fit_for
+            else (ref_modes[0] if ref_modes else "")
+        ),
         "ref_mode_help": {m: REF_MODE_HELP[m] for m in ref_modes},
         # GRPO's default generator engine: the runtime's KV-cache sampler for one process (CPU
         # or a single GPU), vLLM (one GPU per engine actor) for multi-GPU specs

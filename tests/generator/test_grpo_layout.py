@@ -53,8 +53,19 @@ def test_70b_script_config_and_launch_line(tmp_path):
     out = tmp_path / "g70"
     result = CliRunner().invoke(
         cli,
-        ["new", "--algo", "grpo", "--model", "llama3.3-70b", "--gpus", "8", "--tricks", "none",
-         "--out", str(out)],  # fmt: skip
+        [
+            "new",
+            "--algo",
+            "grpo",
+            "--model",
+            "llama3.3-70b",
+            "--gpus",
+            "8",
+            "--tricks",
+            "none",
+            "--out",
+            str(out),
+        ],  # fmt: skip
     )
     assert result.exit_code == 0, result.output
     assert "torchrun --nproc-per-node 4)" in result.output

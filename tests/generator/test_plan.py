@@ -1,7 +1,7 @@
 """`scaffold plan`: the fake-tensor simulation of the emitted step agrees with the same step run on
-real tensors (PyTorch's MemTracker on CPU; 1 process and 2 gloo ranks), for the SFT skeleton and
-GRPO's trainer, and the verdict, the GRPO engines' estimate and the suggestions follow from the
-numbers.
+real tensors (PyTorch's MemTracker on CPU; 1 process and 2 gloo ranks), for the SFT skeleton,
+GRPO's trainer and the DPO skeleton (every reference mode), and the verdict, the GRPO engines'
+estimate and the suggestions follow from the numbers.
 
 The tiny models here keep the real 49,152-token vocabulary (`tiny_real_vocab_dir`): the output
 layer and the [T, V] logits dominate a real LLM's step memory, and the bounds below (the peak a
@@ -30,6 +30,7 @@ from generator.plan import (
     fits,
     format_result,
     import_script,
+    measure_dpo_step,
     measure_grpo_step,
     measure_step,
     parse_gpu_memory,
@@ -214,12 +215,20 @@ def test_new_prints_the_plan_summary(tiny_real_vocab_dir, tmp_path):
     assert f"GiB of 71.6 usable per GPU (estimate; {command}" in result.output
     assert "--gpu-memory h100-80` simulates it)" in result.output
     result = CliRunner().invoke(
-        cli, ["new", "--algo", "dpo", *model, "--out", str(tmp_path / "c"), "--gpu-memory", "24"]
+        cli, ["new", "--algo", "qlora", *model, "--out", str(tmp_path / "c"), "--gpu-memory", "24"]
     )
     assert result.exit_code == 0 and (tmp_path / "c" / "train.py").exists(), result.output
     assert (
-        "memory per GPU: not simulated: scaffold plan cannot simulate --algo dpo" in result.output
+        "memory per GPU: not simulated: scaffold plan cannot simulate --algo qlora" in result.output
     )
+    # DPO is simulated: its pairs, its Config's reference, the verdict
+    result = CliRunner().invoke(
+        cli, ["new", "--algo", "dpo", *model, "--out", str(tmp_path / "d"), "--gpu-memory", "24"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "pair(s) = 8 sequences (chosen + rejected)" in result.output
+    assert "reference: separate (the script's Config ref_mode" in result.output
+    assert "verdict: fits on 24 GiB" in result.output
 
 
 # --- GRPO: the trainer simulated on synthetic rollouts, the engines estimated ------------------
@@ -537,6 +546,106 @@ def test_cli_new_grpo_lora_prints_its_plan_command(tiny_real_vocab_dir, tmp_path
         result.output
     )
     check_simulable(Spec(algo="grpo-lora", model=str(tiny_real_vocab_dir)), None, None, kl_coef=0.1)
+
+
+# --- DPO: pairs (chosen + rejected rows), every reference mode -----------------------------
+
+# 1 pair = 2 sequences of 128 tokens per micro-batch: the [2P x S, V] logits of the real vocab
+# are most of the tiny model's step, as in the SFT cases above
+DPO_MBS, DPO_SEQ = 1, 128
+
+
+def _dpo_spec(model_dir: Path, **kw) -> Spec:
+    return Spec(**{"algo": "dpo", "model": str(model_dir), "dataset": "dpo_en_demo.json", **kw})
+
+
+def _measure_real_dpo(spec: Spec, model_dir: Path, tmp: Path, ref_mode: str) -> dict:
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "train.py").write_text(render(spec))
+    script = import_script(tmp / "train.py", f"plan_dpo_real_{tmp.parent.name}_{tmp.name}")
+    config = {"ref_mode": ref_mode}
+    return measure_dpo_step(script, model_dir, DPO_MBS, DPO_SEQ, spec, False, config)
+
+
+def _real_dpo_rank(rank, world_size, spec_json, model_dir, tmp, ref_mode):
+    data = json.loads(spec_json)
+    spec = Spec(**dict(data, tricks=tuple(data["tricks"])))
+    return _measure_real_dpo(spec, Path(model_dir), Path(tmp) / f"rank{rank}", ref_mode)
+
+
+def _assert_stages_agree(sim: PlanResult, real: dict) -> None:
+    """precomputed: the reference pass's and the training step's own peaks, each within
+    TOLERANCE of the real run's, and the plan's peak the larger."""
+    assert sim.stages.keys() == real["stages"].keys() == {"reference pass", "training step"}
+    for name, stage in sim.stages.items():
+        measured = real["stages"][name]["peak"]
+        assert abs(stage["peak"] - measured) / measured <= TOLERANCE, (name, stage, measured)
+    assert sim.peak == max(stage["peak"] for stage in sim.stages.values())
+
+
+def test_dpo_simulation_matches_real_steps(process_group, tiny_real_vocab_dir, tmp_path):
+    """dpo and dpo-lora, 1 rank, 1 pair x 128 tokens, in every reference mode of their Config
+    (dpo: separate, the default, plain and with packing + ac + lce; precomputed. dpo-lora:
+    adapters-off, the default; precomputed; its separate reference is dpo's `build_reference`,
+    left out for time): simulated = the same calls on real tensors. The micro-batch is chosen +
+    rejected: logits of 2 x 128 positions; the separate reference adds a frozen copy in bf16;
+    adapters-off and precomputed add no parameters; precomputed's reference pass is a stage of
+    its own, measured as one."""
+    m = tiny_real_vocab_dir
+    cases = [  # (spec, ref_mode)
+        (_dpo_spec(m), "separate"),
+        (_dpo_spec(m, tricks=("packing", "ac", "lce")), "separate"),  # one pair per packed row
+        (_dpo_spec(m), "precomputed"),
+        (_dpo_spec(m, algo="dpo-lora"), "adapters-off"),
+        (_dpo_spec(m, algo="dpo-lora"), "precomputed"),
+    ]
+    sims = {}
+    for ref_mode in dict.fromkeys(mode for _, mode in cases):
+        specs = [spec for spec, mode in cases if mode == ref_mode]
+        results = simulate(specs, DPO_MBS, DPO_SEQ, config={"ref_mode": ref_mode})
+        sims.update({(spec, ref_mode): r for spec, r in zip(specs, results, strict=True)})
+    vocab = read_hf_config(m)["vocab_size"]
+    for i, (spec, ref_mode) in enumerate(cases):
+        sim = sims[spec, ref_mode]
+        assert sim.dpo == {"ref_mode": ref_mode, "pairs": 1, "sequences": 2}
+        real = _measure_real_dpo(spec, m, tmp_path / f"c{i}", ref_mode)
+        _assert_agrees(sim, real)
+        if ref_mode == "precomputed":
+            _assert_stages_agree(sim, real)
+        else:
+            assert sim.stages is None and real["stages"] is None
+        # the [T, V] logits of both replies (every position supervised): 2 x 128 rows
+        assert sim.logits == (0 if "lce" in spec.tricks else 2 * DPO_SEQ * vocab * 2)
+    num_params = ModelArgs.from_hf_config(read_hf_config(m)).num_params()
+    dpo, lora = _dpo_spec(m), _dpo_spec(m, algo="dpo-lora")
+    params = {key: r.categories["parameters"] for key, r in sims.items()}
+    # the separate reference: frozen, stored in bf16 (2 bytes per parameter), sharded like the
+    # policy (1 rank: all of it); gathered copies in flight can add to it, fp32 storage would not fit
+    extra = params[dpo, "separate"] - params[dpo, "precomputed"]
+    assert 2 * num_params <= extra < 4 * num_params
+    assert params[lora, "adapters-off"] == params[lora, "precomputed"]  # no second model
+
+
+def test_dpo_two_rank_simulation_matches_two_gloo_ranks(tiny_real_vocab_dir, tmp_path):
+    """dpo precomputed (with ac) and dpo-lora adapters-off on 2 ranks: the simulated rank is
+    within the tolerance of each real gloo rank (the precomputed pass's two stages too), and it
+    holds half of dpo's resident bytes on one rank."""
+    m = tiny_real_vocab_dir
+    pre = _dpo_spec(m, gpus=2, tricks=("ac",))
+    lora = _dpo_spec(m, algo="dpo-lora", gpus=2)
+    (sim_pre, one_rank) = simulate(
+        [pre, replace(pre, gpus=1)], DPO_MBS, DPO_SEQ, config={"ref_mode": "precomputed"}
+    )
+    (sim_lora,) = simulate([lora], DPO_MBS, DPO_SEQ)
+    assert sim_pre.world_size == 2 and sim_lora.dpo["ref_mode"] == "adapters-off"
+    state = one_rank.categories["optimizer state"]
+    assert sim_pre.categories["optimizer state"] == pytest.approx(state / 2, rel=0.01)
+    for spec, sim, ref_mode in [(pre, sim_pre, "precomputed"), (lora, sim_lora, "adapters-off")]:
+        args = (json.dumps(asdict(spec)), str(m), str(tmp_path / ref_mode), ref_mode)
+        for rank_result in spawn(_real_dpo_rank, world_size=2, args=args):
+            _assert_agrees(sim, rank_result)
+            if ref_mode == "precomputed":
+                _assert_stages_agree(sim, rank_result)
 
 
 # --- `scaffold plan DIR`: DIR's spec and its train.py as the user edited it --------------------

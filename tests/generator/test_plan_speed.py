@@ -69,6 +69,30 @@ def test_extrapolated_simulation_equals_the_full_one(deep_tiny_dir):
             assert (f.categories, f.peak, f.logits) == (s.categories, s.peak, s.logits), f.spec
 
 
+def test_extrapolated_dpo_simulation_equals_the_full_one(deep_tiny_dir):
+    """dpo (its default separate reference with ac + lce on 2 ranks; precomputed with packing
+    and optim-in-bwd) and dpo-lora (its default adapters-off with ac; precomputed): every
+    category, the peak and each precomputed stage's peak equal."""
+    m = str(deep_tiny_dir)
+    dpo = dict(algo="dpo", model=m, dataset="dpo_en_demo.json")
+    lora = dict(dpo, algo="dpo-lora")
+    runs = [  # (specs, the Config's ref_mode, or None: the script's default)
+        ([Spec(**dpo, gpus=2, tricks=("ac", "lce")), Spec(**lora, tricks=("ac",))], None),
+        ([Spec(**dpo, tricks=("packing", "optim-in-bwd")), Spec(**lora)], "precomputed"),
+    ]
+    for group, ref_mode in runs:
+        config = {"ref_mode": ref_mode} if ref_mode else None
+        fast = simulate(group, 2, 64, config=config)
+        full = simulate(group, 2, 64, config=config, full_depth=True)
+        for f, s in zip(fast, full, strict=True):
+            assert f.simulated_depths == [3, 4] and s.simulated_depths is None
+            assert f.dpo["ref_mode"] == (ref_mode or ("adapters-off" if "lora" in s.spec.algo
+                                                      else "separate"))  # fmt: skip
+            assert (f.categories, f.peak, f.logits) == (s.categories, s.peak, s.logits), f.spec
+            assert f.stages == s.stages, f.spec
+            assert (f.stages is not None) == (ref_mode == "precomputed")
+
+
 @pytest.mark.fast
 def test_extrapolation_refuses_steps_that_differ_between_depths():
     a = {"segments": [[[0, "fw", 0, "gap"], {"activations": 1}, 1]], "logits": 0}
@@ -77,6 +101,20 @@ def test_extrapolation_refuses_steps_that_differ_between_depths():
     assert extrapolate_depth(a, {**b, "segments": []}, (3, 4), 10) is None
     with pytest.raises(ValueError, match="consecutive"):
         extrapolate_depth(a, b, (2, 4), 10)
+    # staged keys (DPO precomputed): each stage's peak from its own segments; the reference
+    # pass holds no block's bytes here (2 at both depths), the step grows 2 per block
+    ref_pass = [["reference pass", 0, "fw", 0, "gap"], {"activations": 2}, 2]
+    staged_a = {"segments": [ref_pass, [["training step", 0, "fw", 0, "gap"],
+                                        {"activations": 1}, 1]], "logits": 0}  # fmt: skip
+    staged_b = {"segments": [ref_pass, [["training step", 0, "fw", 0, "gap"],
+                                        {"activations": 3}, 3]], "logits": 0, "peak": 3,
+                "stages": {"reference pass": {}, "training step": {}}}  # fmt: skip
+    staged = extrapolate_depth(staged_a, staged_b, (3, 4), 10)
+    assert staged["peak"] == 15
+    assert staged["stages"] == {
+        "reference pass": {"categories": {"activations": 2}, "peak": 2},
+        "training step": {"categories": {"activations": 15}, "peak": 15},
+    }
 
 
 @pytest.mark.fast
@@ -117,18 +155,40 @@ ESTIMATE_MATRIX = [
 ]
 
 
+def _dpo(model: str, gpus: int, **kw) -> Spec:
+    return Spec(model=model, gpus=gpus, dataset="dpo_en_demo.json", **{"algo": "dpo", **kw})
+
+
+# DPO rows: (spec, the Config's ref_mode), each reference mode's own memory (a frozen copy, the
+# one-off reference pass, the policy with its adapters off)
+DPO_ESTIMATE_MATRIX = [
+    (_dpo("llama3.1-8b", 8), "precomputed"),
+    (_dpo("llama3.3-70b", 8, tricks=("ac", "optim-in-bwd", "adamw8bit")), "precomputed"),
+    (_dpo("llama3.1-8b", 8, algo="dpo-lora"), "adapters-off"),
+    (_dpo("llama3.1-8b", 8, tricks=("ac", "lce")), "separate"),
+    (_dpo("llama3.2-1b", 1, tricks=("lce",)), "separate"),
+]
+
+
 def test_estimate_is_within_tolerance_of_the_simulation():
     """The arithmetic estimate (plus the engine on the trainer's GPU where one shares it) against
-    the simulated peak of the same spec; prints each error (the worst is in benchmarks/RESULTS.md)."""
+    the simulated peak of the same spec, DPO's with the same Config ref_mode; prints each error
+    (the worst is in benchmarks/RESULTS.md)."""
     worst = 0.0
-    for result in simulate(ESTIMATE_MATRIX, None, None):
-        e = estimate(result.spec, render(result.spec))
+    runs = [(result, None) for result in simulate(ESTIMATE_MATRIX, None, None)]
+    for ref_mode in dict.fromkeys(mode for _, mode in DPO_ESTIMATE_MATRIX):
+        config = {"ref_mode": ref_mode}
+        specs = [spec for spec, mode in DPO_ESTIMATE_MATRIX if mode == ref_mode]
+        runs += [(result, config) for result in simulate(specs, None, None, config=config)]
+    for result, config in runs:
+        e = estimate(result.spec, render(result.spec), config=config)
         engines = engine_estimate(result, 79.6)
         simulated = result.peak + (engines["on_trainer_gpu"] if engines else 0)
         error = (e.peak - simulated) / simulated
         worst = max(worst, abs(error))
         s = result.spec
-        print(f"{s.model} {s.algo} x{s.gpus} {','.join(s.tricks) or '-'}: simulated "
+        mode = f" {result.dpo['ref_mode']}" if result.dpo else ""
+        print(f"{s.model} {s.algo}{mode} x{s.gpus} {','.join(s.tricks) or '-'}: simulated "
               f"{simulated / GIB:.2f} GiB, estimated {e.peak / GIB:.2f} GiB ({error:+.1%})")  # fmt: skip
         assert abs(error) <= ESTIMATE_TOLERANCE, (s, simulated / GIB, e)
     print(f"worst {worst:.1%}")

@@ -86,8 +86,9 @@ def test_small_models_and_fitting_specs_keep_the_plain_script():
         _default("kd"),
         _default("qlora"),
         _default("dpo"),
-        spec_from_options("sft", "lora", "llama3.3-70b", None, 8, 1, 1, 1, 1, 1, "fp32",
-                          fit_gpu=H100),  # fmt: skip
+        spec_from_options(
+            "sft", "lora", "llama3.3-70b", None, 8, 1, 1, 1, 1, 1, "fp32", fit_gpu=H100
+        ),  # fmt: skip
     ):
         assert (spec.tricks, spec.fit_for) == ((), ""), spec
 

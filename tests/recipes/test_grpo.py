@@ -368,5 +368,7 @@ def test_bf16_sr_resume_replays_the_run(ray_session, even_model_dir, chain_sum_6
 
     straight, first, resumed = run("a", 3), run("b", 2), run("b", 3)
     assert (len(first), len(resumed)) == (2, 1)
-    assert [[m[k] for k in keys] for m in straight] == [[m[k] for k in keys] for m in first + resumed]
+    assert [[m[k] for k in keys] for m in straight] == [
+        [m[k] for k in keys] for m in first + resumed
+    ]
     assert straight[2]["loss"] != straight[1]["loss"]
