@@ -31,7 +31,7 @@ def _default(algo: str, model: str = "llama3.3-70b", gpus: int = 8, tricks=None,
 
 def test_70b_defaults_are_the_least_lossy_fitting_recipes():
     """SFT keeps fp32 master weights with 8-bit state (fp32 state does not fit with every memory
-    trick); LoRA needs only ac; GRPO goes colocated on all 8 GPUs with bf16-sr and 8-bit state
+    trick); LoRA needs only ac; DPO takes the precomputed reference; GRPO goes colocated on all 8 GPUs with bf16-sr and 8-bit state
     (the split layout's 4 trainer ranks would need 4-bit state, a lower precision rank);
     grpo-lora's plain split script fits as it is."""
     sft = _default("sft")
@@ -42,6 +42,13 @@ def test_70b_defaults_are_the_least_lossy_fitting_recipes():
     assert (grpo.layout, grpo.engine_gpus, grpo.engine_tp) == ("colocated", 0, 8)
     lora = _default("grpo-lora")
     assert (lora.tricks, lora.fit_for, lora.layout) == ((), "", "split")
+    # DPO: the precomputed reference (no second model resident) with 4-bit state (8-bit's
+    # estimate, 68 GiB, is over the 90% margin); dpo-lora's adapters-off reference needs only ac
+    dpo = _default("dpo")
+    assert dpo.tricks == ("ac", "optim-in-bwd", "adamw4bit")
+    assert 'ref_mode: str = "precomputed"' in render(dpo)
+    assert 'ref_mode: str = "separate"' in render(_default("dpo", tricks="none"))
+    assert _default("dpo-lora").tricks == ("ac",)
 
 
 def test_the_choice_is_the_first_fitting_candidate_in_precision_order():
@@ -63,8 +70,8 @@ def test_70b_defaults_fit_h100_80_in_the_simulation():
     """`scaffold plan`'s simulated figure (the trainer peak; GRPO: the largest colocated phase)
     of each 70B default fits an h100-80 with the 10% headroom, and the estimate that chose it is
     within ESTIMATE_TOLERANCE of it (printed: benchmarks/RESULTS.md)."""
-    specs = [_default(algo) for algo in ("sft", "lora", "grpo")]
-    for result in simulate(specs, None, None):
+    specs = [_default(algo) for algo in ("sft", "lora", "dpo", "dpo-lora", "grpo")]
+    for result in simulate(specs, None, None):  # dpo: the render's precomputed reference
         simulated = result.peak
         if result.rollout is not None:  # GRPO: the largest phase of its layout
             simulated = grpo_phases(result.rollout, result.peak, H100[1])["verdict"]
@@ -77,15 +84,15 @@ def test_70b_defaults_fit_h100_80_in_the_simulation():
 
 def test_small_models_and_fitting_specs_keep_the_plain_script():
     """The plain script fits (SmolLM2 on CPU, 8B on 8 GPUs), the estimate's regime is not met
-    (hidden < 1024), fp32 asks for fp32, or the algorithm is outside the estimate (kd, qlora,
-    dpo): no tricks are added and nothing is recorded."""
+    (hidden < 1024), fp32 asks for fp32, or the algorithm is outside the estimate (kd, qlora):
+    no tricks are added and nothing is recorded."""
     for spec in (
         _default("sft", "smollm2-135m", 1),
         _default("grpo", "smollm2-135m", 1),
         _default("sft", "llama3.1-8b", 8),
         _default("kd"),
         _default("qlora"),
-        _default("dpo"),
+        _default("dpo", "smollm2-135m", 1),
         spec_from_options(
             "sft", "lora", "llama3.3-70b", None, 8, 1, 1, 1, 1, 1, "fp32", fit_gpu=H100
         ),  # fmt: skip
