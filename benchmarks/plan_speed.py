@@ -1,5 +1,5 @@
 """How fast `scaffold plan` answers "does it fit, and if not, what does?", and what it answers,
-for the default recipes (no --tricks) of the flagship sizes; writes the `plan_speed` section of
+for the default recipes (no --tricks: what `scaffold new` chooses) of the flagship sizes; writes the `plan_speed` section of
 benchmarks/RESULTS.md.
 
 Each row runs the real CLI in a fresh process (`python -m generator.cli plan ...`, the
@@ -27,32 +27,33 @@ from _sections import write_marked_section
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from generator.options import spec_from_options  # noqa: E402
 from generator.plan import GIB, estimate  # noqa: E402
 from generator.plan_report import GPU_MEMORY_GIB  # noqa: E402
 from generator.render import render  # noqa: E402
-from generator.spec import Spec  # noqa: E402
 
 MARK_BEGIN = "<!-- plan_speed:begin -->"
 MARK_END = "<!-- plan_speed:end -->"
 GPU = "h100-80"
-# (label, `scaffold plan` options, the Spec they give): today's default recipes, no --tricks
+# (label, algorithm, model, GPUs per node, nodes): the flagship sizes, no --tricks (the default
+# recipe `scaffold new` writes for h100-80, `generator.recipe`)
 ROWS = [
-    ("llama3.3-70b sft, 8 GPUs", "--model llama3.3-70b --gpus 8",
-     Spec(model="llama3.3-70b", gpus=8)),
-    ("llama3.3-70b grpo, 8 GPUs (4 engine, tp 4)",
-     "--algo grpo --model llama3.3-70b --gpus 8 --engine-gpus 4 --engine-tp 4",
-     Spec(algo="grpo", model="llama3.3-70b", gpus=8, engine_gpus=4, engine_tp=4,
-          dataset="chain_sum.jsonl")),
-    ("llama3.1-8b sft, 1 GPU", "--model llama3.1-8b --gpus 1", Spec(model="llama3.1-8b")),
-    ("llama3.1-8b grpo, 1 GPU (engine shares it)", "--algo grpo --model llama3.1-8b --gpus 1",
-     Spec(algo="grpo", model="llama3.1-8b", dataset="chain_sum.jsonl")),
-    ("llama3.1-405b lora, 32 GPUs (4 nodes x 8)", "--algo lora --model llama3.1-405b --gpus 8 "
-     "--nodes 4", Spec(algo="lora", model="llama3.1-405b", gpus=8, nodes=4)),
-    ("llama3.1-405b grpo-lora, 32 GPUs (4 nodes x 8: 4 engine, tp 4)",
-     "--algo grpo-lora --model llama3.1-405b --gpus 8 --nodes 4 --engine-gpus 4 --engine-tp 4",
-     Spec(algo="grpo-lora", model="llama3.1-405b", gpus=8, nodes=4, engine_gpus=4, engine_tp=4,
-          dataset="chain_sum.jsonl")),
-]  # fmt: skip
+    ("llama3.3-70b sft, 8 GPUs", "sft", "llama3.3-70b", 8, 1),
+    ("llama3.3-70b lora, 8 GPUs", "lora", "llama3.3-70b", 8, 1),
+    ("llama3.3-70b dpo, 8 GPUs", "dpo", "llama3.3-70b", 8, 1),
+    ("llama3.3-70b dpo-lora, 8 GPUs", "dpo-lora", "llama3.3-70b", 8, 1),
+    ("llama3.3-70b grpo, 8 GPUs", "grpo", "llama3.3-70b", 8, 1),
+    ("llama3.1-8b sft, 1 GPU", "sft", "llama3.1-8b", 1, 1),
+    ("llama3.1-8b grpo, 1 GPU (engine shares it)", "grpo", "llama3.1-8b", 1, 1),
+    ("llama3.1-405b lora, 32 GPUs (4 nodes x 8)", "lora", "llama3.1-405b", 8, 4),
+    ("llama3.1-405b grpo-lora, 32 GPUs (4 nodes x 8)", "grpo-lora", "llama3.1-405b", 8, 4),
+]
+
+
+def options_of(algo: str, model: str, gpus: int, nodes: int) -> str:
+    return f"--algo {algo} --model {model} --gpus {gpus}" + (
+        f" --nodes {nodes}" if nodes > 1 else ""
+    )
 
 
 def run_plan(options: str) -> tuple[float, str]:
@@ -97,16 +98,25 @@ def main() -> None:
     args = parser.parse_args()
     gpu_gib = GPU_MEMORY_GIB[GPU]
     lines = []
-    for label, options, spec in ROWS[: args.rows]:
-        start = time.perf_counter()
+    for label, algo, model, gpus, nodes in ROWS[: args.rows]:
+        options = options_of(algo, model, gpus, nodes)
+        start = time.perf_counter()  # what `scaffold new` does: choose the recipe, estimate it
+        spec = spec_from_options(
+            algo, "lora", model, None, gpus, nodes, 1, 1, 1, 1, "bf16", fit_gpu=(GPU, gpu_gib)
+        )
         e = estimate(spec, render(spec), gpu_gib=gpu_gib)
         estimate_s = time.perf_counter() - start
+        recipe = ",".join(spec.tricks) or "none (plain)"
+        if spec.layout == "colocated":
+            recipe += f"; colocated, engine_tp {spec.engine_tp}"
+        if 'ref_mode: str = "precomputed"' in render(spec):
+            recipe += "; precomputed reference"
         seconds, stdout = run_plan(options)
         p = parse(stdout)
         print(f"{label}: {p} in {seconds:.0f} s; estimate {e.peak / GIB:.1f} GiB", flush=True)
         suggestion = p["suggestion"].replace("|", "/")
         lines.append(
-            f"| {label} | `scaffold plan {options} --gpu-memory {GPU}` | {p['peak']:.2f} | "
+            f"| {label} | `scaffold plan {options} --gpu-memory {GPU}` | {recipe} | {p['peak']:.2f} | "
             f"{e.peak / GIB:.1f} ({estimate_s:.2f} s) | {p['fits']} | "
             f"{suggestion or '-'}{'; ' + p['engines'] if p['engines'] else ''} | "
             f"{seconds:.0f} s |"
@@ -114,18 +124,19 @@ def main() -> None:
     section = "\n".join(
         [
             MARK_BEGIN,
-            f"### Planner speed: the default recipes on {GPU} (`benchmarks/plan_speed.py`)",
+            f"### Default recipes and planner speed on {GPU} (`benchmarks/plan_speed.py`)",
             "",
             f"Command: `python benchmarks/plan_speed.py` ({time.strftime('%Y-%m-%d %H:%M')} UTC, "
             f"{platform.machine()}, {os.cpu_count()} CPUs shared, load "
             f"{os.getloadavg()[0]:.1f} at the end). Planned peak = `scaffold plan`'s simulated "
-            "peak per (trainer) GPU of the default recipe (no --tricks; GRPO: plus the engine "
-            "where it shares the trainer's GPU); estimate = the arithmetic estimate `scaffold "
-            "new` prints (its time in brackets); planner time = the whole command, suggestion "
-            "search included, wall clock.",
+            "peak per (trainer) GPU of the default recipe (no --tricks: the recipe `scaffold new` "
+            "chooses for the GPU, `generator.recipe`; GRPO: the largest phase of its layout); "
+            "estimate = the arithmetic estimate `scaffold new` prints (its time in brackets, the "
+            "recipe choice included); planner time = the whole `scaffold plan` command, "
+            "suggestion search included (it runs only when the recipe does not fit), wall clock.",
             "",
-            "| run | command | planned peak GiB | estimate GiB | fits | suggestion | planner time |",
-            "|---|---|---|---|---|---|---|",
+            "| run | command | chosen recipe | planned peak GiB | estimate GiB | fits | suggestion | planner time |",
+            "|---|---|---|---|---|---|---|---|",
             *lines,
             MARK_END,
         ]

@@ -93,6 +93,10 @@ REF_MODES = {
     "dpo": ("separate", "precomputed"),
     "dpo-lora": ("adapters-off", "separate", "precomputed"),
 }
+# dpo's reference under a recipe `scaffold new` chose for the GPU (generator.recipe): the
+# precomputed log-probs (one pass before training, then only the policy is resident), not the
+# separate frozen copy (a second model's shards). dpo-lora's default, adapters-off, has no copy.
+CHOSEN_REF_MODE = {"dpo": "precomputed"}
 REF_MODE_HELP = {
     "separate": "a frozen copy of the checkpoint (--ref_device cpu keeps it in host memory)",
     "adapters-off": "the policy's own frozen base with the LoRA adapters skipped: no second copy",

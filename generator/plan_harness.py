@@ -223,6 +223,7 @@ class PlanResult:
     @classmethod
     def from_json(cls, data: dict) -> PlanResult:
         spec = dict(data["spec"], tricks=tuple(data["spec"]["tricks"]))
+        spec["fit_note"] = tuple(spec.get("fit_note", ()))
         return cls(**{**data, "spec": Spec(**spec)})
 
 
@@ -1525,7 +1526,9 @@ def _request(request: dict) -> None:
         os.dup2(err.fileno(), 2)
     _send({"pid": os.getpid()})
     for index, data in enumerate(request["specs"]):
-        spec = Spec(**dict(data, tricks=tuple(data["tricks"])))
+        spec = Spec(
+            **dict(data, tricks=tuple(data["tricks"]), fit_note=tuple(data.get("fit_note", ())))
+        )
         _send({"start": describe_spec(spec)})
         pid = os.fork()
         if pid == 0:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, replace
 
-from generator.features import TRICKS, refusal
+from generator.features import CHOSEN_REF_MODE, TRICKS, refusal
 from generator.spec import (
     ScaffoldError,
     Spec,
@@ -37,11 +37,7 @@ from generator.spec.core import ROLLOUT_ALGOS
 # Algorithms the estimate models (their frozen parts included): the ones a recipe is chosen for.
 # kd's teacher and qlora's NF4 base are outside the estimate, so they keep the plain default.
 RECIPE_ALGOS = ("sft", "lora", "dpo", "dpo-lora", "grpo", "grpo-lora")
-# dpo's reference under a chosen recipe: the precomputed log-probs (one pass before training, then
-# only the policy is resident), not the separate frozen copy (a second model's shards); the
-# script's Config default follows (`generator.spec.answers`). dpo-lora's default (adapters-off)
-# has no second copy already.
-CHOSEN_REF_MODE = {"dpo": "precomputed"}
+
 # The chosen recipe's estimate must fit in this share of the usable memory (after the planner's
 # HEADROOM): the estimate is within 15% of the simulation on its test matrix, and 10% under it
 # on 70B GRPO colocated with bf16-sr,adamw8bit (67 GiB estimated, 74 simulated: at 0.95 that set
@@ -138,7 +134,7 @@ def candidates(spec: Spec, gpu_gib: float, vary_layout: bool = False) -> list[Ca
                 sets.append(combo)
     out = []
     ref_mode = CHOSEN_REF_MODE.get(spec.algo, "")
-    for layout in _layouts(replace(spec, fit_for=""), vary_layout):
+    for layout in _layouts(replace(spec, fit_for="", fit_note=()), vary_layout):
         text = render_raw(layout)
         for added in sets:
             trial = replace(layout, tricks=_ordered(layout, added))
@@ -194,7 +190,28 @@ def choose_recipe(spec: Spec, gpu: tuple[str, float], vary_layout: bool = False)
     first = next((c for c in found if c.fits), None)
     if first is None:
         return spec
-    return replace(first.spec, fit_for=gpu[0])
+    chosen = replace(first.spec, fit_for=gpu[0])
+    return replace(chosen, fit_note=recipe_note(chosen))
+
+
+def recipe_note(spec: Spec) -> tuple[str, ...]:
+    """The header's lines on a recipe chosen for `spec.fit_for` (recorded in the spec, so a regen
+    prints the same why): the rule, then each precision tried with its bytes per trained
+    parameter and estimate (`recipe_rows`)."""
+    from generator.plan_report import HEADROOM
+
+    gib = fit_gib(spec.fit_for)
+    lines = [
+        f"- Recipe: `scaffold new` chose these tricks (no --tricks given) for {spec.fit_for}: "
+        f"{(1 - HEADROOM) * gib:.1f} GiB usable per GPU, a recipe fits when its arithmetic "
+        f"estimate is within {RECIPE_MARGIN:.0%} of that (`scaffold plan` simulates it). The "
+        "least lossy precision that fits, with the fewest and cheapest tricks; per precision "
+        "tried (bytes per trained parameter: weights + gradients + AdamW state):"
+    ]
+    for precision, tricks, nbytes, peak, fits in recipe_rows(spec):
+        verdict = "fits" if fits else "does not fit"
+        lines.append(f"  - {precision}, {tricks}: {nbytes} B, ~{peak:.0f} GiB per GPU, {verdict}")
+    return tuple(lines)
 
 
 def recipe_rows(spec: Spec) -> list[tuple[str, str, str, float, bool]]:
@@ -203,7 +220,9 @@ def recipe_rows(spec: Spec) -> list[tuple[str, str, str, float, bool]]:
     after the plain script's row: (precision, tricks, weights + gradients + AdamW state bytes
     per trained parameter, estimated GiB per GPU, fits within RECIPE_MARGIN)."""
     gpu_gib = fit_gib(spec.fit_for)
-    plain = replace(spec, tricks=tuple(t for t in spec.tricks if t not in POOL), fit_for="")
+    plain = replace(
+        spec, tricks=tuple(t for t in spec.tricks if t not in POOL), fit_for="", fit_note=()
+    )
     if spec.layout == "colocated" and spec.algo in ROLLOUT_ALGOS:  # chosen over the split default
         engine_gpus, engine_tp = resolve_engine_layout(replace(plain, layout="split"), None, None)
         plain = replace(plain, layout="split", engine_gpus=engine_gpus, engine_tp=engine_tp)
@@ -216,7 +235,7 @@ def recipe_rows(spec: Spec) -> list[tuple[str, str, str, float, bool]]:
             continue
         mine = [
             c for c in at_rank
-            if c.spec == replace(spec, fit_for="")
+            if c.spec == replace(spec, fit_for="", fit_note=())
             and c.ref_mode == CHOSEN_REF_MODE.get(spec.algo, "")
         ]  # fmt: skip
         best = mine[0] if mine else min(at_rank, key=lambda c: c.peak)

@@ -219,6 +219,8 @@ def parse_settings(settings: tuple[str, ...] | list[str], spec: Spec) -> Spec:
         new = dataclasses.replace(new, layout="split")
     if new.algo != "kd" and "teacher" not in changes:
         new = dataclasses.replace(new, teacher="")  # --set algo=sft on a kd run: no teacher
+    if "tricks" in changes:  # the tricks are the user's now, as `scaffold new --tricks` records
+        new = dataclasses.replace(new, fit_for="", fit_note=())
     validate_spec(new)
     return new
 

@@ -41,7 +41,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                         "generator.spec.answers", "generator.spec")),
     ("generator.render", ("generator.render", "generator.rundir")),
     ("generator.plan", ("generator.plan_harness", "generator.plan_report",
-                        "generator.plan_estimate", "generator.plan")),
+                        "generator.plan_estimate", "generator.plan", "generator.recipe")),
     ("generator.regen", ("generator.regen",)),
     ("generator.commands", ("generator.assets", "generator.plot", "generator.options",
                             "generator.cli")),

@@ -8,6 +8,7 @@ from generator import __version__
 from generator.catalog import MODELS
 from generator.features import (
     ALGOS,
+    CHOSEN_REF_MODE,
     PARALLEL_FEATURES,
     REF_MODE_HELP,
     REF_MODES,
@@ -101,36 +102,18 @@ def _bytes_per_param(spec: Spec) -> str:
 
 
 def _recipe_lines(spec: Spec) -> str:
-    """The header's why of a recipe `scaffold new` chose (`spec.fit_for`): each precision it
-    tried, cheapest set first, with its bytes per trained parameter and estimated peak."""
-    if not spec.fit_for:
-        return ""
-    from generator.plan_report import HEADROOM
-    from generator.recipe import RECIPE_MARGIN, fit_gib, recipe_rows
-
-    gib = fit_gib(spec.fit_for)
+    """The header's why of a recipe `scaffold new` chose (`spec.fit_note`, written by
+    `generator.recipe` when it chose it), wrapped to the header's width."""
     import textwrap
 
-    lines = [
-        f"- Recipe: `scaffold new` chose these tricks (no --tricks given) for {spec.fit_for}: "
-        f"{(1 - HEADROOM) * gib:.1f} GiB usable per GPU, a recipe fits when its arithmetic "
-        f"estimate is within {RECIPE_MARGIN:.0%} of that (`scaffold plan` simulates it). The "
-        "least lossy precision that fits, with the fewest and cheapest tricks; per precision "
-        "tried (bytes per trained parameter: weights + gradients + AdamW state):"
-    ]
-    for precision, tricks, nbytes, peak, fits in recipe_rows(spec):
-        verdict = "fits" if fits else "does not fit"
-        lines.append(f"  - {precision}, {tricks}: {nbytes} B, ~{peak:.0f} GiB per GPU, {verdict}")
     return "\n".join(
         textwrap.fill(line, 98, subsequent_indent="    " if i else "  ")
-        for i, line in enumerate(lines)
+        for i, line in enumerate(spec.fit_note)
     )
 
 
 def build_answers(spec: Spec) -> dict:
     """Every value the templates print, computed once (after `validate_spec`)."""
-    from generator.recipe import CHOSEN_REF_MODE
-
     validate_spec(spec)
     entry = MODELS.get(spec.model)
     if entry:

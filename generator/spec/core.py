@@ -52,6 +52,8 @@ class Spec:
     # the GPU (a name of GPU_MEMORY_GIB or GiB) `scaffold new` chose the tricks for, when --tricks
     # was not given and the plain script did not fit it (generator.recipe); "" = tricks as given
     fit_for: str = ""
+    # the header's lines on why (generator.recipe.recipe_note), recorded with the choice
+    fit_note: tuple[str, ...] = ()
 
     def to_json(self) -> str:
         return json.dumps({"generator_version": __version__, "spec": asdict(self)}, indent=2) + "\n"
@@ -68,8 +70,9 @@ class Spec:
         unknown = sorted(set(data) - known)
         if unknown:
             raise SpecError(f"{source}: unknown spec keys {unknown}; valid keys: {sorted(known)}")
-        if "tricks" in data:
-            data["tricks"] = tuple(data["tricks"])
+        for key in ("tricks", "fit_note"):
+            if key in data:
+                data[key] = tuple(data[key])
         return cls(**data)  # fields missing in older spec.json files (e.g. peft) take defaults
 
     def layout_options(self) -> list[str]:

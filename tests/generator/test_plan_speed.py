@@ -148,10 +148,9 @@ ESTIMATE_MATRIX = [
     _grpo("llama3.3-70b", 8, tricks=("ac", "lce")),
     _grpo("llama3.1-8b", 1),  # the runtime's sampler shares the GPU: its weights + KV cache
     _grpo("llama3.2-1b", 1, tricks=("lce",)),
-    # bf16-sr: bf16 weights, gradients and moments; GRPO's 16 micro-batches keep every gradient
-    # under optim-in-bwd (the 70B defaults: tests/generator/test_recipe.py)
+    # bf16-sr: bf16 weights, gradients and moments (GRPO with bf16-sr: the 70B default in
+    # tests/generator/test_recipe.py)
     Spec(model="llama3.1-8b", gpus=8, tricks=("bf16-sr",)),
-    _grpo("llama3.1-8b", 8, tricks=("ac", "optim-in-bwd", "bf16-sr")),
 ]
 
 

@@ -135,3 +135,12 @@ def test_new_prints_the_recipe_and_the_header_says_why(tmp_path):
     # regen keeps the recorded recipe (and its header) as written
     again = CliRunner().invoke(cli, ["regen", str(out), "--check"])
     assert again.exit_code == 0, again.output
+    # the recorded why stays through other changes and goes when the tricks are set by hand
+    kept = CliRunner().invoke(cli, ["regen", str(out), "--set", "dataset=other.json"])
+    assert kept.exit_code == 0, kept.output
+    assert "- Recipe: `scaffold new` chose" in (out / "train.py").read_text()
+    mine = CliRunner().invoke(cli, ["regen", str(out), "--set", "tricks=ac,lce"])
+    assert mine.exit_code == 0, mine.output
+    spec = json.loads((out / ".scaffold" / "spec.json").read_text())["spec"]
+    assert (spec["tricks"], spec["fit_for"], spec["fit_note"]) == (["ac", "lce"], "", [])
+    assert "- Recipe:" not in (out / "train.py").read_text()
