@@ -43,6 +43,8 @@ from generator.plan_report import (
 from generator.spec import ScaffoldError, Spec, model_config, trainer_gpus, validate_spec
 
 __all__ = [
+    "is_valid",
+    "with_tricks",
     "ESTIMATE_TOLERANCE",
     "Estimate",
     "FIT_TRICKS",
@@ -105,12 +107,14 @@ def _candidate_trick_sets(spec: Spec) -> list[tuple[str, ...]]:
     return sorted(sets, key=lambda c: (len(c), sum(FIT_TRICKS[t] for t in c)))
 
 
-def _with_tricks(spec: Spec, added: tuple[str, ...]) -> Spec:
+def with_tricks(spec: Spec, added: tuple[str, ...]) -> Spec:
+    """`spec` with `added` tricks, all in registry order (the search's and the recipe's)."""
     order = list(TRICKS)
     return replace(spec, tricks=tuple(sorted((*spec.tricks, *added), key=order.index)))
 
 
-def _is_valid(spec: Spec) -> bool:
+def is_valid(spec: Spec) -> bool:
+    """Whether `validate_spec` accepts `spec`."""
     try:
         validate_spec(spec)
     except ScaffoldError:
@@ -154,7 +158,7 @@ def suggest(
     """
     spec = base.spec
     kl_coef = base.rollout["kl_coef"] if base.rollout else None
-    candidates = [c for c in _candidate_trick_sets(spec) if _is_valid(_with_tricks(spec, c))]
+    candidates = [c for c in _candidate_trick_sets(spec) if is_valid(with_tricks(spec, c))]
     everything = candidates[-1] if candidates else ()
 
     def first_fit(specs: list[Spec]) -> PlanResult | None:
@@ -169,9 +173,9 @@ def suggest(
         return next((r for r in results if fits(r, gpu_gib)), None)
 
     if candidates:
-        full = first_fit([_with_tricks(spec, everything)])
+        full = first_fit([with_tricks(spec, everything)])
         if full is not None:
-            cheaper = first_fit([_with_tricks(spec, c) for c in candidates[:-1]])
+            cheaper = first_fit([with_tricks(spec, c) for c in candidates[:-1]])
             if cheaper is not None:
                 added = tuple(t for t in cheaper.spec.tricks if t not in spec.tricks)
                 return Suggestion(added, spec.gpus, cheaper)
@@ -184,8 +188,8 @@ def suggest(
     for candidate in bigger:
         if trainer_gpus(candidate) * candidate.nodes > MAX_SUGGESTED_WORLD:
             break
-        candidate = _with_tricks(candidate, everything)
-        if _is_valid(candidate):
+        candidate = with_tricks(candidate, everything)
+        if is_valid(candidate):
             larger.append(candidate)
     result = first_fit(larger)
     if result is None:

@@ -24,13 +24,12 @@ import itertools
 from dataclasses import dataclass, replace
 
 from generator.features import CHOSEN_REF_MODE, TRICKS, refusal
+from generator.plan import is_valid, with_tricks
 from generator.spec import (
-    ScaffoldError,
     Spec,
     engine_tp_choices,
     model_config,
     resolve_engine_layout,
-    validate_spec,
 )
 from generator.spec.core import ROLLOUT_ALGOS
 
@@ -77,19 +76,6 @@ class Candidate:
         return self.spec.tricks
 
 
-def _valid(spec: Spec) -> bool:
-    try:
-        validate_spec(spec)
-    except ScaffoldError:
-        return False
-    return True
-
-
-def _ordered(spec: Spec, tricks) -> tuple[str, ...]:
-    order = list(TRICKS)
-    return tuple(sorted(set(spec.tricks) | set(tricks), key=order.index))
-
-
 def _layouts(spec: Spec, vary_layout: bool) -> list[Spec]:
     """The spec, and where its GRPO layout was left to the CLI on one node of several GPUs, the
     colocated layout at each valid engine_tp (the engines on every trainer GPU, asleep while it
@@ -99,7 +85,7 @@ def _layouts(spec: Spec, vary_layout: bool) -> list[Spec]:
     if vary_layout and spec.algo in ROLLOUT_ALGOS and spec.nodes == 1 and spec.gpus > 1:
         for tp in engine_tp_choices(model_config(spec), spec.gpus):
             out.append(replace(spec, layout="colocated", engine_gpus=0, engine_tp=tp))
-    return [s for s in out if _valid(s)]
+    return [s for s in out if is_valid(s)]
 
 
 def _sort_key(c: Candidate):
@@ -137,8 +123,8 @@ def candidates(spec: Spec, gpu_gib: float, vary_layout: bool = False) -> list[Ca
     for layout in _layouts(replace(spec, fit_for="", fit_note=()), vary_layout):
         text = render_raw(layout)
         for added in sets:
-            trial = replace(layout, tricks=_ordered(layout, added))
-            if added and not _valid(trial):
+            trial = with_tricks(layout, added)
+            if added and not is_valid(trial):
                 continue
             for mode in ("", ref_mode) if not out and ref_mode else (ref_mode,):
                 config = {"ref_mode": mode} if mode else None
@@ -182,7 +168,7 @@ def choose_recipe(spec: Spec, gpu: tuple[str, float], vary_layout: bool = False)
     (`applies`), if the spec as given fits, or if no candidate fits (then `scaffold plan`'s
     search suggests more GPUs); else the first fitting candidate (its tricks; GRPO with
     `vary_layout`: also its layout and engine_tp), with `fit_for=name`."""
-    if not _valid(spec) or not applies(spec):  # validate_spec names a bad option first
+    if not is_valid(spec) or not applies(spec):  # validate_spec names a bad option first
         return spec
     found = candidates(spec, gpu[1], vary_layout)
     if found[0].fits:

@@ -23,7 +23,6 @@ from generator.plan import (
     PlanError,
     PlanResult,
     _candidate_trick_sets,
-    _with_tricks,
     check_simulable,
     engine_estimate,
     engine_layout,
@@ -36,6 +35,7 @@ from generator.plan import (
     parse_gpu_memory,
     simulate,
     suggest,
+    with_tricks,
 )
 from generator.plan import model_dir_for as _model_dir_for
 from generator.render import render
@@ -370,7 +370,7 @@ def test_grpo_suggests_more_nodes_not_more_gpus_per_node(tiny_real_vocab_dir):
     everything = _candidate_trick_sets(spec)[-1]  # the largest set the suggestion may add
     assert set(everything) >= {"lce", "ac", "optim-in-bwd"}  # GRPO takes the memory tricks now
     base, tricks, tricks_two_nodes = simulate(
-        [spec, _with_tricks(spec, everything), _with_tricks(replace(spec, nodes=2), everything)],
+        [spec, with_tricks(spec, everything), with_tricks(replace(spec, nodes=2), everything)],
         GRPO_MBS,
         GRPO_SEQ,
     )
