@@ -38,14 +38,14 @@ TEST_WORKERS ?= 2
 test: install
 	$(BIN)/pip install --quiet -e '.[test]'
 	$(BIN)/scaffold assets
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=20
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist load --maxschedchunk 1 --durations=20
 
 # The fast tier (marker `fast`, tests/README.md): every model block's and loss's parity, every render,
 # the bad-input corpus in one process, one short end-to-end run; about 4 min on 2 cores (tests/README.md).
 test-fast: install
 	$(BIN)/pip install --quiet -e '.[test]'
 	$(BIN)/scaffold assets
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m 'fast and not slow and not gpu and not multi_gpu and not vllm'
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist load --maxschedchunk 1 -m 'fast and not slow and not gpu and not multi_gpu and not vllm'
 
 # vLLM engine tests (tests/vllm, marker vllm) in their own venv (scripts/vllm_venv.sh; times in
 # benchmarks/RESULTS.md, test suite and CI). addopts deselects `vllm` by default, so it is cleared

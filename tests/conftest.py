@@ -33,16 +33,46 @@ if "PYTEST_XDIST_WORKER" in os.environ:
     torch.set_num_threads(_threads)
 
 
-def pytest_collection_modifyitems(config, items):
-    """Marks every test on the `ray_session` fixture for one xdist worker (`--dist loadgroup`).
+# Seconds each of the heaviest modules took in a full 2-worker run (tests/README.md, "Order"):
+# they are collected first, heaviest first, and within each its `slow` tests first
+HEAVY_MODULES = {
+    "tests/recipes/test_precision.py": 646,
+    "tests/generator/test_plan_speed.py": 196,
+    "tests/recipes/test_compose.py": 185,
+    "tests/generator/test_plan.py": 134,
+    "tests/recipes/test_resume.py": 132,
+    "tests/recipes/test_grpo.py": 111,
+    "tests/recipes/test_grpo_colocated.py": 96,
+    "tests/recipes/test_sft.py": 81,
+    "tests/distributed/test_grpo_ranks.py": 64,
+    "tests/runtime/test_rollout.py": 58,
+    "tests/recipes/test_grpo_lora.py": 53,
+    "tests/distributed/test_parallel_examples.py": 48,
+    "tests/recipes/test_tricks.py": 47,
+    "tests/generator/test_recipe.py": 36,
+}
 
-    Not honoured with pytest 9.2 and pytest-xdist 3.8: xdist adds the group to `item._nodeid`,
-    which pytest 9.2 no longer reads (a node's id is `item._id`), so `loadgroup` schedules like
-    `load` and each worker may start its own local Ray (2 logical CPUs each). The suite passes
-    that way (measured: tests/README.md); the mark takes effect again with an xdist that fixes it."""
-    for item in items:
-        if "ray_session" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group("ray"))
+
+def pytest_collection_modifyitems(config, items):
+    """Runs the longest work first: the modules of HEAVY_MODULES heaviest first, then the rest in
+    their usual order; in each module its `slow` tests first, the rest in file order.
+
+    pytest-xdist hands out tests in collection order, so the minutes-long tests (the real-model
+    precision curves) start at once and the many short ones fill the workers' time after them;
+    collected last, they ran alone at the end of a 3-worker run for 4 minutes. A module's tests
+    stay together, so a worker sets up its module fixtures once per run of them."""
+    root = Path(str(config.rootpath))
+    modules = [Path(str(item.path)).relative_to(root).as_posix() for item in items]
+    first = {m: i for i, m in reversed(list(enumerate(modules)))}  # each module's first position
+    order = sorted(
+        range(len(items)),
+        key=lambda i: (
+            -HEAVY_MODULES.get(modules[i], 0),
+            first[modules[i]],
+            items[i].get_closest_marker("slow") is None,
+        ),
+    )  # sorted() is stable: file order within a module's slow and other tests
+    items[:] = [items[i] for i in order]
 
 
 @pytest.fixture(scope="session")

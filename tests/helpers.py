@@ -113,6 +113,16 @@ def spawn(fn, world_size: int = 2, backend: str = "gloo", args: tuple = ()) -> l
         return _spawn_once(fn, world_size, backend, args)
 
 
+def _signalled(procs, results: dict, wait_s: float) -> list[int]:
+    """The ranks without a result that were killed by a signal, waiting up to wait_s for those
+    still running to exit."""
+    deadline = time.monotonic() + wait_s
+    pending = [r for r in range(len(procs)) if r not in results]
+    for r in pending:
+        procs[r].join(timeout=max(0.0, deadline - time.monotonic()))
+    return [r for r in pending if (procs[r].exitcode or 0) < 0]
+
+
 def _spawn_once(fn, world_size: int, backend: str, args: tuple) -> list:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
@@ -132,10 +142,18 @@ def _spawn_once(fn, world_size: int, backend: str, args: tuple) -> list:
             rank, status, payload = queue.get(timeout=5)
             results[rank] = (status, payload)
             if status == "error":
+                # a rank killed by a signal often shows first as a peer's gloo error ("Connection
+                # closed by peer"): give the others a moment to exit, so such a run is reported
+                # (and retried) as the crash it is
+                crashed = _signalled(procs, results, wait_s=5)
                 # the other ranks may wait in a collective this one never reaches: stop them now
                 # and show this traceback, not a deadline 600 s later
                 for p in procs:
                     p.kill()
+                if crashed:
+                    raise RankCrashed(
+                        f"ranks {crashed} killed by a signal; rank {rank} then failed:\n{payload}"
+                    )
                 raise RuntimeError(f"rank {rank}:\n{payload}")
             continue
         except queue_module.Empty:
