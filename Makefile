@@ -33,7 +33,9 @@ demo: install
 # TEST_WORKERS=N spreads the tests over N pytest-xdist workers of cores/N intra-op threads each (each
 # worker may start its own local Ray: tests/README.md). The default is 2: one process timed
 # out CI's 90 minutes at 704 of 1,120 tests on a slow day, where 2 workers ran all of them in 49
-# minutes on the same kind of day (tests/README.md). TEST_WORKERS=0 is one process.
+# minutes on the same kind of day; 3 workers were not faster on a quiet one (tests/README.md).
+# TEST_WORKERS=0 is one process. Tests are handed out one at a time (--maxschedchunk 1), heaviest
+# modules first (tests/conftest.py), so no worker waits behind another's queue of long tests.
 TEST_WORKERS ?= 2
 test: install
 	$(BIN)/pip install --quiet -e '.[test]'
