@@ -33,7 +33,7 @@ if "PYTEST_XDIST_WORKER" in os.environ:
     torch.set_num_threads(_threads)
 
 
-# Seconds each of the heaviest modules took in a full 2-worker run (tests/README.md, "Order"):
+# Seconds each of the heaviest modules took in the 2-worker run of 4e38369 (tests/README.md):
 # they are collected first, heaviest first, and within each its `slow` tests first
 HEAVY_MODULES = {
     "tests/recipes/test_precision.py": 646,
@@ -59,7 +59,7 @@ def pytest_collection_modifyitems(config, items):
 
     pytest-xdist hands out tests in collection order, so the minutes-long tests (the real-model
     precision curves) start at once and the many short ones fill the workers' time after them;
-    collected last, they ran alone at the end of a 3-worker run for 4 minutes. A module's tests
+    collected in file order they could start late and run on alone at the end. A module's tests
     stay together, so a worker sets up its module fixtures once per run of them."""
     root = Path(str(config.rootpath))
     modules = [Path(str(item.path)).relative_to(root).as_posix() for item in items]
