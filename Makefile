@@ -43,7 +43,7 @@ test: install
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist load --maxschedchunk 1 --durations=20
 
 # The fast tier (marker `fast`, tests/README.md): every model block's and loss's parity, every render,
-# the bad-input corpus in one process, one short end-to-end run; about 4 min on 2 cores (tests/README.md).
+# the bad-input corpus in one process, one short end-to-end run; about 2 min on 2 quiet cores (tests/README.md).
 test-fast: install
 	$(BIN)/pip install --quiet -e '.[test]'
 	$(BIN)/scaffold assets

@@ -99,7 +99,8 @@ def spawn(fn, world_size: int = 2, backend: str = "gloo", args: tuple = ()) -> l
     `fn` must be picklable (a module-level function). Raises RuntimeError with every failing
     rank's traceback, or RankCrashed naming the ranks that exited without sending a result.
 
-    A run in which a rank is killed by a signal is started once more, with a warning: the 4-rank
+    A run in which a rank is killed by a signal (seen as such, or first as another rank's gloo
+    error, "Connection closed by peer") is started once more, with a warning: the 4-rank
     QLoRA + DoRA HSDP test sees glibc abort one rank ("malloc(): unaligned tcache chunk
     detected", SIGABRT) in about 1 run of 5, at b73145c as now, inside torch/torchao native code
     (not found yet). A second crash fails the test; wrong numbers fail it whatever happens.
