@@ -23,8 +23,10 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+import torch
+from process_start import matmul_gflops  # benchmarks/ is this script's sys.path[0]
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -53,19 +55,6 @@ for _ in range(steps):
     times.append(time.perf_counter() - start)
 print(json.dumps(times))
 """
-
-
-def matmul_gflops(threads: int) -> float:
-    import torch
-
-    torch.set_num_threads(threads)
-    a = torch.randn(2048, 2048)
-    for _ in range(3):
-        a @ a
-    start = time.perf_counter()
-    for _ in range(20):
-        a @ a
-    return 20 * 2 * 2048**3 / (time.perf_counter() - start) / 1e9
 
 
 def optimizer_steps(shapes, bits: int, steps: int, cache: str, threads: int) -> list[float]:
@@ -101,12 +90,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    print(f"fp32 torch.mm 2048x2048 at {args.threads} threads: "
-          f"{matmul_gflops(args.threads):.1f} GFLOP/s\n")  # fmt: skip
-
-    import torch
-
     torch.set_num_threads(args.threads)
+    print(f"fp32 torch.mm 2048x2048 at {args.threads} threads: {matmul_gflops():.1f} GFLOP/s\n")
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     print(f"| precision recipe ({args.steps} steps) | first step s | later steps s (mean) |")
     print("|---|---:|---:|")

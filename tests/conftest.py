@@ -63,7 +63,9 @@ def pytest_collection_modifyitems(config, items):
     stay together, so a worker sets up its module fixtures once per run of them."""
     root = Path(str(config.rootpath))
     modules = [Path(str(item.path)).relative_to(root).as_posix() for item in items]
-    first = {m: i for i, m in reversed(list(enumerate(modules)))}  # each module's first position
+    first: dict[str, int] = {}  # each module's first position
+    for i, module in enumerate(modules):
+        first.setdefault(module, i)
     order = sorted(
         range(len(items)),
         key=lambda i: (

@@ -35,7 +35,7 @@ def _raise_on_rank_1(rank: int, world_size: int) -> int:
 
 def test_a_signalled_rank_is_a_crash_and_runs_again(tmp_path):
     marker = tmp_path / "crashed"
-    with pytest.raises(RankCrashed, match=r"ranks \[1\] killed by a signal|killed by a signal"):
+    with pytest.raises(RankCrashed, match="killed by a signal"):
         _spawn_once(_crash_once, 2, "gloo", (str(marker),))
     marker.unlink()
     with pytest.warns(UserWarning, match="running the 2 ranks once more"):
