@@ -46,6 +46,14 @@ TOKENIZER_FILES = (
     "generation_config.json",
 )
 DATA_FILES = ("alpaca_en_demo.json", "dpo_en_demo.json", "chain_sum.jsonl")
+# `scaffold plan` simulates its worst case: rows of max_seq_len tokens, every position supervised
+# (the largest logits a batch can make). The demo rows are a few hundred tokens with the prompt
+# unsupervised, so their peak sits far under the plan (first GPU run: 0.48x for plain SFT, most of
+# the gap the [T, V] logits of positions the plan supervises and the data does not). These files
+# hold the demo's own replies joined into one long reply per row (over max_seq_len tokens at 1024,
+# a one-word prompt), so a run is the plan's case and its peak can be held to PLAN_TOLERANCE.
+FULL_ROWS = {"alpaca_full_rows.json": 120, "dpo_full_rows.json": 40}  # rows (pairs) written
+FULL_ROW_CHARS = 8000  # about 1,800 SmolLM2 tokens of English: every row is cut at 1024
 # measured / planned within this of 1 passes: the planner's own bar against real CPU steps
 # (tests/generator/test_plan.py); on CUDA max_memory_allocated leaves out what the plan leaves out
 # (the CUDA context, NCCL buffers, allocator fragmentation)
@@ -68,18 +76,18 @@ class Case:
 
 
 CASES = (
-    Case("sft-bf16", ("--algo", "sft"), "alpaca_en_demo.json", 10, 120),
+    Case("sft-bf16", ("--algo", "sft"), "alpaca_full_rows.json", 10, 120),
     Case(
         "sft-bf16-compile-packing",
         ("--algo", "sft", "--tricks", "compile,packing"),
-        "alpaca_en_demo.json",
+        "alpaca_full_rows.json",
         10,
         200,
     ),
     Case(
         "sft-bf16-offload",
         ("--algo", "sft", "--tricks", "offload"),
-        "alpaca_en_demo.json",
+        "alpaca_full_rows.json",
         10,
         120,
         cuda_only="offload is CUDA only (the script refuses it on CPU)",
@@ -89,11 +97,11 @@ CASES = (
     Case(
         "sft-lowmem",
         ("--algo", "sft", "--tricks", "ac,lce,optim-in-bwd,adamw8bit"),
-        "alpaca_en_demo.json",
+        "alpaca_full_rows.json",
         10,
         120,
     ),
-    Case("dpo", ("--algo", "dpo"), "dpo_en_demo.json", 3, 120),
+    Case("dpo", ("--algo", "dpo"), "dpo_full_rows.json", 3, 120),
     Case(
         "grpo",
         ("--algo", "grpo"),
@@ -176,10 +184,42 @@ def prepare(dest: Path, cases: list[Case], wheels_too: bool = True) -> None:
     for name in DATA_FILES:
         src = ensure_chain_sum() if name == "chain_sum.jsonl" else ensure_dataset(name)
         shutil.copy2(src, data / name)
+    write_full_rows(data)
     for case in cases:
         render_case(case, dest / "scripts" / case.name)
     size = sum(p.stat().st_size for p in dest.rglob("*") if p.is_file())
     print(f"prepared {dest} ({size / 2**20:.1f} MiB)")
+
+
+def _long_replies(replies: list[str], count: int) -> list[str]:
+    """`count` texts of at least FULL_ROW_CHARS characters, each the replies from a different start
+    joined in order (wrapping around)."""
+    out = []
+    for start in range(count):
+        parts, i = [], start
+        while sum(map(len, parts)) < FULL_ROW_CHARS:
+            parts.append(replies[i % len(replies)])
+            i += 1
+        out.append("\n\n".join(parts))
+    return out
+
+
+def write_full_rows(data: Path) -> None:
+    """data/alpaca_full_rows.json and data/dpo_full_rows.json (FULL_ROWS) from the demo files in
+    `data`: the same formats, one-word prompts, replies longer than max_seq_len tokens."""
+    alpaca = json.loads((data / "alpaca_en_demo.json").read_text())
+    n = FULL_ROWS["alpaca_full_rows.json"]
+    rows = [{"instruction": "Continue.", "input": "", "output": text}
+            for text in _long_replies([r["output"] for r in alpaca if r["output"]], n)]  # fmt: skip
+    (data / "alpaca_full_rows.json").write_text(json.dumps(rows, indent=1))
+    dpo = json.loads((data / "dpo_en_demo.json").read_text())
+    n = FULL_ROWS["dpo_full_rows.json"]
+    chosen = _long_replies([p["chosen"]["value"] for p in dpo], n)
+    rejected = _long_replies([p["rejected"]["value"] for p in dpo][::-1], n)
+    pairs = [{"conversations": [{"from": "human", "value": "Continue."}],
+              "chosen": {"from": "gpt", "value": c}, "rejected": {"from": "gpt", "value": r}}
+             for c, r in zip(chosen, rejected)]  # fmt: skip
+    (data / "dpo_full_rows.json").write_text(json.dumps(pairs, indent=1))
 
 
 def render_case(case: Case, out: Path) -> None:
@@ -350,7 +390,10 @@ def run_case(case: Case, script: Path, out_dir: Path, model_dir: Path, data: Pat
            "--warmup_steps", "0", "--device", device, "--out_dir", str(out_dir), "--overwrite"]  # fmt: skip
     if case.name != "grpo":  # GRPO has no eval or sample; its sizes are its rollouts' (config)
         cmd += ["--micro_batch_size", str(sizes.micro_batch_size), "--max_seq_len", str(sizes.max_seq_len),
-                "--eval_every_steps", "0", "--sample_max_new_tokens", "0"]  # fmt: skip
+                "--eval_every_steps", "0", "--sample_max_new_tokens", "0",
+                # every row padded to max_seq_len: the plan simulates that worst case, so the
+                # run's peak compares with it (demo rows are a few hundred tokens)
+                "--pad_to_max_seq_len", "true"]  # fmt: skip
     cmd += [a for key, value in case.config for a in (f"--{key}", str(value))]
     row.extra["command"] = shlex.join(cmd)
     start = time.monotonic()

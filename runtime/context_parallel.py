@@ -25,8 +25,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+# all_gather_tensor_autograd, not the newer all_gather_single_autograd: torch 2.11 (the GPU
+# image's) lacks the latter; for gather_dim=0 they are the same collective and backward
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
-from torch.distributed._functional_collectives import all_gather_single_autograd
 from torch.nn.attention.bias import causal_lower_right
 
 from runtime.models.llama import LlamaAttention
@@ -115,7 +118,7 @@ def context_parallel_attention(
     B, Hkv, S_loc, Dh = k.shape
     L = S_loc // 2
     kv = torch.stack((k, v))  # 2 x [B, Hkv, S_loc, Dh] -> [2, B, Hkv, S_loc, Dh]: one collective
-    gathered = all_gather_single_autograd(kv.contiguous(), gather_dim=0, group=cp_group)
+    gathered = funcol.all_gather_tensor_autograd(kv.contiguous(), gather_dim=0, group=cp_group)
     # [cp * 2, B, Hkv, S_loc, Dh] -> [cp, k|v, B, Hkv, 2 chunks, L, Dh]
     gathered = gathered.view(cp, 2, B, Hkv, 2, L, Dh)
     # chunk j < cp is rank j's first chunk; chunk 2*cp-1-j is rank j's second: reverse the ranks

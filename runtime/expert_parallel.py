@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 
 from runtime.models.moe import SparseMoeBlock
@@ -97,7 +97,7 @@ def dispatch_to_experts(
     dist.all_to_all_single(recv, counts, group=block.ep_group)
     send_rows, recv_rows = torch.stack([counts, recv]).view(2, ep, n_local).tolist()  # sync
     send_splits, recv_splits = [sum(r) for r in send_rows], [sum(r) for r in recv_rows]
-    x_recv = all_to_all_single_autograd(x_sorted, recv_splits, send_splits, block.ep_group)
+    x_recv = funcol.all_to_all_single_autograd(x_sorted, recv_splits, send_splits, block.ep_group)
     # x_recv is source-major ([rank s][expert j] chunks); each expert takes its chunks of
     # every source in rank order, then the outputs go back to the source-major layout
     chunks = x_recv.split([c for row in recv_rows for c in row])
@@ -107,4 +107,4 @@ def dispatch_to_experts(
     ]
     per_source = [o.split([recv_rows[s][j] for s in range(ep)]) for j, o in enumerate(outs)]
     y_recv = torch.cat([per_source[j][s] for s in range(ep) for j in range(n_local)])
-    return all_to_all_single_autograd(y_recv, send_splits, recv_splits, block.ep_group)
+    return funcol.all_to_all_single_autograd(y_recv, send_splits, recv_splits, block.ep_group)

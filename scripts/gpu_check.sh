@@ -27,4 +27,6 @@ if [ -n "$missing" ]; then
     "$PYTHON" benchmarks/gpu_check.py --install-wheels "$site"
     export PYTHONPATH="$PWD/$site${PYTHONPATH:+:$PYTHONPATH}"
 fi
+# the runtime and generator import from the checkout (the device's python has no editable install)
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 exec "$PYTHON" benchmarks/gpu_check.py --results benchmarks/RESULTS.md "$@"

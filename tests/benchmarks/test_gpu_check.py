@@ -93,3 +93,40 @@ def test_cuda_peak_is_judged_against_the_plan(peak, bound, status):
     if status == "fail":
         bar = "at most 1.10x" if bound else "within 10%"
         assert row.note == f"peak {peak / 1000:.2f}x the plan (bar: {bar}); planned in 3 s"
+
+
+@pytest.mark.parametrize("algo", ["sft", "dpo"])
+def test_full_rows_are_the_case_the_plan_simulates(algo, tmp_path, smollm2_dir):
+    """The GPU check's SFT and DPO data, through the scripts' own loading at the check's
+    max_seq_len: every row is max_seq_len tokens long and all of it but the chat template's prompt
+    tokens is supervised, as the planner's synthetic batch (the first GPU run, on the demo rows,
+    peaked at 0.48x the plan: most of the plan's logits were of positions the data did not train)."""
+    from generator.assets import ensure_dataset
+    from generator.plan_harness import import_script
+    from runtime import IGNORE_INDEX, Tokenizer
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    for name in gpu_check.DATA_FILES[:2]:
+        (tmp_path / name).write_bytes(ensure_dataset(name).read_bytes())
+    gpu_check.write_full_rows(tmp_path)
+    name = {"sft": "alpaca_full_rows.json", "dpo": "dpo_full_rows.json"}[algo]
+    assert {c.dataset for c in gpu_check.CASES if c.new_args[1] == algo} == {name}
+    script = import_script(ROOT / "examples" / f"{algo}_smollm2" / "train.py", f"full_rows_{algo}")
+    seq = gpu_check.GPU_SIZES.max_seq_len
+    cfg = script.Config(
+        model=str(smollm2_dir), dataset=str(tmp_path / name), max_seq_len=seq, val_fraction=0.0
+    )
+    train, _ = script.build_datasets(cfg, Tokenizer.from_dir(smollm2_dir))
+    assert len(train) == gpu_check.FULL_ROWS[name]
+    rows = [
+        ex
+        for item in train
+        for ex in ((item["chosen"], item["rejected"]) if algo == "dpo" else (item,))
+    ]
+    for ex in rows:
+        supervised = sum(t != IGNORE_INDEX for t in ex["labels"])
+        assert len(ex["input_ids"]) == seq and supervised >= seq - 32, supervised
