@@ -124,7 +124,7 @@ class Config:
     out_dir: str = "out"  # metrics.jsonl, checkpoints and the final model go here
     log_every_steps: int = 1
     eval_every_steps: int = 25  # 0 = only at the end
-    save_every_steps: int = 0  # resumable checkpoints in out_dir/checkpoints (0 = none)
+    save_every_steps: int = 50  # resumable checkpoints in out_dir/checkpoints (0 = none)
     keep_last_checkpoints: int = 2  # older complete checkpoints are deleted
     resume: str = "auto"  # "auto" (newest complete checkpoint), "none", or a checkpoint dir
     overwrite: bool = False  # start fresh in an out_dir with an earlier run, deleting its outputs

@@ -153,6 +153,7 @@ def build_answers(spec: Spec) -> dict:
     if algo.lr is not None:
         model["lr"] = algo.lr
     ref_modes = REF_MODES.get(spec.algo, ())
+    multi_gpu = spec.gpus * spec.nodes > 1
     return {
         **model,
         "algo": spec.algo,
@@ -189,6 +190,15 @@ def build_answers(spec: Spec) -> dict:
         "warmup_steps": 10,
         "max_steps": 100,
         "eval_every_steps": 25,
+        # a multi-GPU run is a real run: a crash there costs GPU-hours, so it checkpoints every
+        # 50 steps (twice in the default 100; resume="auto" picks the newest up); one process
+        # (the CPU demo, a single-GPU trial) writes none unless asked
+        "save_every_steps": 50 if multi_gpu else 0,
+        # GRPO rows: reasoning-task lengths for a multi-GPU run (TRL's max_prompt_length 512;
+        # a chain of thought needs far more than the toy data's 64 tokens); one process keeps the
+        # chain_sum demo's short ones (its prompts are under 100 tokens, its answers one number)
+        "max_prompt_len": 512 if multi_gpu else 256,
+        "max_new_tokens": 1024 if multi_gpu else 64,
         "skeleton": algo.skeleton,
         "adapters": algo.template == "lora",
         "ref_modes": list(ref_modes),
@@ -202,7 +212,7 @@ def build_answers(spec: Spec) -> dict:
         "ref_mode_help": {m: REF_MODE_HELP[m] for m in ref_modes},
         # GRPO's default generator engine: the runtime's KV-cache sampler for one process (CPU
         # or a single GPU), vLLM (one GPU per engine actor) for multi-GPU specs
-        "engine": "vllm" if spec.gpus * spec.nodes > 1 else "runtime",
+        "engine": "vllm" if multi_gpu else "runtime",
         # the feature templates, in order; generator.render adds the slots each one fills
         "features": features,
         # the enabled tricks: the Model section's `parallelize` applies them in its fixed order

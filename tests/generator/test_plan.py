@@ -233,11 +233,12 @@ def test_new_prints_the_plan_summary(tiny_real_vocab_dir, tmp_path):
 
 # --- GRPO: the trainer simulated on synthetic rollouts, the engines estimated ------------------
 
-# 2 x (256 prompt + 128 completion) tokens per micro-batch (--max-seq-len is prompt + completion;
-# the prompt is the script's max_prompt_len): small enough for fast real CPU steps, large enough
-# that the peak is the step's own (the log-prob chunks), not gloo's reduce-scatter, which
-# allocates a copy of its input (1.5x) that NCCL does not and the fake process group skips
-GRPO_MBS, GRPO_SEQ = 2, 256 + 128
+# 2 x (512 prompt + 128 completion) tokens per micro-batch (--max-seq-len is prompt + completion;
+# the prompt is the script's max_prompt_len, 512 in these multi-GPU scripts): small enough for
+# fast real CPU steps, large enough that the peak is the step's own (the log-prob chunks), not
+# gloo's reduce-scatter, which allocates a copy of its input (1.5x) that NCCL does not and the
+# fake process group skips
+GRPO_MBS, GRPO_SEQ = 2, 512 + 128
 
 
 def _grpo_spec(model_dir: Path, **kw) -> Spec:
@@ -269,7 +270,7 @@ def test_grpo_trainer_simulation_matches_real_step(process_group, tiny_real_voca
     (with_ref,) = simulate([spec], GRPO_MBS, GRPO_SEQ, kl_coef=0.05)
     assert plain.world_size == 1 and plain.max_seq_len == GRPO_SEQ
     ro = plain.rollout
-    assert (ro["prompt_len"], ro["completion_len"], ro["rollouts_on_rank"]) == (256, 128, 64)
+    assert (ro["prompt_len"], ro["completion_len"], ro["rollouts_on_rank"]) == (512, 128, 64)
     assert (ro["micro_batches"], ro["simulated_micro_batches"], ro["kl_coef"]) == (32, 2, 0.0)
     real = _measure_real_grpo(spec, tiny_real_vocab_dir, tmp_path / "plain")
     _assert_agrees(plain, real)
@@ -397,7 +398,7 @@ def test_cli_plan_and_new_print_the_grpo_engines(tiny_real_vocab_dir, tmp_path):
     assert "memory per trainer rank: " in result.output
     assert "1 trainer rank(s) + 1 engine GPU(s) per node" in result.output
     assert "64 rollouts per step (8 prompts x 8), 64 on this rank in 32 micro-batch(es) of 2 x " \
-        "384 tokens (256 prompt + 128 completion" in result.output  # fmt: skip
+        "640 tokens (512 prompt + 128 completion" in result.output  # fmt: skip
     assert (
         "rollout engines (computed estimate, not simulated): 1 vLLM engine(s) of engine_tp 1 "
         f"GPU(s) on 1 GPU(s) per node: bf16 weights {weights / GIB:.2f} GiB" in result.output

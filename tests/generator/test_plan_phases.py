@@ -245,7 +245,8 @@ def test_cli_plan_colocated_prints_each_phase(tiny_real_vocab_dir):
     """`scaffold plan --layout colocated` (a tiny Llama, simulated): the trainer step is the
     simulated peak + a sleeping engine, each phase printed, the verdict the largest."""
     model = ["--algo", "grpo", "--model", str(tiny_real_vocab_dir), "--gpus", "2"]
-    lengths = ["--micro-batch-size", "2", "--max-seq-len", "320"]
+    # a 2-GPU script's prompts take max_prompt_len = 512 (its multi-GPU default): 64 to complete
+    lengths = ["--micro-batch-size", "2", "--max-seq-len", "576"]
     result = CliRunner().invoke(
         cli, ["plan", *model, "--layout", "colocated", *lengths, "--gpu-memory", "24"]
     )

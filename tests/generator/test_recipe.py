@@ -33,7 +33,7 @@ def test_70b_defaults_are_the_least_lossy_fitting_recipes():
     """SFT keeps fp32 master weights with 8-bit state (fp32 state does not fit with every memory
     trick); LoRA needs only ac; DPO takes the precomputed reference; GRPO goes colocated on all 8 GPUs with bf16-sr and 8-bit state
     (the split layout's 4 trainer ranks would need 4-bit state, a lower precision rank);
-    grpo-lora's plain split script fits as it is."""
+    grpo-lora's split script needs only ac (at the multi-GPU rows of 512 + 1024 tokens)."""
     sft = _default("sft")
     assert (sft.tricks, sft.fit_for) == (("ac", "optim-in-bwd", "adamw8bit"), "h100-80")
     assert _default("lora").tricks == ("ac",)
@@ -41,7 +41,7 @@ def test_70b_defaults_are_the_least_lossy_fitting_recipes():
     assert grpo.tricks == ("ac", "adamw8bit", "bf16-sr")
     assert (grpo.layout, grpo.engine_gpus, grpo.engine_tp) == ("colocated", 0, 8)
     lora = _default("grpo-lora")
-    assert (lora.tricks, lora.fit_for, lora.layout) == ((), "", "split")
+    assert (lora.tricks, lora.fit_for, lora.layout) == (("ac",), "h100-80", "split")
     # DPO: the precomputed reference (no second model resident) with 4-bit state (8-bit's
     # estimate, 68 GiB, is over the 90% margin); dpo-lora's adapters-off reference needs only ac
     dpo = _default("dpo")

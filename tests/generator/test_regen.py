@@ -599,8 +599,9 @@ DATA, MAIN = "# === 7. Data ===", "# === 9. main ==="
         ({"tricks": ("compile",)}, {HEADER, CONFIG, MODEL, LOSS}, 30),
         ({"tricks": ("offload",)}, {HEADER, IMPORTS, CONFIG, MODEL}, 30),
         ({"dtype": "fp32"}, {HEADER, CONFIG}, 12),
-        ({"gpus": 8}, {HEADER}, 12),
-        ({"nodes": 2}, {HEADER}, 12),
+        # a multi-GPU script checkpoints every 50 steps by default (Config's save_every_steps)
+        ({"gpus": 8}, {HEADER, CONFIG}, 14),
+        ({"nodes": 2}, {HEADER, CONFIG}, 14),
         ({"dataset": "mine.jsonl"}, {HEADER, CONFIG}, 12),
         # an algorithm is one template: its save() sits after train_step, before main's banner, and
         # main calls it in place of the runtime's save_hf_model; the optimizer's no-decay comment
@@ -765,11 +766,12 @@ BEFORE_SHARED_PARTIALS = "cc53fd5"
 # DPO reference cache and GRPO rollout plumbing (the scripts lost 100-220 lines each).
 BEFORE_RUNTIME_HELPERS = "f503683"
 # A Config default a user changes. (Not `seed`: its line is next to `sample_prompt`, whose default
-# changed since, and a 3-way merge rightly calls two changes with no unchanged line between them a
-# conflict; `scaffold regen --abort` / `--continue` handle that one.)
+# changed since; nor `keep_last_checkpoints`, next to `save_every_steps`, whose default became 50
+# in multi-GPU scripts: a 3-way merge rightly calls two changes with no unchanged line between
+# them a conflict; `scaffold regen --abort` / `--continue` handle that one.)
 EDIT = (
-    "    keep_last_checkpoints: int = 2  # older complete checkpoints are deleted\n",
-    "    keep_last_checkpoints: int = 5  # user edit: keep more\n",
+    "    log_every_steps: int = 1\n",
+    "    log_every_steps: int = 10  # user edit: log less often\n",
 )
 
 
