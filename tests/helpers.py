@@ -392,10 +392,16 @@ def grpo_fixed_rollouts():
     return rollouts, advantages
 
 
-def grpo_two_steps(script, model_dir: Path, dtype: str = "fp32") -> list[tuple[float, ...]]:
+def grpo_two_steps(
+    script, model_dir: Path, dtype: str = "fp32", synced: dict | None = None
+) -> list[tuple[float, ...]]:
     """(loss, grad_norm, kl, is_weight, clip_frac) of 2 GRPO train_steps on the same 8 fixed
     rollouts, 2 micro-batches each, kl_coef 0.1 (the reference's log-probs too), clipping on, in
-    `dtype` (no Ray: the step only)."""
+    `dtype` (no Ray: the step only).
+
+    synced: if given, filled after the 2 steps with what a weight sync would send the engines,
+    {HF name: full CPU tensor in `dtype`}, by either transfer: "object-store"
+    (`gather_hf_state_dict`) and "collective" (`HFWeightSource`, gloo's CPU side)."""
     cfg = script.Config(
         model=str(model_dir), dtype=dtype, device="cpu", lr=1e-3, warmup_steps=0,
         micro_batch_size=4, kl_coef=0.1, max_prompt_len=8, max_new_tokens=8,
@@ -416,5 +422,11 @@ def grpo_two_steps(script, model_dir: Path, dtype: str = "fp32") -> list[tuple[f
     for _ in range(2):
         m = script.train_step(model, reference, optimizer, scheduler, rollouts, advantages, num_tokens, 2, cfg, device)  # fmt: skip
         out.append((m["loss"], m["grad_norm"], m["kl"], m["is_weight"], m["clip_frac"]))
+    if synced is not None:
+        from runtime.rollout import HFWeightSource, gather_hf_state_dict
+
+        wire = script.DTYPES[dtype]
+        synced["object-store"] = gather_hf_state_dict(model, wire)
+        synced["collective"] = dict(HFWeightSource(model, wire, torch.device("cpu")))
     script.destroy_distributed()
     return out

@@ -296,12 +296,11 @@ def test_list_and_help():
         if not line.strip().startswith("no:")
     }
     assert rows["lce"] == ["yes"] * 8 and rows["optim-in-bwd"] == ["yes"] * 8
-    # every trick on every algorithm, but the precision recipes: bf16-sr on the full-parameter
-    # algorithms, cpu-offload on the SFT skeleton's
+    # every trick on every algorithm, but the precision recipes: on the full-parameter algorithms
     precision = ("bf16-sr", "cpu-offload")
     assert all(rows[t] == ["yes"] * 8 for t in TRICKS if t not in precision)
     assert rows["bf16-sr"] == ["yes", "no", "no", "yes", "no", "yes", "no", "yes"]
-    assert rows["cpu-offload"] == ["yes", "no", "no", "no", "no", "no", "no", "yes"]
+    assert rows["cpu-offload"] == ["yes", "no", "no", "yes", "no", "yes", "no", "yes"]
     assert rows["--tp"] == ["yes"] + ["no"] * 7
     assert any(
         line.strip().startswith("no: --tp with dpo, dpo-lora: not wired") for line in support
