@@ -396,8 +396,9 @@ def grpo_two_steps(
     script, model_dir: Path, dtype: str = "fp32", synced: dict | None = None
 ) -> list[tuple[float, ...]]:
     """(loss, grad_norm, kl, is_weight, clip_frac) of 2 GRPO train_steps on the same 8 fixed
-    rollouts, 2 micro-batches each, kl_coef 0.1 (the reference's log-probs too), clipping on, in
-    `dtype` (no Ray: the step only).
+    rollouts, 2 micro-batches of 4 each, kl_coef 0.1 (the reference's log-probs too), clipping on,
+    in `dtype` (no Ray: the step only). Under several data-parallel ranks each trains its share
+    (rank r: rollouts r, r + size, ...) in micro-batches of 4, as the script's main() splits them.
 
     synced: if given, filled after the 2 steps with what a weight sync would send the engines,
     {HF name: full CPU tensor in `dtype`}, by either transfer: "object-store"
@@ -418,9 +419,12 @@ def grpo_two_steps(
     optimizer, scheduler = script.build_optimizer(cfg, model)
     rollouts, advantages = grpo_fixed_rollouts()
     num_tokens = sum(len(r.completion_ids) for r in rollouts)
+    rank, size, _ = script.data_parallel(mesh)
+    rollouts, advantages = rollouts[rank::size], advantages[rank::size]
+    num_micro = -(-len(rollouts) // cfg.micro_batch_size)  # the same on every rank (8 divide)
     out = []
     for _ in range(2):
-        m = script.train_step(model, reference, optimizer, scheduler, rollouts, advantages, num_tokens, 2, cfg, device)  # fmt: skip
+        m = script.train_step(model, reference, optimizer, scheduler, rollouts, advantages, num_tokens, num_micro, cfg, device)  # fmt: skip
         out.append((m["loss"], m["grad_norm"], m["kl"], m["is_weight"], m["clip_frac"]))
     if synced is not None:
         from runtime.rollout import HFWeightSource, gather_hf_state_dict

@@ -176,6 +176,57 @@ def test_cpu_offload_on_the_dpo_and_grpo_skeletons(
             torch.testing.assert_close(got[how][name], tensor, atol=0, rtol=0, msg=(how, name))
 
 
+def _offload_ranks(rank: int, world_size: int, algo: str, script: Path, model_dir: Path, pairs: Path):
+    """`_preference_or_rl_steps` on this rank of `world_size` (2 bf16 steps of the rendered
+    `script`): GRPO returns its metrics and what a weight sync sends (gathered on every rank);
+    DPO's main() writes metrics.jsonl and the saved model next to the script (rank 0)."""
+    s = import_script(script, f"offload_ranks_{script.parent.name}_{rank}")
+    torch.manual_seed(0)
+    if algo == "grpo":
+        synced = {}
+        return grpo_two_steps(s, model_dir, dtype="bf16", synced=synced), synced
+    args = [a if a != "fp32" else "bf16" for a in two_step_args(script.parent / "out", model_dir, pairs, 192)]
+    # 4 pairs over 2 ranks: 2 steps of 2 micro-batches of 1 pair per rank (2 epochs)
+    args[args.index("--micro_batch_size") + 1] = "1"
+    s.main(args)
+    return None
+
+
+@pytest.mark.parametrize("algo", ["dpo", "grpo"])
+def test_cpu_offload_on_two_ranks_gives_the_plain_steps_and_full_weights(
+    algo, tmp_path, tiny_model_dir, short_pairs
+):
+    """On 2 gloo ranks (each weight split in two CPU shards) the cpu-offload script equals the plain
+    one: losses and gradient norms (1e-5), and the full weights gathered from the offloaded shards
+    (DPO's saved model, GRPO's weight sync by both transfers, on each rank), bit for bit, with
+    the full shapes of the checkpoint."""
+    results = {}
+    for tricks in ((), ("cpu-offload",)):
+        run = tmp_path / ("_".join(tricks) or "plain").replace("-", "_")
+        run.mkdir()
+        (run / "train.py").write_text(render(Spec(algo=algo, tricks=tricks, out=str(run))))
+        ranks = spawn(
+            _offload_ranks, 2, args=(algo, run / "train.py", tiny_model_dir, short_pairs)
+        )
+        if algo == "grpo":
+            results[tricks] = ranks
+        else:
+            metrics = [(row["loss"], row["grad_norm"]) for row in read_metrics(run / "out")]
+            saved = load_file(run / "out" / "model" / "model.safetensors")
+            results[tricks] = [(metrics, {"saved": saved})]
+    shapes = {k: v.shape for k, v in load_file(tiny_model_dir / "model.safetensors").items()}
+    plain, offload = results[()], results[("cpu-offload",)]
+    assert len(plain[0][0]) == 2 and plain[0][0][1][0] != plain[0][0][0][0]  # it trains
+    for (want_steps, want), (got_steps, got) in zip(plain, offload, strict=True):
+        for step, (a, b) in enumerate(zip(got_steps, want_steps, strict=True)):
+            assert a == pytest.approx(b, abs=1e-5), (step, got_steps, want_steps)
+        for how in want:
+            assert got[how].keys() == want[how].keys(), how
+            for name, tensor in want[how].items():
+                assert tensor.shape == shapes.get(name, shapes["model.embed_tokens.weight"])
+                assert torch.equal(got[how][name], tensor), (how, name)
+
+
 def test_bf16_sr_grpo_stores_bf16_weights_and_moments(tmp_path, tiny_model_dir):
     """GRPO under bf16-sr: every trained parameter and both AdamW moments are bf16 after a step
     (no fp32 master copy anywhere), the reference too; the optimizer rounds stochastically."""
