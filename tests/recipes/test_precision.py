@@ -176,7 +176,9 @@ def test_cpu_offload_on_the_dpo_and_grpo_skeletons(
             torch.testing.assert_close(got[how][name], tensor, atol=0, rtol=0, msg=(how, name))
 
 
-def _offload_ranks(rank: int, world_size: int, algo: str, script: Path, model_dir: Path, pairs: Path):
+def _offload_ranks(
+    rank: int, world_size: int, algo: str, script: Path, model_dir: Path, pairs: Path
+):
     """`_preference_or_rl_steps` on this rank of `world_size` (2 bf16 steps of the rendered
     `script`): GRPO returns its metrics and what a weight sync sends (gathered on every rank);
     DPO's main() writes metrics.jsonl and the saved model next to the script (rank 0)."""
@@ -185,7 +187,10 @@ def _offload_ranks(rank: int, world_size: int, algo: str, script: Path, model_di
     if algo == "grpo":
         synced = {}
         return grpo_two_steps(s, model_dir, dtype="bf16", synced=synced), synced
-    args = [a if a != "fp32" else "bf16" for a in two_step_args(script.parent / "out", model_dir, pairs, 192)]
+    args = [
+        a if a != "fp32" else "bf16"
+        for a in two_step_args(script.parent / "out", model_dir, pairs, 192)
+    ]
     # 4 pairs over 2 ranks: 2 steps of 2 micro-batches of 1 pair per rank (2 epochs)
     args[args.index("--micro_batch_size") + 1] = "1"
     s.main(args)
@@ -205,9 +210,7 @@ def test_cpu_offload_on_two_ranks_gives_the_plain_steps_and_full_weights(
         run = tmp_path / ("_".join(tricks) or "plain").replace("-", "_")
         run.mkdir()
         (run / "train.py").write_text(render(Spec(algo=algo, tricks=tricks, out=str(run))))
-        ranks = spawn(
-            _offload_ranks, 2, args=(algo, run / "train.py", tiny_model_dir, short_pairs)
-        )
+        ranks = spawn(_offload_ranks, 2, args=(algo, run / "train.py", tiny_model_dir, short_pairs))
         if algo == "grpo":
             results[tricks] = ranks
         else:
