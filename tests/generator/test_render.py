@@ -388,3 +388,17 @@ def test_expert_parallel_renders_only_with_ep(tmp_path):
     assert "--ep 8" in spec.command()
     plain = render(Spec(model="qwen3-30b-a3b", gpus=8, out="o"))
     assert "apply_expert_parallel" not in plain and "ep: int" not in plain
+
+
+@pytest.mark.parametrize("algo", ["sft", "dpo", "grpo"])
+def test_cpu_offload_gives_cuda_runs_gloo_for_the_cpu_shards(algo):
+    """With cpu-offload the shards and gradients are CPU tensors, which NCCL cannot gather or
+    reduce: the script asks for gloo beside NCCL (`cuda:nccl,cpu:gloo`); without it, NCCL alone."""
+    from runtime.parallel import process_group_backend
+
+    call = "init_distributed(cfg.device, cpu_collectives=True)"
+    assert call in render(Spec(algo=algo, tricks=("cpu-offload",), out="o"))
+    assert call not in render(Spec(algo=algo, out="o"))
+    assert process_group_backend("cuda", cpu_collectives=True) == "cuda:nccl,cpu:gloo"
+    assert process_group_backend("cuda") == "nccl"
+    assert process_group_backend("cpu", cpu_collectives=True) == "gloo"
