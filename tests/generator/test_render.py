@@ -393,12 +393,16 @@ def test_expert_parallel_renders_only_with_ep(tmp_path):
 @pytest.mark.parametrize("algo", ["sft", "dpo", "grpo"])
 def test_cpu_offload_gives_cuda_runs_gloo_for_the_cpu_shards(algo):
     """With cpu-offload the shards and gradients are CPU tensors, which NCCL cannot gather or
-    reduce: the script asks for gloo beside NCCL (`cuda:nccl,cpu:gloo`); without it, NCCL alone."""
+    reduce: the script asks for gloo beside NCCL (`cuda:nccl,cpu:gloo`); without it, NCCL alone.
+    The header says where the frozen reference lives."""
     from runtime.parallel import process_group_backend
 
     call = "init_distributed(cfg.device, cpu_collectives=True)"
-    assert call in render(Spec(algo=algo, tricks=("cpu-offload",), out="o"))
-    assert call not in render(Spec(algo=algo, out="o"))
+    offloaded, plain = (render(Spec(algo=algo, tricks=t, out="o")) for t in (("cpu-offload",), ()))
+    assert call in offloaded and call not in plain
+    # the header's memory line: DPO's and GRPO's frozen reference is offloaded with the policy
+    reference = "a separate frozen reference 2 (bf16), in host memory too"
+    assert (reference in " ".join(offloaded.split())) == (algo != "sft")
     assert process_group_backend("cuda", cpu_collectives=True) == "cuda:nccl,cpu:gloo"
     assert process_group_backend("cuda") == "nccl"
     assert process_group_backend("cpu", cpu_collectives=True) == "gloo"
