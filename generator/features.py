@@ -226,11 +226,6 @@ _PLAN_NOT_WIRED = (
 )
 
 
-# Why the SFT skeleton's precision recipes are not on the DPO and GRPO skeletons yet: missing work.
-_PRECISION_NOT_WIRED = (
-    "built and tested on the SFT skeleton only; the {skeleton} skeleton's frozen reference and "
-    "{extra} with it are untested"
-)
 # Why not for adapters: a technical reason, nothing to gain.
 _BF16_SR_ADAPTERS = (
     "the trained parameters are the adapters (under 1% of the weights), so their fp32 master "
@@ -265,10 +260,6 @@ def _refusals() -> dict[tuple[str, str], str]:
             out["--ep", name] = (
                 "expert parallel is built and tested on full-parameter SFT only; adapters on "
                 "experts and a reference or teacher MoE under EP are not built yet"
-            )
-        if algo.skeleton != "sft":
-            out["cpu-offload", name] = _PRECISION_NOT_WIRED.format(
-                skeleton=algo.skeleton.upper(), extra=extra
             )
         if algo.template == "lora":
             out["bf16-sr", name] = _BF16_SR_ADAPTERS

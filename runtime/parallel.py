@@ -37,14 +37,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(device_type: str = "auto") -> DistInfo:
+def process_group_backend(device_type: str, cpu_collectives: bool = False) -> str:
+    """The `init_process_group` backend: "nccl" on CUDA, "gloo" on CPU; on CUDA with
+    cpu_collectives, "cuda:nccl,cpu:gloo" (each collective goes to the backend of its tensors'
+    device, as torchtitan's enable_cpu_offload and torchtune's distributed recipes)."""
+    if device_type != "cuda":
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if cpu_collectives else "nccl"
+
+
+def init_distributed(device_type: str = "auto", cpu_collectives: bool = False) -> DistInfo:
     """Initialise the default process group and pick this rank's device.
 
     Under torchrun (RANK/WORLD_SIZE set) joins that group; otherwise creates a 1-process group on a
-    free local port. Backend: NCCL on CUDA, gloo on CPU.
+    free local port. Backend: `process_group_backend`.
 
     Args:
         device_type: "auto" (CUDA when available), "cuda" or "cpu".
+        cpu_collectives: a CUDA run also gets gloo for collectives on CPU tensors. FSDP2's
+            CPUOffloadPolicy needs it: the sharded parameters and gradients live in host memory,
+            so the gradient norm's all-reduce and every `full_tensor()` gather (saving the HF
+            model, GRPO's weight sync) run on CPU shards, which NCCL cannot take.
 
     Returns:
         DistInfo for this process.
@@ -65,7 +78,7 @@ def init_distributed(device_type: str = "auto") -> DistInfo:
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        backend = "nccl" if device_type == "cuda" else "gloo"
+        backend = process_group_backend(device_type, cpu_collectives)
         if "RANK" in os.environ:
             dist.init_process_group(backend, device_id=device if device_type == "cuda" else None)
         else:

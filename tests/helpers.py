@@ -392,10 +392,17 @@ def grpo_fixed_rollouts():
     return rollouts, advantages
 
 
-def grpo_two_steps(script, model_dir: Path, dtype: str = "fp32") -> list[tuple[float, ...]]:
+def grpo_two_steps(
+    script, model_dir: Path, dtype: str = "fp32", synced: dict | None = None
+) -> list[tuple[float, ...]]:
     """(loss, grad_norm, kl, is_weight, clip_frac) of 2 GRPO train_steps on the same 8 fixed
-    rollouts, 2 micro-batches each, kl_coef 0.1 (the reference's log-probs too), clipping on, in
-    `dtype` (no Ray: the step only)."""
+    rollouts, 2 micro-batches of 4 each, kl_coef 0.1 (the reference's log-probs too), clipping on,
+    in `dtype` (no Ray: the step only). Under several data-parallel ranks each trains its share
+    (rank r: rollouts r, r + size, ...) in micro-batches of 4, as the script's main() splits them.
+
+    synced: if given, filled after the 2 steps with what a weight sync would send the engines,
+    {HF name: full CPU tensor in `dtype`}, by either transfer: "object-store"
+    (`gather_hf_state_dict`) and "collective" (`HFWeightSource`, gloo's CPU side)."""
     cfg = script.Config(
         model=str(model_dir), dtype=dtype, device="cpu", lr=1e-3, warmup_steps=0,
         micro_batch_size=4, kl_coef=0.1, max_prompt_len=8, max_new_tokens=8,
@@ -412,9 +419,18 @@ def grpo_two_steps(script, model_dir: Path, dtype: str = "fp32") -> list[tuple[f
     optimizer, scheduler = script.build_optimizer(cfg, model)
     rollouts, advantages = grpo_fixed_rollouts()
     num_tokens = sum(len(r.completion_ids) for r in rollouts)
+    rank, size, _ = script.data_parallel(mesh)
+    rollouts, advantages = rollouts[rank::size], advantages[rank::size]
+    num_micro = -(-len(rollouts) // cfg.micro_batch_size)  # the same on every rank (8 divide)
     out = []
     for _ in range(2):
-        m = script.train_step(model, reference, optimizer, scheduler, rollouts, advantages, num_tokens, 2, cfg, device)  # fmt: skip
+        m = script.train_step(model, reference, optimizer, scheduler, rollouts, advantages, num_tokens, num_micro, cfg, device)  # fmt: skip
         out.append((m["loss"], m["grad_norm"], m["kl"], m["is_weight"], m["clip_frac"]))
+    if synced is not None:
+        from runtime.rollout import HFWeightSource, gather_hf_state_dict
+
+        wire = script.DTYPES[dtype]
+        synced["object-store"] = gather_hf_state_dict(model, wire)
+        synced["collective"] = dict(HFWeightSource(model, wire, torch.device("cpu")))
     script.destroy_distributed()
     return out

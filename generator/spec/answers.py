@@ -97,7 +97,9 @@ def _bytes_per_param(spec: Spec) -> str:
     elif algo.template == "kd":
         line += f"; frozen teacher {frozen}"
     elif algo.skeleton in ("dpo", "grpo"):
-        line += f"; a separate frozen reference {frozen}"
+        # cpu-offload shards the frozen reference with the same CPUOffloadPolicy (model.jinja)
+        where = ", in host memory too" if "cpu-offload" in tricks else ""
+        line += f"; a separate frozen reference {frozen}{where}"
     return line + "."
 
 

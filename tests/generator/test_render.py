@@ -296,12 +296,11 @@ def test_list_and_help():
         if not line.strip().startswith("no:")
     }
     assert rows["lce"] == ["yes"] * 8 and rows["optim-in-bwd"] == ["yes"] * 8
-    # every trick on every algorithm, but the precision recipes: bf16-sr on the full-parameter
-    # algorithms, cpu-offload on the SFT skeleton's
+    # every trick on every algorithm, but the precision recipes: on the full-parameter algorithms
     precision = ("bf16-sr", "cpu-offload")
     assert all(rows[t] == ["yes"] * 8 for t in TRICKS if t not in precision)
     assert rows["bf16-sr"] == ["yes", "no", "no", "yes", "no", "yes", "no", "yes"]
-    assert rows["cpu-offload"] == ["yes", "no", "no", "no", "no", "no", "no", "yes"]
+    assert rows["cpu-offload"] == ["yes", "no", "no", "yes", "no", "yes", "no", "yes"]
     assert rows["--tp"] == ["yes"] + ["no"] * 7
     assert any(
         line.strip().startswith("no: --tp with dpo, dpo-lora: not wired") for line in support
@@ -389,3 +388,21 @@ def test_expert_parallel_renders_only_with_ep(tmp_path):
     assert "--ep 8" in spec.command()
     plain = render(Spec(model="qwen3-30b-a3b", gpus=8, out="o"))
     assert "apply_expert_parallel" not in plain and "ep: int" not in plain
+
+
+@pytest.mark.parametrize("algo", ["sft", "dpo", "grpo"])
+def test_cpu_offload_gives_cuda_runs_gloo_for_the_cpu_shards(algo):
+    """With cpu-offload the shards and gradients are CPU tensors, which NCCL cannot gather or
+    reduce: the script asks for gloo beside NCCL (`cuda:nccl,cpu:gloo`); without it, NCCL alone.
+    The header says where the frozen reference lives."""
+    from runtime.parallel import process_group_backend
+
+    call = "init_distributed(cfg.device, cpu_collectives=True)"
+    offloaded, plain = (render(Spec(algo=algo, tricks=t, out="o")) for t in (("cpu-offload",), ()))
+    assert call in offloaded and call not in plain
+    # the header's memory line: DPO's and GRPO's frozen reference is offloaded with the policy
+    reference = "a separate frozen reference 2 (bf16), in host memory too"
+    assert (reference in " ".join(offloaded.split())) == (algo != "sft")
+    assert process_group_backend("cuda", cpu_collectives=True) == "cuda:nccl,cpu:gloo"
+    assert process_group_backend("cuda") == "nccl"
+    assert process_group_backend("cpu", cpu_collectives=True) == "gloo"

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
+from torch.distributed.fsdp import CPUOffloadPolicy
 
 from generator.render import render
 from generator.spec import Spec
@@ -81,20 +83,43 @@ def test_bf16_sr_tracks_the_plain_script_and_composes(
         assert losses[1] == pytest.approx(plain_bf16[1], abs=2e-2) and losses[1] < losses[0]
 
 
-def _preference_or_rl_steps(algo: str, tricks: tuple, tmp: Path, model_dir: Path, pairs: Path):
-    """2 bf16 steps of `algo` with `tricks`: DPO's main() on 4 short pairs (a separate reference;
-    (loss, grad_norm) per step), GRPO's train_step on the fixed rollouts with a KL reference
-    (`grpo_two_steps`: loss, grad_norm, kl, is_weight, clip_frac)."""
-    run = tmp / f"{algo}_{'_'.join(tricks) or 'plain'}".replace("-", "_")
+def _preference_or_rl_steps(
+    algo: str,
+    tricks: tuple,
+    tmp: Path,
+    model_dir: Path,
+    pairs: Path,
+    *extra: str,
+    weights: dict | None = None,
+    shards: list | None = None,
+):
+    """2 bf16 steps of `algo` with `tricks`: DPO's main() on 4 short pairs (a separate reference
+    unless `extra` flags say otherwise; (loss, grad_norm) per step), GRPO's train_step on the
+    fixed rollouts with a KL reference (`grpo_two_steps`: loss, grad_norm, kl, is_weight,
+    clip_frac). weights: if given, filled with the trained weights as they leave the trainer:
+    DPO's saved HF model ({"saved": {HF name: tensor}}), GRPO's weight sync (`grpo_two_steps`).
+    shards: if given, gets the offload_policy (or None) of every `fully_shard` call, policy's and
+    reference's."""
+    run = tmp / f"{algo}_{'_'.join(tricks) or 'plain'}{''.join(extra)}".replace("-", "_")
     run.mkdir()
     (run / "train.py").write_text(render(Spec(algo=algo, tricks=tricks, out=str(run))))
     script = import_script(run / "train.py", f"precision_{run.name}")
+    if shards is not None:
+        fully_shard = script.fully_shard
+
+        def recording(module, **kwargs):
+            shards.append(kwargs.get("offload_policy"))
+            return fully_shard(module, **kwargs)
+
+        script.fully_shard = recording
     torch.manual_seed(0)
     if algo == "grpo":
-        return grpo_two_steps(script, model_dir, dtype="bf16")
+        return grpo_two_steps(script, model_dir, dtype="bf16", synced=weights)
     args = [a if a != "fp32" else "bf16" for a in two_step_args(run / "out", model_dir, pairs, 192)]
     args[args.index("--micro_batch_size") + 1] = "1"  # 4 pairs: 2 steps of 2 micro-batches
-    script.main(args)
+    script.main([*args, *extra])
+    if weights is not None:
+        weights["saved"] = load_file(run / "out" / "model" / "model.safetensors")
     return [(row["loss"], row["grad_norm"]) for row in read_metrics(run / "out")]
 
 
@@ -113,6 +138,96 @@ def test_bf16_sr_on_the_dpo_and_grpo_skeletons(algo, tmp_path, tiny_model_dir, s
         assert got[0][1] == pytest.approx(plain[0][1], rel=2e-2), (tricks, got, plain)
         assert got[1][0] == pytest.approx(plain[1][0], abs=2e-2), (tricks, got, plain)
         assert abs(got[1][0] - got[0][0]) > 0.5 * abs(plain[1][0] - plain[0][0]), (got, plain)
+
+
+@pytest.mark.parametrize(
+    "algo, extra",
+    [("dpo", ("--ref_mode", "separate")), ("dpo", ("--ref_mode", "precomputed")), ("grpo", ())],
+    ids=["dpo-separate", "dpo-precomputed", "grpo"],
+)
+def test_cpu_offload_on_the_dpo_and_grpo_skeletons(
+    algo, extra, tmp_path, tiny_model_dir, short_pairs
+):
+    """CPU offload on the policy and on the frozen reference (DPO's separate copy, GRPO's KL
+    reference; DPO's precomputed table scored by the offloaded policy) moves where the shards
+    live, not the math: 2 bf16 steps give the plain script's losses, gradient norms (GRPO: KL,
+    importance weights, clipping too) and trained weights as they leave the trainer (DPO's
+    saved model, GRPO's weight sync by both transfers, gathered from the CPU shards)."""
+    want, got, plain_shards, offload_shards = {}, {}, [], []
+    plain = _preference_or_rl_steps(
+        algo, (), tmp_path, tiny_model_dir, short_pairs, *extra, weights=want, shards=plain_shards
+    )
+    assert plain[1][0] != plain[0][0]  # the plain script trains: step 2 sees the update
+    offload = _preference_or_rl_steps(
+        algo, ("cpu-offload",), tmp_path, tiny_model_dir, short_pairs, *extra, weights=got,
+        shards=offload_shards,
+    )  # fmt: skip
+    # every FSDP unit of both models (bf16: the plain script shards them too) is offloaded
+    assert plain_shards and plain_shards == [None] * len(plain_shards)
+    assert len(offload_shards) == len(plain_shards)
+    assert all(isinstance(p, CPUOffloadPolicy) for p in offload_shards), offload_shards
+    for step, (a, b) in enumerate(zip(offload, plain, strict=True)):
+        assert a == pytest.approx(b, abs=1e-5), (step, offload, plain)
+    assert want.keys() == got.keys() and want
+    for how in want:
+        assert want[how].keys() == got[how].keys() and len(want[how]) > 10, how
+        for name, tensor in want[how].items():
+            assert got[how][name].dtype == tensor.dtype, (how, name)
+            torch.testing.assert_close(got[how][name], tensor, atol=0, rtol=0, msg=(how, name))
+
+
+def _offload_ranks(
+    rank: int, world_size: int, algo: str, script: Path, model_dir: Path, pairs: Path
+):
+    """`_preference_or_rl_steps` on this rank of `world_size` (2 bf16 steps of the rendered
+    `script`): GRPO returns its metrics and what a weight sync sends (gathered on every rank);
+    DPO's main() writes metrics.jsonl and the saved model next to the script (rank 0)."""
+    s = import_script(script, f"offload_ranks_{script.parent.name}_{rank}")
+    torch.manual_seed(0)
+    if algo == "grpo":
+        synced = {}
+        return grpo_two_steps(s, model_dir, dtype="bf16", synced=synced), synced
+    args = [
+        a if a != "fp32" else "bf16"
+        for a in two_step_args(script.parent / "out", model_dir, pairs, 192)
+    ]
+    # 4 pairs over 2 ranks: 2 steps of 2 micro-batches of 1 pair per rank (2 epochs)
+    args[args.index("--micro_batch_size") + 1] = "1"
+    s.main(args)
+    return None
+
+
+@pytest.mark.parametrize("algo", ["dpo", "grpo"])
+def test_cpu_offload_on_two_ranks_gives_the_plain_steps_and_full_weights(
+    algo, tmp_path, tiny_model_dir, short_pairs
+):
+    """On 2 gloo ranks (each weight split in two CPU shards) the cpu-offload script equals the plain
+    one: losses and gradient norms (1e-5), and the full weights gathered from the offloaded shards
+    (DPO's saved model, GRPO's weight sync by both transfers, on each rank), bit for bit, with
+    the full shapes of the checkpoint."""
+    results = {}
+    for tricks in ((), ("cpu-offload",)):
+        run = tmp_path / ("_".join(tricks) or "plain").replace("-", "_")
+        run.mkdir()
+        (run / "train.py").write_text(render(Spec(algo=algo, tricks=tricks, out=str(run))))
+        ranks = spawn(_offload_ranks, 2, args=(algo, run / "train.py", tiny_model_dir, short_pairs))
+        if algo == "grpo":
+            results[tricks] = ranks
+        else:
+            metrics = [(row["loss"], row["grad_norm"]) for row in read_metrics(run / "out")]
+            saved = load_file(run / "out" / "model" / "model.safetensors")
+            results[tricks] = [(metrics, {"saved": saved})]
+    shapes = {k: v.shape for k, v in load_file(tiny_model_dir / "model.safetensors").items()}
+    plain, offload = results[()], results[("cpu-offload",)]
+    assert len(plain[0][0]) == 2 and plain[0][0][1][0] != plain[0][0][0][0]  # it trains
+    for (want_steps, want), (got_steps, got) in zip(plain, offload, strict=True):
+        for step, (a, b) in enumerate(zip(got_steps, want_steps, strict=True)):
+            assert a == pytest.approx(b, abs=1e-5), (step, got_steps, want_steps)
+        for how in want:
+            assert got[how].keys() == want[how].keys(), how
+            for name, tensor in want[how].items():
+                assert tensor.shape == shapes.get(name, shapes["model.embed_tokens.weight"])
+                assert torch.equal(got[how][name], tensor), (how, name)
 
 
 def test_bf16_sr_grpo_stores_bf16_weights_and_moments(tmp_path, tiny_model_dir):

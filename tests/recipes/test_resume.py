@@ -282,16 +282,99 @@ def test_optimizer_in_backward_resumes_lr_and_states_exactly(
         assert (got[step]["lr"], got[step]["loss"]) == (ref[step]["lr"], ref[step]["loss"]), step
     assert ref[1]["lr"] < ref[2]["lr"] < ref[3]["lr"] < ref[4]["lr"]  # warmup spans the resume
     assert_same_weights(ref_out, out)
-    final = "checkpoints/step_000005"
-    a, b = _optimizer_state(ref_out / final), _optimizer_state(out / final)
-    flat_a, spec_a = torch.utils._pytree.tree_flatten(a)
-    flat_b, spec_b = torch.utils._pytree.tree_flatten(b)
+    assert_same_optimizer_state(
+        ref_out / "checkpoints/step_000005", out / "checkpoints/step_000005"
+    )
+
+
+def assert_same_optimizer_state(a: Path, b: Path) -> None:
+    """The optimizer states of two DCP checkpoints are equal, every tensor bit for bit."""
+    flat_a, spec_a = torch.utils._pytree.tree_flatten(_optimizer_state(a))
+    flat_b, spec_b = torch.utils._pytree.tree_flatten(_optimizer_state(b))
     assert spec_a == spec_b and len(flat_a) > 10
     for x, y in zip(flat_a, flat_b, strict=True):
         if isinstance(x, torch.Tensor):
             assert torch.equal(x, y)
         else:
             assert x == y
+
+
+@pytest.mark.parametrize("ref_mode", ["separate", "precomputed"])
+def test_dpo_cpu_offload_resumes_exactly(ref_mode, tiny_model_dir, short_pairs, tmp_path):
+    """DPO with cpu-offload (the policy's shards and AdamW state in host memory; the separate
+    reference offloaded too, or the precomputed table read back from out_dir), warmup over the
+    resume point, clipping on: after a kill at step 3 and a resume from step 2, the learning
+    rates, losses, rewards, final weights and every optimizer state equal an uninterrupted
+    run's. 4 pairs, 2 per step: 5 steps cross two epoch boundaries."""
+    script = render_script(tmp_path, algo="dpo", tricks=("cpu-offload",))
+    steps = 5
+    ref_out, out = tmp_path / "ref", tmp_path / "killed"
+    extra = ["--micro_batch_size", "1", "--gradient_accumulation_steps", "2", "--max_seq_len",
+             "192", "--warmup_steps", "4", "--ref_mode", ref_mode]  # fmt: skip
+    run_reference(script, [*common_args(tiny_model_dir, short_pairs, ref_out, steps), *extra])
+    args = [*common_args(tiny_model_dir, short_pairs, out, steps), *extra]
+    assert_killed(run(script, args, kill=("after_step", 3)))
+    proc = run(script, args)
+    assert_ok(proc)
+    assert "step_000002" in proc.stdout
+    ref, got = steps_logged(ref_out), steps_logged(out)
+    keys = ("lr", "loss", "rewards/margins", "sample_ids")
+    for step in range(1, steps + 1):
+        assert [got[step][k] for k in keys] == [ref[step][k] for k in keys], step
+    assert ref[1]["lr"] < ref[2]["lr"] < ref[3]["lr"] < ref[4]["lr"]  # warmup spans the resume
+    assert ref[5]["loss"] != ref[1]["loss"]
+    assert_same_weights(ref_out, out)
+    assert_same_optimizer_state(
+        ref_out / "checkpoints/step_000005", out / "checkpoints/step_000005"
+    )
+
+
+# GRPO's main() takes its reward functions from the caller: the tiny model learns even token ids
+GRPO_DRIVER = DRIVER.replace(
+    "train.main(argv)",
+    "from tests.helpers import even_token_reward\ntrain.main(argv, reward_funcs=[even_token_reward])",
+)
+
+
+def test_grpo_cpu_offload_resumes_exactly(ray_session, even_model_dir, chain_sum_64, tmp_path):
+    """GRPO with cpu-offload (the policy and its KL reference offloaded; sync rollouts, the
+    weights gathered from the CPU shards and pushed to the engine after every step), warmup over
+    the resume point: after a kill at step 3 and a resume from step 2, every step's rewards
+    (sampled by an engine that got the resumed policy's weights), lr, loss, KL and gradient
+    norm, the final weights and the optimizer state equal an uninterrupted run's. Every run
+    joins this process's Ray: a killed driver's actors die with its job, where a Ray of its own
+    would leave its agent processes behind."""
+    script = render_script(tmp_path, algo="grpo", tricks=("cpu-offload",))
+    steps = 4
+    ref_out, out = tmp_path / "ref", tmp_path / "killed"
+    address = ray_session.get_runtime_context().gcs_address
+
+    def grpo(out_dir: Path, kill: tuple[str, int] = ("none", 0)) -> subprocess.CompletedProcess:
+        args = [
+            "--model", str(even_model_dir), "--dataset", str(chain_sum_64), "--out_dir", str(out_dir),
+            "--dtype", "fp32", "--num_generations", "4", "--prompts_per_step", "2",
+            "--max_new_tokens", "6", "--micro_batch_size", "4", "--lr", "1e-2", "--warmup_steps", "3",
+            "--kl_coef", "0.1", "--reward_weights", "1.0", "--rollout", "sync", "--num_engines", "1",
+            "--ray_address", address, "--max_steps", str(steps), "--save_every_steps", "2",
+        ]  # fmt: skip
+        cmd = [sys.executable, "-c", GRPO_DRIVER, str(script), *map(str, kill), *args]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+    assert_ok(grpo(ref_out))
+    assert_killed(grpo(out, kill=("after_step", 3)))
+    proc = grpo(out)
+    assert_ok(proc)
+    assert "step_000002" in proc.stdout
+    ref, got = steps_logged(ref_out), steps_logged(out)
+    keys = ("reward", "lr", "loss", "kl", "grad_norm")
+    for step in range(1, steps + 1):
+        assert [got[step][k] for k in keys] == [ref[step][k] for k in keys], step
+    assert ref[1]["lr"] < ref[2]["lr"] < ref[3]["lr"]  # warmup spans the resume
+    assert ref[steps]["kl"] > 0 and ref[steps]["reward"] != ref[1]["reward"]  # the policy moved
+    assert_same_weights(ref_out, out)
+    final = f"checkpoints/step_{steps:06d}"
+    assert_same_optimizer_state(ref_out / final, out / final)
 
 
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(
