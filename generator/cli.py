@@ -177,6 +177,26 @@ def _plan_summary(spec: Spec, gpu: tuple[str, float] | None, text: str) -> None:
         mbs, seq, batch = None, None, "the script's rollouts"
     try:
         check_simulable(spec, mbs, seq)
+    except PlanError as e:
+        if "cpu-offload" in spec.tricks:
+            # the simulation cannot place host memory; the estimate counts the shards off the GPU
+            label, gib = gpu or ("h100-80", GPU_MEMORY_GIB["h100-80"])
+            try:
+                est = estimate(spec, text, mbs, seq, gib)
+            except (KeyError, ValueError, ZeroDivisionError):
+                est = None
+            if est is not None:
+                per_node = est.host * trainer_gpus(spec) / 2**30
+                note = (
+                    "estimate, not simulated: scaffold plan cannot simulate --tricks cpu-offload; "
+                    f"host memory ~{per_node:.0f} GiB per node for the offloaded shards"
+                )
+                click.echo(f"memory per GPU: {format_estimate(est, label, gib, note=note)}")
+                return
+        if gpu is not None:
+            click.echo(f"memory per GPU: not simulated: {e}")
+        return
+    try:
         if gpu is None:
             command = plan_command(spec, "h100-80")
             try:

@@ -79,6 +79,9 @@ class Estimate:
     max_seq_len: int
     # GRPO: the engines start and hold their weights and a rollout's KV cache (`grpo_phases`)
     engine_ok: bool = True
+    # cpu-offload: what a rank keeps in host memory instead (sharded weights, gradients, optimizer
+    # state, DPO's separate reference), bytes; 0 without it
+    host: int = 0
 
 
 def config_defaults(script_text: str) -> dict:
@@ -126,6 +129,7 @@ def _rollout(spec: Spec, cfg: dict, d: dict, seq: int) -> dict:
         "prompts_per_step": cfg["prompts_per_step"], "num_generations": cfg["num_generations"],
         "layout": cfg.get("layout", "split"), "engine_sleep_level": cfg.get("engine_sleep_level", 0),
         "offload_optimizer": bool(cfg.get("offload_optimizer", False)),
+        "cpu_offload": "cpu-offload" in spec.tricks,
         "trainer_ranks": trainer_gpus(spec) * spec.nodes, "num_params": d["params"],
         "trained_params": adapter_params(d, cfg) if adapters else d["params"],
         "weight_bytes_trained": trained_bytes(spec.tricks)[0],
@@ -178,9 +182,19 @@ def estimate(
     trained = adapter_params(d, cfg) if adapters else d["params"]
     frozen = d["params"] if adapters else 0
     master, state_bytes = trained_bytes(tricks)  # fp32 master weights, or bf16 under bf16-sr
-    params = (master * trained + dtype * frozen) / shard
-    grads = 0 if "optim-in-bwd" in tricks else master * trained / shard
-    state = state_bytes * trained / shard
+    # cpu-offload (FSDP2 CPUOffloadPolicy): the sharded weights, their gradients (each block's
+    # reduce-scatter output is copied out) and the optimizer state, whose step runs on the CPU,
+    # live in host memory; the GPU keeps the gathered blocks, activations and loss work
+    on_gpu = 0 if "cpu-offload" in tricks else 1
+    params = on_gpu * (master * trained + dtype * frozen) / shard
+    grads = 0 if "optim-in-bwd" in tricks else on_gpu * master * trained / shard
+    state = on_gpu * state_bytes * trained / shard
+    host = (1 - on_gpu) * (
+        master * trained * (2 if "optim-in-bwd" not in tricks else 1)
+        + dtype * frozen
+        + state_bytes * trained
+        + (dtype * d["params"] if dpo and cfg.get("ref_mode", "separate") == "separate" else 0)
+    ) / shard
     gathered = 0 if unwrapped else 2 * (d["root"] + 2 * d["block"]) / spec.tp
 
     a, b, c = ACT_PER_TOKEN
@@ -211,20 +225,20 @@ def estimate(
             # optimizer-in-backward steps a parameter in the last micro-batch's backward only:
             # until then its gradient accumulates like any other, so every one exists in the
             # forwards after the first (the last backward frees them as it steps)
-            accumulated = master * trained / shard
+            accumulated = on_gpu * master * trained / shard
     moments = {
         "forward": {"parameters": params + gathered, "gradients": accumulated,
                     "optimizer state": state, "activations": acts, "loss": loss},
         "backward": {"parameters": params + gathered, "gradients": grads,
                      "optimizer state": state, "loss": loss / 2},
         "optimizer step": {"parameters": params, "gradients": grads, "optimizer state": state,
-                           "update": master * trained / shard * (0 if "optim-in-bwd" in tricks else 0.25)},
+                           "update": on_gpu * master * trained / shard * (0 if "optim-in-bwd" in tricks else 0.25)},
     }  # fmt: skip
-    if "bf16-sr" in tricks:  # torchao's step of the largest parameter: fp32 work buffers
+    if "bf16-sr" in tricks and on_gpu:  # torchao's step of the largest parameter: fp32 work buffers
         step = BF16_SR_STEP_BUFFERS * 4 * max(d["V"], d["I"], d["q"], d["kv"]) * d["D"] / shard
         moments["backward" if "optim-in-bwd" in tricks else "optimizer step"]["update"] = step
     if dpo:
-        _dpo_moments(moments, cfg, d, dtype, shard, unwrapped, loss_tokens, vocab, tricks)
+        _dpo_moments(moments, cfg, d, dtype, shard, unwrapped, loss_tokens, vocab, tricks, on_gpu)
     moment = max(moments, key=lambda m: sum(moments[m].values()))
     engine_ok = True
     parts = {k: int(v) for k, v in moments[moment].items()}
@@ -243,13 +257,13 @@ def estimate(
             moment = name
     return Estimate(
         spec=spec, peak=sum(parts.values()), parts=parts, moment=moment, world_size=world,
-        micro_batch_size=mbs, max_seq_len=seq, engine_ok=engine_ok,
+        micro_batch_size=mbs, max_seq_len=seq, engine_ok=engine_ok, host=int(host),
     )  # fmt: skip
 
 
 def _dpo_moments(
     moments: dict, cfg: dict, d: dict, dtype: int, shard: int, unwrapped: bool,
-    loss_tokens: float, vocab: float, tricks: set,
+    loss_tokens: float, vocab: float, tricks: set, on_gpu: int = 1,
 ) -> None:  # fmt: skip
     """Add the DPO reference of the Config's ref_mode to `moments` (bytes, in place).
 
@@ -261,8 +275,9 @@ def _dpo_moments(
     moment of its own. What it does add:
 
     - separate: a frozen copy in the dtype, sharded like the policy, resident through the
-      step, and its root (embedding, head) left gathered after its forward (FSDP does not
-      reshard a root after forward, and no backward comes);
+      step (in host memory under cpu-offload: on_gpu 0), and its root (embedding, head) left
+      gathered after its forward (FSDP does not reshard a root after forward, and no backward
+      comes);
     - adapters-off: nothing (the policy itself, no second model);
     - precomputed: a "reference pass" moment before training: the parameters, the gathered
       copies and that forward's loss work, no optimizer state yet (created at the first step).
@@ -276,7 +291,7 @@ def _dpo_moments(
     elif mode == "separate":
         gathered_root = 0 if unwrapped else 2 * d["root"]
         for moment in moments:
-            moments[moment]["reference"] = dtype * d["params"] / shard + gathered_root
+            moments[moment]["reference"] = on_gpu * dtype * d["params"] / shard + gathered_root
 
 
 def estimate_fits(e: Estimate, gpu_gib: float) -> bool:
@@ -284,13 +299,16 @@ def estimate_fits(e: Estimate, gpu_gib: float) -> bool:
     return e.peak <= (1 - HEADROOM) * gpu_gib * GIB
 
 
-def format_estimate(e: Estimate, gpu_label: str, gpu_gib: float, command: str) -> str:
+def format_estimate(
+    e: Estimate, gpu_label: str, gpu_gib: float, command: str = "", note: str = ""
+) -> str:
     """`scaffold new`'s one verdict line, e.g. `fits on h100-80: ~66 GiB of 71.6 usable per GPU
-    (estimate; scaffold plan ... simulates it)`."""
+    (estimate; scaffold plan ... simulates it)`; `note` replaces the parenthesis (a spec the
+    planner cannot simulate)."""
     budget = (1 - HEADROOM) * gpu_gib
     verdict = "fits" if estimate_fits(e, gpu_gib) else "does NOT fit"
     per = "trainer GPU" if is_grpo(e.spec) else "GPU"
     return (
         f"{verdict} on {gpu_label}: ~{e.peak / GIB:.0f} GiB of {budget:.1f} usable per {per} "
-        f"(estimate; `{command}` simulates it)"
+        f"({note or f'estimate; `{command}` simulates it'})"
     )

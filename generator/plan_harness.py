@@ -84,7 +84,8 @@ What is simulated, and what is not:
   block. The engines' numbers are the full model's.
 - Not simulated (the plan says so instead of printing a number): --tricks compile (inductor
   fuses temporaries, which fake tensors cannot model), offload (pinned host copies on a side
-  stream), --algo qlora (NF4 quantization happens inside the checkpoint load), kd (the teacher is
+  stream), cpu-offload (host-resident shards: on the CPU the simulation cannot tell host memory
+  from the GPU's; `plan_estimate` counts them off the GPU), --algo qlora (NF4 quantization happens inside the checkpoint load), kd (the teacher is
   loaded from disk).
 
 Reference: torchtitan `scripts/estimate/estimation.py` (FakeTensorMode + fake process group +
@@ -123,6 +124,9 @@ GRPO_SIMULATED = ("grpo", "grpo-lora")
 UNSIMULATED_TRICKS = {
     "compile": "inductor fuses temporaries, which fake tensors cannot model",
     "offload": "activations move to pinned host memory on a side stream, outside the simulation",
+    "cpu-offload": "FSDP2's CPUOffloadPolicy keeps the sharded weights, gradients and optimizer "
+    "state in host memory, which a simulation on the CPU does not tell apart from the GPU's; "
+    "`scaffold new` prints an arithmetic estimate of the GPU's share",
 }
 # Algorithms the planner refuses, with why (the SFT skeleton's sft and lora, the GRPO skeleton's
 # GRPO_SIMULATED and the DPO skeleton's dpo and dpo-lora are simulated)

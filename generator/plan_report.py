@@ -130,9 +130,12 @@ def trainer_resident(r: dict) -> dict:
     the dtype), the frozen reference's shards (grpo with kl_coef > 0; grpo-lora's reference is
     the policy with its adapters off), the optimizer state (AdamW 8 B per trained parameter,
     8-bit 2, 4-bit 1; 0 with offload_optimizer, which moves it to host memory). Gradients are
-    freed after the step and the activations released (the weight sync empties the cache)."""
+    freed after the step and the activations released (the weight sync empties the cache).
+    Under cpu-offload (r["cpu_offload"]) all three live in host memory: nothing stays."""
     world, trained, full = r["trainer_ranks"], r["trained_params"], r["num_params"]
     frozen = full if trained != full else 0  # LoRA: the whole base, frozen, beside the adapters
+    if r.get("cpu_offload"):
+        return {"trainer weights": 0, "reference": 0, "optimizer state": 0}
     return {
         "trainer weights": (r["weight_bytes_trained"] * trained + r["dtype_bytes"] * frozen)
         / world,

@@ -95,6 +95,25 @@ def test_cuda_peak_is_judged_against_the_plan(peak, bound, status):
         assert row.note == f"peak {peak / 1000:.2f}x the plan (bar: {bar}); planned in 3 s"
 
 
+@pytest.mark.parametrize(
+    "peak, status", [(1140, "pass"), (860, "pass"), (1160, "fail"), (840, "fail")]
+)
+def test_cpu_offload_is_judged_against_the_estimate(peak, status):
+    """cpu-offload is not simulated: its run is held to `scaffold new`'s arithmetic estimate
+    within the estimate's own tolerance (15%), which the check keeps equal to the generator's."""
+    from generator.plan_estimate import ESTIMATE_TOLERANCE
+
+    g = _driver()
+    assert g.ESTIMATE_TOLERANCE == ESTIMATE_TOLERANCE
+    assert any("cpu-offload" in c.new_args for c in g.CASES)
+    row = g.Row("c", status="pass", steps=10, peak_mib=peak, planned_mib=1000)
+    row.extra = {"plan": "estimated", "estimate": True}
+    g.judge(row, "cuda")
+    assert row.status == status
+    if status == "fail":
+        assert row.note == f"peak {peak / 1000:.2f}x the plan (bar: within 15%); estimated"
+
+
 @pytest.mark.parametrize("algo", ["sft", "dpo"])
 def test_full_rows_are_the_case_the_plan_simulates(algo, tmp_path, smollm2_dir):
     """The GPU check's SFT and DPO data, through the scripts' own loading at the check's
