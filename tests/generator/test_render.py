@@ -406,3 +406,20 @@ def test_cpu_offload_gives_cuda_runs_gloo_for_the_cpu_shards(algo):
     assert process_group_backend("cuda", cpu_collectives=True) == "cuda:nccl,cpu:gloo"
     assert process_group_backend("cuda") == "nccl"
     assert process_group_backend("cpu", cpu_collectives=True) == "gloo"
+
+
+@pytest.mark.parametrize("gpus, nodes", [(1, 1), (2, 1), (8, 1), (1, 2)])
+def test_multi_gpu_scripts_default_to_real_run_settings(gpus, nodes):
+    """A script for several GPUs is a real run: it checkpoints every 50 steps, and GRPO's rows
+    get reasoning-task lengths (512 prompt + 1024 completion tokens); one process (the CPU demo,
+    a single-GPU trial) writes no checkpoints and keeps the chain_sum demo's 256 + 64."""
+    from generator.plan_estimate import config_defaults
+
+    multi = gpus * nodes > 1
+    sft = config_defaults(render(Spec(gpus=gpus, nodes=nodes, out="o")))
+    grpo = config_defaults(
+        render(Spec(algo="grpo", gpus=gpus, nodes=nodes, dataset="chain_sum.jsonl", out="o"))
+    )
+    assert sft["save_every_steps"] == grpo["save_every_steps"] == (50 if multi else 0)
+    lengths = (grpo["max_prompt_len"], grpo["max_new_tokens"])
+    assert lengths == ((512, 1024) if multi else (256, 64))
