@@ -252,13 +252,7 @@ class VLLMEngine:
                 prompt + max_new_tokens longer than max_model_len).
         """
         _check_prompts(prompts)
-        if (
-            n < 1
-            or max_new_tokens < 0
-            or temperature < 0.0
-            or not 0.0 < top_p <= 1.0
-            or top_k < 0
-        ):
+        if n < 1 or max_new_tokens < 0 or temperature < 0.0 or not 0.0 < top_p <= 1.0 or top_k < 0:
             raise ValueError(
                 f"bad sampling settings n={n}, max_new_tokens={max_new_tokens}, "
                 f"temperature={temperature}, top_p={top_p}, top_k={top_k}; need n >= 1, "

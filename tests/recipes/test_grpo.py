@@ -252,7 +252,9 @@ def test_importance_weight_is_one_under_top_p_and_top_k(
     with torch.no_grad():
         trainer = grpo_script.policy_logprobs(model, batch["input_ids"], batch["labels"], cfg)
     for i, (p, ids, sampler) in enumerate(rows):
-        is_weight = torch.exp(trainer[i, len(p) - 1 : len(p) - 1 + len(ids)] - torch.tensor(sampler))
+        is_weight = torch.exp(
+            trainer[i, len(p) - 1 : len(p) - 1 + len(ids)] - torch.tensor(sampler)
+        )
         assert len(ids) > 0 and (is_weight - 1).abs().max() <= 1e-3, (i, is_weight)
     history = run_grpo(
         grpo_script, even_model_dir, chain_sum_64, tmp_path, "--rollout", "sync", "--max_steps",
