@@ -115,7 +115,10 @@ def test_grpo_with_vllm_engines_and_collective_weight_transfer(
     history, gaps = out["history"], out["gaps"]
     versions = [0, 1, 2] if rollout == "sync" else [0, 0, 1]
     assert [m["policy_versions"] for m in history] == [[v] * 8 for v in versions]
-    assert all(m["grad_norm"] > 0 for m in history)  # the policy moved at every step
+    # the policy moved at steps 1 and 2, so the on-policy gaps of steps 2 and 3 check real syncs;
+    # step 3's update is never sampled, and a group all-correct by then (truncated sampling learns
+    # the tiny reward in 3 steps: zero-std groups 1.00) has grad_norm 0
+    assert all(m["grad_norm"] > 0 for m in history[:-1])
     print(f"{rollout}: max |trainer - vLLM sampler| log-prob per micro-batch: {gaps}")
     assert len(gaps) == 3
     on_policy = [g for g, v, step in zip(gaps, versions, range(3), strict=True) if v == step]
