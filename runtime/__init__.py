@@ -34,7 +34,7 @@ from runtime.data import (
 )
 from runtime.dtensors import ComputedTensor
 from runtime.expert_parallel import apply_expert_parallel
-from runtime.generate import generate, last_user_message, sample
+from runtime.generate import generate, last_user_message, sample, truncate_logits
 from runtime.grpo import (
     collate_rollouts,
     completion_logprobs,
@@ -298,6 +298,7 @@ __all__ = [
     "to_preference",
     "token_logprobs",
     "transformer_flops_per_token",
+    "truncate_logits",
     "vocab_parallel_cross_entropy_sum",
     "read_model_args",
     "save_hf_model",

@@ -47,11 +47,73 @@ def _prefill_mask(valid: torch.Tensor) -> torch.Tensor:
     return mask[:, None]  # [B, P, P] -> [B, 1, P, P]
 
 
+def truncate_logits(
+    logits: torch.Tensor,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    keep: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Tempered logits with every token outside the top-k / top-p support set to -inf.
+
+    `log_softmax` of the result is the sampled-token log-prob convention of both engines and of
+    the GRPO trainer: the log-prob under the distribution that actually generated the token (the
+    tempered softmax restricted to the support and renormalised over it), which is what vLLM
+    returns with `logprobs_mode="processed_logprobs"`. The rules are vLLM's
+    (`vllm/v1/sample/ops/topk_topp_sampler.py`, `apply_top_k_top_p`), so that a token near the
+    boundary is in or out for every engine alike:
+    - top-k first: keep every token whose logit is >= the k-th largest (ties at the boundary are
+      all kept, so the support may exceed k);
+    - then top-p on the probabilities renormalised after top-k: sorted ascending, a token is
+      dropped when its cumulative mass (itself and every smaller token) is <= 1 - top_p; the
+      largest is always kept. Equivalently: the smallest set of most likely tokens whose mass
+      reaches top_p, the token that crosses the threshold included.
+
+    Args:
+        logits: [R, V] float logits, already divided by the temperature (fp32 or fp64; any grad
+            flows through the kept entries, the mask itself is computed without grad).
+        top_k: keep the k most likely tokens; 0 = off (as TRL and vLLM); k >= V is off too.
+        top_p: nucleus mass in (0, 1]; 1.0 = off.
+        keep: [R] int64 token ids kept in the support whatever the rules say (the trainer's
+            labels): a sampled token was in the sampler's support, and when the trainer's own
+            logits put it just outside (numerics, or a policy that moved since sampling) a
+            finite log-prob is the meaningful one, where -inf would zero the importance ratio
+            and make the KL to the reference infinite.
+
+    Returns:
+        [R, V] same dtype; `logits` itself (no copy) when both top_k and top_p are off.
+
+    Raises:
+        ValueError: top_k < 0 or top_p outside (0, 1].
+    """
+    if top_k < 0 or not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_k={top_k} must be >= 0 (0 = off) and top_p={top_p} in (0, 1]")
+    V = logits.shape[-1]
+    use_k, use_p = 0 < top_k < V, top_p < 1.0
+    if not (use_k or use_p):
+        return logits
+    with torch.no_grad():
+        x = logits.detach()
+        removed = torch.zeros_like(x, dtype=torch.bool)  # [R, V]
+        if use_k:
+            kth = x.topk(top_k, dim=-1).values[:, -1:]  # [R, 1] the k-th largest logit
+            removed = x < kth
+        if use_p:
+            x_sorted, order = x.masked_fill(removed, float("-inf")).sort(dim=-1)  # ascending
+            mass = x_sorted.softmax(dim=-1).cumsum(dim=-1)  # [R, V] mass up to and incl. each
+            drop_sorted = mass <= 1.0 - top_p
+            drop_sorted[:, -1] = False  # the most likely token always stays
+            removed = removed | torch.zeros_like(removed).scatter(-1, order, drop_sorted)
+        if keep is not None:
+            removed = removed.scatter(-1, keep[:, None], False)
+    return logits.masked_fill(removed, float("-inf"))
+
+
 def sample_next_token(
     logits: torch.Tensor,
     temperature: float,
     top_p: float,
     generator: torch.Generator | None = None,
+    top_k: int = 0,
 ) -> torch.Tensor:
     """Pick one token per row.
 
@@ -61,32 +123,35 @@ def sample_next_token(
         top_p: keep the smallest set of most likely tokens whose mass reaches top_p (always at
             least the top token); 1.0 = no truncation.
         generator: RNG on logits' device, for reproducible sampling.
+        top_k: keep the k most likely tokens (before top-p); 0 = off. See `truncate_logits`.
 
     Returns:
         [B] int64 token ids.
     """
+    return _sample(logits, temperature, top_p, top_k, generator)[0]
+
+
+def _sample(logits, temperature, top_p, top_k, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (tokens [B] int64, processed logits [B, V] fp32 they were drawn from: the tempered,
+    truncated logits; for temperature 0 the raw ones, whose log-softmax vLLM reports too)."""
     if temperature == 0.0:
-        return logits.argmax(dim=-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)  # [B, V] fp32
-    if top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)  # [B, V] each
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)  # outside the nucleus
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+        return logits.argmax(dim=-1), logits.float()
+    processed = truncate_logits(logits.float() / temperature, top_k, top_p)  # [B, V] fp32
+    probs = torch.softmax(processed, dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1), processed
 
 
-def _validate(prompts, max_new_tokens, temperature, top_p) -> None:
+def _validate(prompts, max_new_tokens, temperature, top_p, top_k) -> None:
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError(
             f"generate needs at least one prompt and no empty prompt (got lengths "
             f"{[len(p) for p in prompts]}); drop empty prompts or add a BOS token."
         )
-    if max_new_tokens < 0 or temperature < 0.0 or not 0.0 < top_p <= 1.0:
+    if max_new_tokens < 0 or temperature < 0.0 or not 0.0 < top_p <= 1.0 or top_k < 0:
         raise ValueError(
             f"bad sampling settings max_new_tokens={max_new_tokens}, temperature={temperature}, "
-            f"top_p={top_p}; need max_new_tokens >= 0, temperature >= 0 (0 = greedy) and "
-            "0 < top_p <= 1."
+            f"top_p={top_p}, top_k={top_k}; need max_new_tokens >= 0, temperature >= 0 "
+            "(0 = greedy), 0 < top_p <= 1 and top_k >= 0 (0 = off)."
         )
 
 
@@ -102,6 +167,7 @@ def generate(
     stop_token_ids: Sequence[int] = (),
     pad_token_id: int = 0,
     generator: torch.Generator | None = None,
+    top_k: int = 0,
 ) -> list[list[int]]:
     """Generate continuations of a batch of token-id prompts with a KV cache.
 
@@ -115,6 +181,8 @@ def generate(
         stop_token_ids: a row ends at its first one of these (kept in the output).
         pad_token_id: id fed for padding (never attended to, so any valid id works).
         generator: torch.Generator on the model's device, for reproducible sampling.
+        top_k: keep the k most likely tokens before top-p (0 = off); only used when
+            temperature > 0. See `truncate_logits`.
 
     Returns:
         B lists with only the generated token ids.
@@ -123,8 +191,9 @@ def generate(
         ValueError: empty prompts or out-of-range sampling settings.
     """
     rows = _decode(
-        model, prompts, max_new_tokens, temperature, top_p, stop_token_ids, pad_token_id, generator
-    )
+        model, prompts, max_new_tokens, temperature, top_p, stop_token_ids, pad_token_id, generator,
+        top_k=top_k,
+    )  # fmt: skip
     return [tokens for tokens, _ in rows]
 
 
@@ -188,12 +257,17 @@ def generate_with_logprobs(
     pad_token_id: int,
     generator: torch.Generator | None = None,
     on_progress: Callable[[int], None] | None = None,
+    top_k: int = 0,
 ) -> list[tuple[list[int], list[float]]]:
-    """`generate`, also returning each sampled token's log-prob under softmax(logits /
-    temperature) (temperature 0: under softmax(logits)); the RL rollouts' CPU engine.
+    """`generate`, also returning each sampled token's log-prob under the distribution it was
+    drawn from; the RL rollouts' CPU engine.
 
-    The log-prob is of the full tempered distribution, before top-p truncation (vLLM's
-    `logprobs` convention), so it is comparable with the trainer's `completion_logprobs`.
+    The log-prob is `log_softmax(truncate_logits(logits / temperature, top_k, top_p))` of the
+    sampled token: the tempered distribution restricted to the top-k / top-p support and
+    renormalised over it (temperature 0: log softmax(logits)). This is vLLM's
+    `logprobs_mode="processed_logprobs"` and what the GRPO trainer's `completion_logprobs`
+    computes with the same temperature, top_k and top_p, so the importance weight between
+    sampler and trainer is 1 when their weights agree.
 
     Args:
         on_progress: called after every decoding step with the number of rows that have
@@ -208,15 +282,17 @@ def generate_with_logprobs(
         ValueError: empty prompts or out-of-range sampling settings.
     """
     sampling = (max_new_tokens, temperature, top_p, stop_token_ids, pad_token_id, generator)
-    return _decode(model, prompts, *sampling, with_logprobs=True, on_progress=on_progress)
+    return _decode(
+        model, prompts, *sampling, with_logprobs=True, on_progress=on_progress, top_k=top_k
+    )
 
 
 def _decode(
     model, prompts, max_new_tokens, temperature, top_p, stop_token_ids, pad_token_id, generator,
-    with_logprobs: bool = False, on_progress: Callable[[int], None] | None = None,
+    with_logprobs: bool = False, on_progress: Callable[[int], None] | None = None, top_k: int = 0,
 ) -> list[tuple[list[int], list[float]]]:  # fmt: skip
     """The KV-cache decoding loop of both entry points: per prompt (tokens, log-probs or [])."""
-    _validate(prompts, max_new_tokens, temperature, top_p)
+    _validate(prompts, max_new_tokens, temperature, top_p, top_k)
     if max_new_tokens == 0:
         if on_progress is not None:
             on_progress(len(prompts))
@@ -237,10 +313,9 @@ def _decode(
         # fp32 before sampling: the same token either way (sampling upcasts itself), and the
         # log-probs need it
         last = logits[:, -1].float()  # [B, V]
-        token = sample_next_token(last, temperature, top_p, generator)  # [B]
-        if with_logprobs:
-            scaled = last / temperature if temperature > 0 else last
-            logps.append(torch.log_softmax(scaled, dim=-1).gather(1, token[:, None]).squeeze(1))
+        token, processed = _sample(last, temperature, top_p, top_k, generator)  # [B], [B, V]
+        if with_logprobs:  # under the distribution the token was drawn from (truncate_logits)
+            logps.append(torch.log_softmax(processed, dim=-1).gather(1, token[:, None]).squeeze(1))
         tokens.append(token)
         finished |= torch.isin(token, stop)
         if on_progress is not None:  # one more host sync per step, as the break test below

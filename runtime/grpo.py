@@ -1,6 +1,8 @@
 """GRPO building blocks shared by the emitted script and the rollout engines: group-normalised
 advantages, the rollout batch layout (prompt + completion rows, pre-shifted labels) and per-token
-completion log-probs under softmax(logits / temperature).
+completion log-probs under the sampling distribution: softmax(logits / temperature) restricted to
+the top-k / top-p support and renormalised over it (`runtime.generate.truncate_logits`), the
+convention both rollout engines record their log-probs under.
 
 The GRPO loss itself (clipped surrogate, KL, importance weights, normalisation) lives in the
 emitted script, where a researcher edits it (docs/DESIGN.md, script and runtime); this module holds the parts that
@@ -15,9 +17,12 @@ supervision: advantages = rewards normalised within their group).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
+from runtime.generate import truncate_logits
 from runtime.loss import IGNORE_INDEX, token_logprobs
 
 
@@ -108,12 +113,20 @@ def completion_logprobs(
     num_chunks: int = 4,
     position_ids: torch.Tensor | None = None,
     attention_mask=None,
+    top_k: int = 0,
+    top_p: float = 1.0,
 ) -> torch.Tensor:
-    """Per-token log-probs of the completion tokens under softmax(logits / temperature).
+    """Per-token log-probs of the completion tokens under the sampling distribution:
+    log_softmax(truncate_logits(logits / temperature, top_k, top_p)), the label always kept in
+    the support (`runtime.generate.truncate_logits`).
 
-    The hidden states go through lm_head in chunks of completion tokens only
-    (`runtime.loss.token_logprobs`), so no [B, S, V] logits exist; dividing the hidden states by
-    the temperature equals dividing the logits (lm_head is linear, no bias).
+    This is the convention the rollout engines record (the CPU engine's
+    `generate_with_logprobs`, vLLM's "processed_logprobs"): the distribution that actually
+    generated the token, so that the importance weight exp(trainer - sampler) is 1 when the
+    weights agree, whatever the temperature, top_k and top_p. The hidden states go through
+    lm_head in chunks of completion tokens only (`runtime.loss.token_logprobs`), so no
+    [B, S, V] logits exist; dividing the hidden states by the temperature equals dividing the
+    logits (lm_head is linear, no bias).
 
     Args:
         model: a runtime causal LM (plain or FSDP2 with `forward_hidden` registered).
@@ -126,11 +139,28 @@ def completion_logprobs(
             0..S-1 in every row.
         attention_mask: packed rows only: `document_attention_mask(document_ids, backend)`;
             None = plain causal.
+        top_k: the sampling top-k (0 = off); the mask is taken from these logits, per chunk.
+        top_p: the sampling nucleus mass (1.0 = off).
 
     Returns:
         [B, S] fp32 log-probs, 0.0 where labels == IGNORE_INDEX; differentiable.
+
+    Raises:
+        ValueError: top_k < 0 or top_p outside (0, 1].
     """
+    if top_k < 0 or not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_k={top_k} must be >= 0 (0 = off) and top_p={top_p} in (0, 1]")
     hidden = model.forward_hidden(input_ids, position_ids, attention_mask)  # [B, S, D]
     if temperature != 1.0:
         hidden = hidden / temperature
-    return token_logprobs(hidden, model.lm_head.weight, labels, num_chunks=num_chunks)
+    transform = None
+    if top_k > 0 or top_p < 1.0:
+        transform = functools.partial(_truncate_keeping_labels, top_k=top_k, top_p=top_p)
+    return token_logprobs(
+        hidden, model.lm_head.weight, labels, num_chunks=num_chunks, logits_transform=transform
+    )
+
+
+def _truncate_keeping_labels(logits, targets, top_k: int, top_p: float):
+    """`token_logprobs`' logits_transform: [C, V], [C] -> [C, V] truncated, targets kept."""
+    return truncate_logits(logits, top_k, top_p, keep=targets)

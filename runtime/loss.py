@@ -373,9 +373,14 @@ def _chunk_sizes(T: int, num_chunks: int, chunk_size: int | None) -> int:
     return max(1, chunk_size if chunk_size is not None else -(-T // num_chunks))
 
 
-def _chunk_token_logprobs(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor):
-    """log softmax(h @ weight.T)[targets] for one chunk: [C, D], [V, D], [C] -> [C] fp32."""
+def _chunk_token_logprobs(
+    h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, logits_transform=None
+):
+    """log softmax(h @ weight.T)[targets] for one chunk: [C, D], [V, D], [C] -> [C] fp32;
+    `logits_transform(logits [C, V], targets [C]) -> [C, V]` runs before the softmax."""
     logits = (h @ weight.T).to(torch.promote_types(h.dtype, torch.float32))  # [C, V] fp32
+    if logits_transform is not None:
+        logits = logits_transform(logits, targets)
     return logits.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
 
 
@@ -385,6 +390,7 @@ def token_logprobs(
     labels: torch.Tensor,
     num_chunks: int = _DEFAULT_NUM_CHUNKS,
     chunk_size: int | None = None,
+    logits_transform=None,
 ) -> torch.Tensor:
     """Per-token log-probabilities of the labels under `hidden @ weight.T`, chunk by chunk.
 
@@ -401,6 +407,9 @@ def token_logprobs(
         labels: [B, S] int64, pre-shifted, IGNORE_INDEX = not supervised.
         num_chunks: split the supervised tokens into this many chunks (ignored if chunk_size).
         chunk_size: tokens per chunk.
+        logits_transform: optional `f(logits [C, V] fp32, targets [C] int64) -> [C, V]` applied
+            to each chunk's logits before the log-softmax (GRPO's top-k / top-p truncation,
+            `runtime.generate.truncate_logits`); it runs again in the backward's recomputation.
 
     Returns:
         [B, S] fp32 (fp64 for fp64 inputs) log-probabilities, 0.0 at ignored positions; `.sum(-1)` is the sequence
@@ -417,7 +426,8 @@ def token_logprobs(
     pieces = []
     with torch.autocast(hidden.device.type, enabled=False):
         for start in range(0, targets.numel(), size):
-            args = (hidden_valid[start : start + size], weight, targets[start : start + size])
+            chunk = (hidden_valid[start : start + size], weight, targets[start : start + size])
+            args = (*chunk, logits_transform)
             if torch.is_grad_enabled():
                 pieces.append(checkpoint(_chunk_token_logprobs, *args, use_reentrant=False))
             else:

@@ -190,10 +190,13 @@ class RuntimeEngine:
         stop_token_ids: list[int],
         seed: int,
         on_progress: Callable[[int], None] | None = None,
+        top_k: int = 0,
     ) -> list[list[tuple[list[int], list[float]]]]:
         """Per prompt, n sampled completions: (completion token ids, per-token log-probs of the
-        sampled tokens under softmax(logits / temperature)), stop token kept. `on_progress`, if
-        given, is called with the completions finished so far (of N * n) as decoding goes.
+        sampled tokens under the distribution they were drawn from: softmax(logits /
+        temperature) cut to the top-k (0 = off) / top-p support and renormalised, as vLLM's
+        "processed_logprobs"), stop token kept. `on_progress`, if given, is called with the
+        completions finished so far (of N * n) as decoding goes.
 
         Raises:
             RuntimeError: the engine is asleep, or woke from level 2 without `update_weights`.
@@ -212,6 +215,7 @@ class RuntimeEngine:
             self.pad_token_id,
             generator,
             on_progress,
+            top_k=top_k,
         )
         return [out[i * n : (i + 1) * n] for i in range(len(prompts))]
 
@@ -653,7 +657,8 @@ class Rollout:
     """One sampled completion with everything the loss needs.
 
     prompt_ids / completion_ids: token ids; sampler_logprobs: [C] log-probs of the completion's
-    tokens under the sampling engine (softmax(logits / temperature)); policy_version: the
+    tokens under the sampling engine (softmax(logits / temperature) on the top-k / top-p support,
+    renormalised: `runtime.generate.truncate_logits`); policy_version: the
     trainer step whose weights generated it; group: index of its prompt within the batch.
     """
 
@@ -809,7 +814,7 @@ class RolloutPipeline:
     Args:
         engines, reward_workers: actor handles.
         sampling: keyword arguments of `generate` except prompts and seed (n, max_new_tokens,
-            temperature, top_p, stop_token_ids); `next_groups` reads n (G).
+            temperature, top_p, top_k, stop_token_ids); `next_groups` reads n (G).
         rollout_timeout_s: how long to wait for one batch (generation + rewards), and for the
             engines to start (`wait_engines`).
         weight_sync_timeout_s: how long a weight push may stay unconfirmed (from the push,

@@ -12,7 +12,8 @@ Every function takes the script's config `cfg` (duck-typed: any object with thes
     engine_cpu_kv_cache_gib, engine_num_cpus, num_reward_workers, weight_sync_timeout_s,
     rollout_timeout_s, ray_address, ray_num_cpus, and for sampling num_generations,
     max_new_tokens, temperature, top_p, max_prompt_len, seed, reward_weights; dtype
-    ("bf16" | "fp32") and device ("auto" | "cuda" | "cpu"). A script rendered for the colocated
+    ("bf16" | "fp32") and device ("auto" | "cuda" | "cpu"); top_k is optional (absent = 0, off:
+    scripts rendered before it existed). A script rendered for the colocated
     layout also has layout ("split" | "colocated"), engine_sleep_level (1 | 2) and
     offload_optimizer (bool); one without them is split (`layout_of`).
 
@@ -248,7 +249,7 @@ def start_rollout(cfg, model_dir: str | Path, tokenizer, reward_funcs: list) -> 
     )
     sampling = dict(
         n=cfg.num_generations, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-        top_p=cfg.top_p, stop_token_ids=tokenizer.stop_token_ids,
+        top_p=cfg.top_p, top_k=getattr(cfg, "top_k", 0), stop_token_ids=tokenizer.stop_token_ids,
     )  # fmt: skip
     pipeline = RolloutPipeline(
         engines,

@@ -13,7 +13,10 @@ only constructing a `VLLMEngine` needs it. Scripts that start an engine need an
 vLLM 0.32 APIs used:
 - log-probs of the processed distribution: `LLM(logprobs_mode="processed_logprobs")` returns
   `log_softmax(top_k_top_p(logits / temperature))` for the sampled token (`vllm/v1/sample/sampler.py`,
-  `ops/topk_topp_sampler.py`); the default "raw_logprobs" would be temperature 1.
+  `ops/topk_topp_sampler.py`); the default "raw_logprobs" would be temperature 1. This is the
+  convention of the CPU engine and of the GRPO trainer too (`runtime.generate.truncate_logits`
+  follows vLLM's top-k then top-p rules), so the importance weight between them is 1 when the
+  weights agree; no vLLM mode gives the tempered but untruncated log-prob.
 - scoring: `SamplingParams(prompt_logprobs=0)`, always of the raw (temperature 1) logits.
 - weight sync by RPC (`update_weights`): `worker_extension_cls` mixes `VLLMWorkerExtension` into every worker, and
   `LLM.collective_rpc` runs one layerwise reload there (vLLM's `reload_weights` of
@@ -200,7 +203,7 @@ class VLLMEngine:
             model=str(self.model_dir),
             dtype=dtype,
             seed=seed,
-            logprobs_mode="processed_logprobs",  # sampled-token log-probs after temperature/top-p
+            logprobs_mode="processed_logprobs",  # after temperature, top-k, top-p: the trainer's too
             worker_extension_cls=f"{__name__}.VLLMWorkerExtension",
             **llm_kwargs,
         )
@@ -218,6 +221,7 @@ class VLLMEngine:
         stop_token_ids: list[int],
         seed: int,
         on_progress: Callable[[int], None] | None = None,
+        top_k: int = 0,
     ) -> list[list[tuple[list[int], list[float]]]]:
         """Sample `n` completions per prompt, with the log-prob of every sampled token.
 
@@ -234,22 +238,26 @@ class VLLMEngine:
                 per request, independent of batching).
             on_progress: called with the completions finished so far (of N * n) each time a
                 prompt's n completions finish (vLLM's progress-bar hook, `_progress_bar`).
+            top_k: keep the k most likely tokens before top-p; 0 = off (vLLM's default).
 
         Returns:
             N lists of G tuples (token_ids [T_i] int, logprobs [T_i] float nats). The log-probs are
-            of the processed distribution: log softmax(logits / temperature), renormalised over
-            the nucleus when top_p < 1; for temperature 0 they are log softmax(logits).
+            of the processed distribution: log softmax(logits / temperature) restricted to the
+            top-k / top-p support and renormalised over it, as `runtime.generate.truncate_logits`
+            computes it (the CPU engine's and the GRPO trainer's convention); for temperature 0
+            they are log softmax(logits).
 
         Raises:
             ValueError: empty prompts or out-of-range settings (vLLM also raises ValueError for a
                 prompt + max_new_tokens longer than max_model_len).
         """
         _check_prompts(prompts)
-        if n < 1 or max_new_tokens < 0 or temperature < 0.0 or not 0.0 < top_p <= 1.0:
+        if n < 1 or max_new_tokens < 0 or temperature < 0.0 or not 0.0 < top_p <= 1.0 or top_k < 0:
             raise ValueError(
                 f"bad sampling settings n={n}, max_new_tokens={max_new_tokens}, "
-                f"temperature={temperature}, top_p={top_p}; need n >= 1, max_new_tokens >= 0, "
-                "temperature >= 0 (0 = greedy) and 0 < top_p <= 1."
+                f"temperature={temperature}, top_p={top_p}, top_k={top_k}; need n >= 1, "
+                "max_new_tokens >= 0, temperature >= 0 (0 = greedy), 0 < top_p <= 1 and "
+                "top_k >= 0 (0 = off)."
             )
         if max_new_tokens == 0:  # vLLM requires max_tokens >= 1
             if on_progress is not None:
@@ -261,6 +269,7 @@ class VLLMEngine:
                 max_tokens=max_new_tokens,
                 temperature=temperature,
                 top_p=top_p,
+                top_k=top_k if top_k > 0 else -1,  # -1: off in every vLLM (some reject 0)
                 stop_token_ids=list(stop_token_ids),
                 ignore_eos=True,  # only the caller's stop tokens end a completion
                 seed=seed + i * n,  # vLLM gives child j of a request seed + j

@@ -45,6 +45,15 @@ Differs from Shao et al. 2024 (DeepSeekMath, arXiv:2402.03300) / Hugging Face TR
 - KL to the reference (kl_coef > 0) uses Schulman's k3 estimator, added to the loss per token;
   kl_coef = 0 (default, as DAPO) loads no reference model.
 - Groups whose rewards are all equal get advantage 0 (logged as frac_zero_std_groups).
+- Log-prob convention (sampler and trainer alike): the log-prob of a completion token is taken
+  under the distribution that generated it, softmax(logits / temperature) restricted to the
+  top-k / top-p support and renormalised over it (vLLM's logprobs_mode="processed_logprobs";
+  `truncate_logits` applies vLLM's rules, top-k then top-p, in the CPU engine and here). TRL's
+  trainer takes the untruncated tempered log-prob, so with top_p < 1 or top_k > 0 its
+  importance ratio against vLLM's processed log-probs carries the kept mass of every position;
+  here the ratio is 1 when the weights agree. The policy, old and reference log-probs all take
+  their support from their own logits, the sampled token always kept in it (a finite log-prob
+  where the boundary moved).
 - Log-probabilities take lm_head's logits at the completion positions only ([T, V]); `--tricks
   lce` takes them in chunks instead.
 - dtype="bf16" computes in bf16 but keeps fp32 master weights and fp32 AdamW state.
@@ -113,6 +122,7 @@ from runtime import (
     start_rollout,
     sync_weights,
     transfer_backend,
+    truncate_logits,
     weight_source,
 )
 
@@ -132,6 +142,7 @@ class Config:
     max_new_tokens: int = 64  # completion length cap (tokens)
     temperature: float = 1.0  # sampling temperature; log-probs are taken under the same one
     top_p: float = 1.0  # nucleus sampling mass (1.0 = off)
+    top_k: int = 0  # sample from the k most likely tokens, before top_p (0 = off, as TRL and vLLM)
     clip_eps_low: float = 0.2  # ratio clipped below at 1 - clip_eps_low
     clip_eps_high: float = 0.28  # ratio clipped above at 1 + clip_eps_high (DAPO's clip-higher)
     kl_coef: float = 0.0  # weight of the k3 KL to the reference (0 = no reference model)
@@ -195,7 +206,8 @@ def validate(cfg: Config, reward_funcs: list | None = None) -> None:
     num_funcs = len(reward_funcs or REWARD_FUNCS)
     checks = [  # (holds, message when it does not)
         *((getattr(cfg, n) >= 1, f"{n}={getattr(cfg, n)}: must be >= 1") for n in positive),
-        (cfg.temperature > 0 and 0 < cfg.top_p <= 1, f"temperature={cfg.temperature} must be > 0, top_p={cfg.top_p} in (0, 1]"),
+        (cfg.temperature > 0 and 0 < cfg.top_p <= 1 and cfg.top_k >= 0,
+         f"temperature={cfg.temperature} must be > 0, top_p={cfg.top_p} in (0, 1], top_k={cfg.top_k} >= 0 (0 = off)"),
         (0 <= cfg.clip_eps_low < 1 and cfg.clip_eps_high >= 0,
          f"clip_eps_low={cfg.clip_eps_low} must be in [0, 1), clip_eps_high={cfg.clip_eps_high} >= 0"),
         (cfg.kl_coef >= 0 and cfg.is_cap >= 0, f"kl_coef={cfg.kl_coef} and is_cap={cfg.is_cap} must be >= 0"),
@@ -293,14 +305,18 @@ def policy_logprobs(
     cfg: Config,
     **model_kwargs,
 ) -> torch.Tensor:
-    """Per-token log-probs [B, S] fp32 of the completion tokens under softmax(logits / temperature),
-    0.0 off the completions (labels == IGNORE_INDEX); differentiable. The engines report log-probs
-    under the same temperature, so ratios against them compare like with like. model_kwargs: a
-    packed batch's position_ids and attention_mask."""
+    """Per-token log-probs [B, S] fp32 of the completion tokens under the sampling distribution:
+    softmax(logits / temperature) cut to the top-k / top-p support and renormalised, the label
+    always kept in it; 0.0 off the completions (labels == IGNORE_INDEX); differentiable. The
+    engines record their log-probs under the same convention (docstring), so ratios against them
+    compare like with like. model_kwargs: a packed batch's position_ids and attention_mask."""
     completion = labels != IGNORE_INDEX  # [B, S]
+    targets = labels[completion]  # [T]
     # prompt and padding positions skip lm_head: [T, V] logits of the T completion positions only
     logits = model(input_ids, **model_kwargs, logits_mask=completion).float() / cfg.temperature
-    token_logps = logits.log_softmax(-1).gather(-1, labels[completion][:, None]).squeeze(-1)  # [T]
+    # the support the engines sampled from (top-k, then top-p); the sampled token stays in it
+    logits = truncate_logits(logits, cfg.top_k, cfg.top_p, keep=targets)
+    token_logps = logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)  # [T]
     logps = torch.zeros(completion.shape, device=logits.device)
     logps[completion] = token_logps  # [B, S], 0 off the completions
     return logps

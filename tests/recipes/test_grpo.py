@@ -225,6 +225,44 @@ def test_weight_sync_from_fsdp_policy(grpo_script, ray_session, even_model_dir):
     pipeline.shutdown()
 
 
+def test_importance_weight_is_one_under_top_p_and_top_k(
+    grpo_script, ray_session, even_model_dir, chain_sum_64, tmp_path
+):
+    """Sampler and trainer log-probs follow one convention under truncated sampling: with
+    temperature 0.7, top_p 0.9 and top_k 5, completions from the CPU engine (started by the
+    script's own pipeline, so the Config reaches the engine) get from the script's
+    policy_logprobs an importance weight of 1 within 1e-3 on every token, and a 2-step run at
+    lr ~0 logs is_weight 1 within 1e-3 at every step (lr 1e-12: the scripts reject lr 0, and an
+    AdamW step that small is below fp32 resolution of these weights, so the policy stays put)."""
+    ray = ray_session
+    flags = ("--temperature", "0.7", "--top_p", "0.9", "--top_k", "5")
+    cfg = grpo_script.Config(dtype="fp32", device="cpu", temperature=0.7, top_p=0.9, top_k=5)
+    _, mesh = grpo_script.setup_distributed(cfg)  # a 1-process group, removed after the test
+    model = grpo_script.setup_model(cfg, even_model_dir, mesh, torch.device("cpu"))
+    pipeline = start_rollout(
+        cfg, even_model_dir, Tokenizer.from_dir(even_model_dir), [even_token_reward]
+    )
+    assert pipeline.sampling["top_k"] == 5 and pipeline.sampling["top_p"] == 0.9
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8]]
+    sampling = {**pipeline.sampling, "n": 4, "max_new_tokens": 8}
+    groups = ray.get(pipeline.engines[0].generate.remote(prompts, seed=0, **sampling))
+    pipeline.shutdown()
+    rows = [(p, ids, lps) for p, group in zip(prompts, groups, strict=True) for ids, lps in group]
+    batch = collate_rollouts([p for p, _, _ in rows], [ids for _, ids, _ in rows], pad_token_id=0)
+    with torch.no_grad():
+        trainer = grpo_script.policy_logprobs(model, batch["input_ids"], batch["labels"], cfg)
+    for i, (p, ids, sampler) in enumerate(rows):
+        is_weight = torch.exp(
+            trainer[i, len(p) - 1 : len(p) - 1 + len(ids)] - torch.tensor(sampler)
+        )
+        assert len(ids) > 0 and (is_weight - 1).abs().max() <= 1e-3, (i, is_weight)
+    history = run_grpo(
+        grpo_script, even_model_dir, chain_sum_64, tmp_path, "--rollout", "sync", "--max_steps",
+        "2", "--lr", "1e-12", *flags,
+    )  # fmt: skip
+    assert [m["is_weight"] for m in history] == pytest.approx([1.0, 1.0], abs=1e-3)
+
+
 def test_weight_transfer_option_is_checked_alone(grpo_script):
     """A misspelt --weight_transfer gets one error naming the choices, not a second one about
     the collective transfer it did not ask for; 'collective' needs the vLLM engine."""

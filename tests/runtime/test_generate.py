@@ -3,11 +3,13 @@ model; `sample`, the scripts' chat reply."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from runtime.checkpoint import load_hf_checkpoint, read_hf_config
-from runtime.generate import generate, sample_next_token
+from runtime.generate import generate, sample_next_token, truncate_logits
 from runtime.models.llama import ModelArgs, build_model
 from tests.helpers import TINY_CONFIG
 
@@ -97,11 +99,52 @@ def test_top_p_only_samples_from_nucleus():
     assert set(everything.tolist()) == {0, 1, 2, 3}
 
 
+def test_truncate_logits_closed_form():
+    """vLLM's rules on hand-made rows: top-k keeps ties at the k-th value, top-p keeps the token
+    that crosses the threshold and is taken on the mass renormalised after top-k, `keep` adds
+    the label to the support; the log-softmax of the result is the renormalised log-prob."""
+    inf = float("-inf")
+    # top-k 2 with a tie at the 2nd value: both tied tokens stay (3 kept)
+    x = torch.tensor([[1.0, 2.0, 2.0, 0.0, 3.0]])
+    assert truncate_logits(x, top_k=2).tolist() == [[inf, 2.0, 2.0, inf, 3.0]]
+    probs = torch.tensor([[0.1, 0.45, 0.15, 0.3]])  # descending: 0.45, 0.3, 0.15, 0.1
+    logits = probs.log()
+    # top-p 0.7: 0.45 < 0.7, 0.45 + 0.3 = 0.75 crosses it: that token is kept, the next is not
+    got = truncate_logits(logits, top_p=0.7).log_softmax(-1)
+    want = torch.tensor([[inf, math.log(0.45 / 0.75), inf, math.log(0.3 / 0.75)]])
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    # top-k 3 then top-p 0.8: renormalised after top-k (0.5, 0.333, 0.167) the first two reach
+    # 0.8; on the raw mass (0.45 + 0.3 = 0.75 < 0.8) a third token would be kept
+    got = truncate_logits(logits, top_k=3, top_p=0.8).log_softmax(-1)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    # the label outside the support is kept (finite), renormalised with it
+    kept = truncate_logits(logits, top_p=0.7, keep=torch.tensor([2])).log_softmax(-1)
+    torch.testing.assert_close(kept[0, 2], torch.tensor(math.log(0.15 / 0.9)), atol=1e-6, rtol=0)
+    assert kept[0, 0] == inf
+    # both off: the same tensor back; tiny top_p: the top token alone
+    assert truncate_logits(logits) is logits and truncate_logits(logits, top_k=4) is logits
+    assert truncate_logits(logits, top_p=1e-6).isfinite().nonzero().tolist() == [[0, 1]]
+    with pytest.raises(ValueError, match="top_k=-1"):
+        truncate_logits(logits, top_k=-1)
+
+
+def test_top_k_only_samples_from_the_k_most_likely():
+    probs = torch.tensor([0.05, 0.5, 0.15, 0.3])
+    logits = probs.log().expand(4000, 4)  # [B, V]
+    gen = torch.Generator().manual_seed(0)
+    drawn = sample_next_token(logits, temperature=1.0, top_p=1.0, generator=gen, top_k=2)
+    assert set(drawn.tolist()) == {1, 3}
+    counts = torch.bincount(drawn, minlength=4).float() / 4000
+    torch.testing.assert_close(counts[[1, 3]], torch.tensor([0.625, 0.375]), atol=0.03, rtol=0)
+
+
 def test_bad_arguments_raise(tiny):
     with pytest.raises(ValueError, match="empty prompt"):
         generate(tiny, [[1, 2], []], max_new_tokens=2)
     with pytest.raises(ValueError, match="top_p"):
         generate(tiny, [[1, 2]], max_new_tokens=2, temperature=1.0, top_p=0.0)
+    with pytest.raises(ValueError, match="top_k=-1"):
+        generate(tiny, [[1, 2]], max_new_tokens=2, temperature=1.0, top_k=-1)
 
 
 SMOL_CHAT_PROMPT = (

@@ -65,23 +65,35 @@ def _tiny_model(model_dir):
     return model.eval()
 
 
-def test_sampled_logprobs_equal_trainer_logprobs(tiny_model_dir):
+@pytest.mark.parametrize(
+    "temperature, top_p, top_k", [(0.7, 1.0, 0), (0.7, 0.9, 0), (0.7, 0.9, 5), (1.0, 1.0, 5)]
+)
+def test_sampled_logprobs_equal_trainer_logprobs(tiny_model_dir, temperature, top_p, top_k):
     """generate_with_logprobs (KV cache, left padding) reports the log-probs that
-    completion_logprobs (one right-padded forward) computes at the same temperature."""
+    completion_logprobs (one right-padded forward) computes at the same temperature, top-p and
+    top-k: the importance weight exp(trainer - sampler) is 1 within 1e-3 on every token. With
+    truncation the untruncated tempered log-probs differ, so the check can fail."""
     model = _tiny_model(tiny_model_dir)
     prompts = [[5, 6, 7, 8], [9, 10]]
     out = generate_with_logprobs(
-        model, prompts, 6, temperature=0.7, top_p=0.9, stop_token_ids=[2], pad_token_id=0,
-        generator=torch.Generator().manual_seed(0),
+        model, prompts, 6, temperature=temperature, top_p=top_p, stop_token_ids=[2],
+        pad_token_id=0, generator=torch.Generator().manual_seed(0), top_k=top_k,
     )  # fmt: skip
     completions, logps = [c for c, _ in out], [lp for _, lp in out]
     assert all(len(c) == len(lp) > 0 for c, lp in out)
     batch = collate_rollouts(prompts, completions, pad_token_id=0)
+    ids, labels = batch["input_ids"], batch["labels"]
     with torch.no_grad():
-        trainer = completion_logprobs(model, batch["input_ids"], batch["labels"], temperature=0.7)
-    sampler = scatter_completion_values(logps, [4, 2], batch["input_ids"].shape[1])
+        trainer = completion_logprobs(model, ids, labels, temperature, top_k=top_k, top_p=top_p)
+        untruncated = completion_logprobs(model, ids, labels, temperature)
+    sampler = scatter_completion_values(logps, [4, 2], ids.shape[1])
     torch.testing.assert_close(trainer, sampler, atol=1e-5, rtol=0)
-    assert (batch["labels"] != -100).sum() == sum(len(c) for c in completions)
+    mask = labels != -100
+    is_weight = torch.exp(trainer - sampler)[mask]
+    assert (is_weight - 1).abs().max() <= 1e-3
+    assert mask.sum() == sum(len(c) for c in completions)
+    if top_p < 1 or top_k > 0:  # the old convention (untruncated) is off by the kept mass
+        assert (untruncated - sampler)[mask].abs().max() > 1e-3
 
 
 def test_generation_reports_finished_completions(tiny_model_dir):

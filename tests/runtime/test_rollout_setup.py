@@ -285,7 +285,8 @@ def test_start_rollout_generates_scores_and_loads_pushed_weights(ray_session, ev
     try:
         assert not pipeline.owns_ray and len(pipeline.engines) == len(pipeline.reward_workers) == 1
         assert pipeline.sampling == dict(
-            n=3, max_new_tokens=4, temperature=1.0, top_p=1.0, stop_token_ids=tokenizer.stop_token_ids
+            n=3, max_new_tokens=4, temperature=1.0, top_p=1.0, top_k=0,  # Cfg has no top_k: off
+            stop_token_ids=tokenizer.stop_token_ids,
         )  # fmt: skip
         prompts = [{"prompt_ids": [1, 2, 3 + i], "prompt": "p", "answer": "0"} for i in range(2)]
         batches = iter([((0, 2), prompts)])

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from runtime import ModelArgs, build_model, generate, load_hf_checkpoint, save_hf_checkpoint
+from runtime.grpo import collate_rollouts, completion_logprobs, scatter_completion_values
 from runtime.rollout_vllm import VLLMEngine
 from tests.helpers import TINY_CONFIG
 
@@ -116,29 +117,34 @@ def test_generate_reports_finished_completions(setup):
     assert got == engine.generate(PROMPTS, 4, 10, 1.0, 1.0, [], seed=5)
 
 
-def test_top_p_logprobs_are_renormalised_over_the_nucleus(setup):
-    """With top_p < 1 vLLM returns log-probs of the distribution it sampled from: softmax(logits /
-    T) cut to the nucleus (the smallest top set with mass >= top_p, as runtime.generate's
-    sample_next_token cuts it) and renormalised."""
+@pytest.mark.parametrize("top_p, top_k", [(0.7, 0), (0.9, 5), (1.0, 5)])
+def test_truncated_logprobs_follow_the_trainer_convention(setup, top_p, top_k):
+    """With top_p < 1 or top_k > 0 vLLM returns log-probs of the distribution it sampled from:
+    softmax(logits / T) cut to the top-k / top-p support and renormalised, exactly what
+    `runtime.truncate_logits` (the CPU engine's and the GRPO trainer's convention) computes, so
+    the importance weight against the trainer's `completion_logprobs` is 1 within 1e-3 on every
+    token."""
     engine, ref = setup
-    temperature, top_p = 0.8, 0.7
-    got = engine.generate(PROMPTS, 4, 8, temperature, top_p, [], seed=7)
-    max_diff = 0.0
-    for prompt, rows in zip(PROMPTS, got, strict=True):
-        for tokens, logprobs in rows:
-            seq = torch.tensor([prompt + tokens])
-            with torch.no_grad():
-                logits = ref["model"](seq)[0, len(prompt) - 1 : -1].float() / temperature
-            probs = torch.softmax(logits, dim=-1)  # [T, V]
-            sorted_probs, order = probs.sort(dim=-1, descending=True)
-            kept = (sorted_probs.cumsum(-1) - sorted_probs) < top_p  # mass before < top_p
-            nucleus = torch.zeros_like(probs).scatter(-1, order, sorted_probs * kept)
-            picked = nucleus.gather(-1, torch.tensor(tokens)[:, None])[:, 0]  # [T]
-            assert (picked > 0).all(), "a sampled token lies outside the nucleus"
-            expected = (picked / nucleus.sum(-1)).log()
-            max_diff = max(max_diff, (torch.tensor(logprobs) - expected).abs().max().item())
-    print(f"top_p={top_p}: max |vLLM - runtime nucleus| log-prob = {max_diff:.2e}")
+    temperature = 0.8
+    got = engine.generate(PROMPTS, 4, 8, temperature, top_p, [], seed=7, top_k=top_k)
+    prompts = [p for p in PROMPTS for _ in range(4)]
+    rows = [row for rows in got for row in rows]
+    completions, sampled = [ids for ids, _ in rows], [lps for _, lps in rows]
+    batch = collate_rollouts(prompts, completions, pad_token_id=0)
+    ids, labels = batch["input_ids"], batch["labels"]
+    with torch.no_grad():
+        trainer = completion_logprobs(
+            ref["model"], ids, labels, temperature, top_k=top_k, top_p=top_p
+        )
+        untruncated = completion_logprobs(ref["model"], ids, labels, temperature)
+    sampler = scatter_completion_values(sampled, [len(p) for p in prompts], ids.shape[1])
+    mask = labels != -100
+    max_diff = (trainer - sampler)[mask].abs().max().item()
+    print(f"top_p={top_p} top_k={top_k}: max |vLLM - trainer| log-prob = {max_diff:.2e}")
     assert max_diff < LOGPROB_ATOL
+    assert (torch.exp(trainer - sampler)[mask] - 1).abs().max() <= 1e-3
+    # the truncation matters here: the untruncated tempered log-probs are off by the kept mass
+    assert (untruncated - sampler)[mask].abs().max() > 1e-3
 
 
 def test_weight_sync_then_score_matches_trainer(setup):
