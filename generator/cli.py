@@ -150,6 +150,22 @@ def new(
     _plan_summary(spec, gpu, text)
 
 
+def _simulable_without_cpu_offload(spec: Spec, mbs, seq) -> bool:
+    """The estimate covers what the planner covers (not kd's unsharded teacher, MoE experts,
+    qlora's NF4 base, ...): print it for cpu-offload only where the rest of the spec is plannable."""
+    from dataclasses import replace
+
+    from generator.plan import PlanError, check_simulable
+
+    try:
+        check_simulable(
+            replace(spec, tricks=tuple(t for t in spec.tricks if t != "cpu-offload")), mbs, seq
+        )
+    except PlanError:
+        return False
+    return True
+
+
 def _plan_summary(spec: Spec, gpu: tuple[str, float] | None, text: str) -> None:
     """After `scaffold new`: the simulated per-GPU memory and verdict (with --gpu-memory), or
     the arithmetic estimate's verdict for an h100-80 (`generator.plan_estimate`, well under a
@@ -178,7 +194,7 @@ def _plan_summary(spec: Spec, gpu: tuple[str, float] | None, text: str) -> None:
     try:
         check_simulable(spec, mbs, seq)
     except PlanError as e:
-        if "cpu-offload" in spec.tricks:
+        if "cpu-offload" in spec.tricks and _simulable_without_cpu_offload(spec, mbs, seq):
             # the simulation cannot place host memory; the estimate counts the shards off the GPU
             label, gib = gpu or ("h100-80", GPU_MEMORY_GIB["h100-80"])
             try:

@@ -189,12 +189,16 @@ def estimate(
     params = on_gpu * (master * trained + dtype * frozen) / shard
     grads = 0 if "optim-in-bwd" in tricks else on_gpu * master * trained / shard
     state = on_gpu * state_bytes * trained / shard
-    host = (1 - on_gpu) * (
-        master * trained * (2 if "optim-in-bwd" not in tricks else 1)
-        + dtype * frozen
-        + state_bytes * trained
-        + (dtype * d["params"] if dpo and cfg.get("ref_mode", "separate") == "separate" else 0)
-    ) / shard
+    host = (
+        (1 - on_gpu)
+        * (
+            master * trained * (2 if "optim-in-bwd" not in tricks else 1)
+            + dtype * frozen
+            + state_bytes * trained
+            + (dtype * d["params"] if dpo and cfg.get("ref_mode", "separate") == "separate" else 0)
+        )
+        / shard
+    )
     gathered = 0 if unwrapped else 2 * (d["root"] + 2 * d["block"]) / spec.tp
 
     a, b, c = ACT_PER_TOKEN

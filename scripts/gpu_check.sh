@@ -1,5 +1,5 @@
 #!/bin/bash
-# The prepared GPU check (docs/GPU.md): SFT bf16 (plain, compile + packing, offload, the low-memory
+# The prepared GPU check (docs/GPU.md): SFT bf16 (plain, compile + packing, offload, cpu-offload, the low-memory
 # recipe), DPO and GRPO for a few steps on one CUDA GPU, each run's CUDA peak against `scaffold
 # plan`, the table appended to benchmarks/RESULTS.md (and written to $OUT when set).
 # Needs .gpu-check/ from `python benchmarks/gpu_check.py --prepare` (run where there is a network);

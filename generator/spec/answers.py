@@ -15,7 +15,7 @@ from generator.features import (
     TRICKS,
 )
 from generator.spec.core import Spec, SpecError
-from generator.spec.validate import trainer_gpus, validate_spec
+from generator.spec.validate import model_config, trainer_gpus, validate_spec
 
 
 def _local_model_answers(path: Path) -> dict:
@@ -156,6 +156,8 @@ def build_answers(spec: Spec) -> dict:
         model["lr"] = algo.lr
     ref_modes = REF_MODES.get(spec.algo, ())
     multi_gpu = spec.gpus * spec.nodes > 1
+    # reasoning-length GRPO rows only where the model's context holds them (else the demo's)
+    long_rows = multi_gpu and model_config(spec)["max_position_embeddings"] >= 512 + 1024
     return {
         **model,
         "algo": spec.algo,
@@ -199,8 +201,8 @@ def build_answers(spec: Spec) -> dict:
         # GRPO rows: reasoning-task lengths for a multi-GPU run (TRL's max_prompt_length 512;
         # a chain of thought needs far more than the toy data's 64 tokens); one process keeps the
         # chain_sum demo's short ones (its prompts are under 100 tokens, its answers one number)
-        "max_prompt_len": 512 if multi_gpu else 256,
-        "max_new_tokens": 1024 if multi_gpu else 64,
+        "max_prompt_len": 512 if long_rows else 256,
+        "max_new_tokens": 1024 if long_rows else 64,
         "skeleton": algo.skeleton,
         "adapters": algo.template == "lora",
         "ref_modes": list(ref_modes),

@@ -90,3 +90,24 @@ def test_plan_refuses_cpu_offload_and_new_prints_the_estimate(tmp_path):
         "(estimate, not simulated: scaffold plan cannot simulate --tricks cpu-offload; host "
         f"memory ~{per_node:.0f} GiB per node for the offloaded shards)"
     ) in result.output
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("algo, model", [("kd", MODEL), ("sft", "qwen3-30b-a3b")])
+def test_no_estimate_where_the_planner_has_no_model_of_the_rest(algo, model, tmp_path):
+    """kd's unsharded teacher and MoE experts are outside the estimate (the planner refuses both
+    without cpu-offload too): `scaffold new` prints no memory line rather than a wrong "fits"."""
+    args = [
+        "new",
+        "--algo",
+        algo,
+        "--model",
+        model,
+        "--gpus",
+        str(GPUS),
+        "--tricks",
+        "ac,cpu-offload",
+    ]
+    result = CliRunner().invoke(cli, [*args, "--out", str(tmp_path / "r")])
+    assert result.exit_code == 0, result.output
+    assert "wrote " in result.output and "memory per GPU" not in result.output

@@ -423,3 +423,21 @@ def test_multi_gpu_scripts_default_to_real_run_settings(gpus, nodes):
     assert sft["save_every_steps"] == grpo["save_every_steps"] == (50 if multi else 0)
     lengths = (grpo["max_prompt_len"], grpo["max_new_tokens"])
     assert lengths == ((512, 1024) if multi else (256, 64))
+
+
+def test_multi_gpu_grpo_keeps_short_rows_where_the_context_is_short(tmp_path):
+    """512 + 1024 tokens need a context of 1536: a model with less keeps the demo's 256 + 64."""
+    import json
+
+    from generator.plan_estimate import config_defaults
+
+    hf = dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", vocab_size=512,
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, rms_norm_eps=1e-5,
+        rope_theta=1e5, tie_word_embeddings=True,
+    )  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    spec = Spec(algo="grpo", model=str(tmp_path), gpus=2, dataset="chain_sum.jsonl", out="o")
+    cfg = config_defaults(render(spec))
+    assert (cfg["max_prompt_len"], cfg["max_new_tokens"], cfg["save_every_steps"]) == (256, 64, 50)
