@@ -182,23 +182,15 @@ def estimate(
     trained = adapter_params(d, cfg) if adapters else d["params"]
     frozen = d["params"] if adapters else 0
     master, state_bytes = trained_bytes(tricks)  # fp32 master weights, or bf16 under bf16-sr
+    params = (master * trained + dtype * frozen) / shard
+    grads = 0 if "optim-in-bwd" in tricks else master * trained / shard
+    state = state_bytes * trained / shard
     # cpu-offload (FSDP2 CPUOffloadPolicy): the sharded weights, their gradients (each block's
     # reduce-scatter output is copied out) and the optimizer state, whose step runs on the CPU,
     # live in host memory; the GPU keeps the gathered blocks, activations and loss work
     on_gpu = 0 if "cpu-offload" in tricks else 1
-    params = on_gpu * (master * trained + dtype * frozen) / shard
-    grads = 0 if "optim-in-bwd" in tricks else on_gpu * master * trained / shard
-    state = on_gpu * state_bytes * trained / shard
-    host = (
-        (1 - on_gpu)
-        * (
-            master * trained * (2 if "optim-in-bwd" not in tricks else 1)
-            + dtype * frozen
-            + state_bytes * trained
-            + (dtype * d["params"] if dpo and cfg.get("ref_mode", "separate") == "separate" else 0)
-        )
-        / shard
-    )
+    host = (1 - on_gpu) * (params + grads + state)
+    params, grads, state = on_gpu * params, on_gpu * grads, on_gpu * state
     gathered = 0 if unwrapped else 2 * (d["root"] + 2 * d["block"]) / spec.tp
 
     a, b, c = ACT_PER_TOKEN
@@ -243,6 +235,8 @@ def estimate(
         moments["backward" if "optim-in-bwd" in tricks else "optimizer step"]["update"] = step
     if dpo:
         _dpo_moments(moments, cfg, d, dtype, shard, unwrapped, loss_tokens, vocab, tricks, on_gpu)
+        if cfg.get("ref_mode", "separate") == "separate":  # offloaded with the policy
+            host += (1 - on_gpu) * dtype * d["params"] / shard
     moment = max(moments, key=lambda m: sum(moments[m].values()))
     engine_ok = True
     parts = {k: int(v) for k, v in moments[moment].items()}
