@@ -551,6 +551,12 @@ def regen(paths, settings, to_version, check, continue_, abort):
             f"merged the new render into {script} and {p.directory / 'launch'} ({changes}); "
             "your edits are kept"
         )
+        defaults = p.default_changes()
+        if defaults:
+            click.echo(
+                f"Config defaults the new render changed (you had not edited them): "
+                f"{', '.join(defaults)}; `scaffold plan {p.directory}` re-checks the memory"
+            )
         return
     for path, c in conflicts:
         click.echo(c.describe(str(path)), err=True)

@@ -299,6 +299,37 @@ class Plan:
             out.append(f"generator: {self.recorded_version} -> {__version__}")
         return out
 
+    def default_changes(self) -> list[str]:
+        """The Config defaults the new render changed and the merged train.py took, because you
+        had not edited them ("save_every_steps: 0 -> 50"): a regen that changes no option of
+        yours can still change what a run does (a new scaffold's defaults, or --set gpus=8's
+        multi-GPU ones), so the summary says which. A default you had edited keeps your value
+        (or is a conflict) and is not listed, nor one that --set changed by name (dataset). Empty with conflicts (the marked file is not
+        Python) or where a file's Config cannot be read."""
+        from generator.plan_estimate import config_defaults
+
+        if self.result.conflicts:
+            return []
+        try:
+            base, theirs, merged = (
+                config_defaults(text) for text in (self.base, self.theirs, self.result.text)
+            )
+        except (SyntaxError, ValueError):  # no single `class Config`: nothing to compare
+            return []
+        asked = {  # fields --set changed by name (dataset, dtype, ...): spec_changes lists those
+            f.name
+            for f in dataclasses.fields(Spec)
+            if getattr(self.old_spec, f.name) != getattr(self.new_spec, f.name)
+        }
+        return [
+            f"{name}: {base[name]!r} -> {value!r}"
+            for name, value in theirs.items()
+            if name in base
+            and name not in asked
+            and base[name] != value
+            and merged.get(name, base[name]) == value
+        ]
+
 
 def _show(value) -> str:
     return (",".join(value) or "(none)") if isinstance(value, tuple) else repr(value)

@@ -811,3 +811,24 @@ def test_an_edited_script_of_the_old_templates_regenerates_with_its_edit(example
     merged = (out / "train.py").read_text()
     assert "<<<<<<<" not in merged and EDIT[1] in merged
     assert merged == _ORIGINAL_RENDER(_spec_of(out)).replace(*EDIT)
+
+
+@pytest.mark.fast
+def test_regen_names_the_config_defaults_it_changed(tmp_path):
+    """`--set gpus=2` turns on the multi-GPU defaults (periodic checkpoints): a clean merge names
+    each Config default it changed that the user had not edited, and not the user's own edits."""
+    out = _new(tmp_path)
+    script = out / "train.py"
+    _edit(script, "log_every_steps: int = 1", "log_every_steps: int = 5")
+    result = CliRunner().invoke(cli, ["regen", str(out), "--set", "gpus=2"])
+    assert result.exit_code == 0, result.output
+    line = next(s for s in result.output.splitlines() if s.startswith("Config defaults"))
+    assert "save_every_steps: 0 -> 50" in line and f"scaffold plan {out}" in line
+    assert "log_every_steps" not in line
+    assert "save_every_steps: int = 50" in script.read_text()
+    # back to one GPU: the default goes back, and is named again
+    back = CliRunner().invoke(cli, ["regen", str(out), "--set", "gpus=1"])
+    assert "save_every_steps: 50 -> 0" in back.output, back.output
+    # a template-only regen with no default changed prints no such line
+    again = CliRunner().invoke(cli, ["regen", str(out), "--set", "dataset=mine.jsonl"])
+    assert again.exit_code == 0 and "Config defaults" not in again.output, again.output
