@@ -518,7 +518,8 @@ def section(rows: list[Row], env: dict, command: str, sizes: Sizes, device: str)
         f"Random weights (seed 0) at SmolLM2-135M's config{' with ' + json.dumps(sizes.model) if sizes.model else ''}, "
         f"real tokenizer and data; micro batch {sizes.micro_batch_size}, max_seq_len {sizes.max_seq_len}. "
         f"peak = the largest logged `peak_mem_mib` ({what}); planned = `scaffold plan`'s simulated peak "
-        f"of the same spec, model and sizes; tokens/s = the median past the first two steps.\n\n"
+        f"of the same spec, model and sizes (for cpu-offload, which the planner cannot simulate, its "
+        f"arithmetic estimate, as the row's note says); tokens/s = the median past the first two steps.\n\n"
         f"{table(rows)}\n"
     )
 

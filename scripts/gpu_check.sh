@@ -10,6 +10,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # the venv of make gpu-env when there is one, else the machine's python (the lent GPU's has torch)
 PYTHON="${PYTHON:-$( [ -x .venv-gpu/bin/python ] && echo .venv-gpu/bin/python || command -v python3 )}"
+if ! "$PYTHON" -c 'import torch' 2>/dev/null; then
+    # a machine's bare python3, or a venv without torch: say which and how to get one
+    echo "gpu_check: $PYTHON has no torch: build the GPU environment with make gpu-env, or name a python that has a CUDA torch: PYTHON=/path/to/python bash scripts/gpu_check.sh" >&2
+    exit 1
+fi
 if ! "$PYTHON" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
     echo "gpu_check: no CUDA GPU visible to $PYTHON's torch; on CPU run: python benchmarks/gpu_check.py --smoke" >&2
     exit 1

@@ -149,3 +149,18 @@ def test_full_rows_are_the_case_the_plan_simulates(algo, tmp_path, smollm2_dir):
     for ex in rows:
         supervised = sum(t != IGNORE_INDEX for t in ex["labels"])
         assert len(ex["input_ids"]) == seq and supervised >= seq - 32, supervised
+
+
+def test_gpu_check_names_a_python_without_torch_in_one_line(tmp_path):
+    """A python with no torch (a machine's bare python3) gets the line saying how to get one, not
+    the no-CUDA line."""
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
+    python = str(bare / "bin" / "python")
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], capture_output=True,
+                          text=True, env={**os.environ, "PYTHON": python, "PYTHONPATH": ""})  # fmt: skip
+    assert proc.returncode == 1 and proc.stdout == ""
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(
+        f"gpu_check: {python} has no torch: build the GPU environment with make gpu-env"
+    )
