@@ -166,6 +166,39 @@ def _simulable_without_cpu_offload(spec: Spec, mbs, seq) -> bool:
     return True
 
 
+# The host memory a node's cpu-offload shards are judged against: 2 TB, the system memory of a
+# DGX H100 or H200 node, less the GPUs' HEADROOM share for the OS, page cache and data loaders
+NODE_HOST_MEMORY_GIB = 2e12 / 2**30
+NODE_HOST_LABEL = "a 2 TB node"
+
+
+def cpu_offload_estimate(
+    spec: Spec, text: str, mbs: int | None, seq: int | None, label: str, gib: float
+) -> str | None:
+    """The verdict line of a cpu-offload spec, which the simulation cannot plan: the arithmetic
+    estimate of what stays on the GPU, and the offloaded shards' host memory per node judged
+    against NODE_HOST_MEMORY_GIB (both must fit). None where the spec has no cpu-offload or the
+    rest of it is outside the estimate (`_simulable_without_cpu_offload`)."""
+    from generator.plan import estimate, estimate_fits, format_estimate
+    from generator.plan_report import HEADROOM
+
+    if "cpu-offload" not in spec.tricks or not _simulable_without_cpu_offload(spec, mbs, seq):
+        return None
+    try:
+        est = estimate(spec, text, mbs, seq, gib)
+    except (KeyError, ValueError, ZeroDivisionError):  # a Config the estimate cannot read
+        return None
+    per_node = est.host * trainer_gpus(spec) / 2**30
+    host_budget = (1 - HEADROOM) * NODE_HOST_MEMORY_GIB
+    host_fits = per_node <= host_budget
+    over = "" if host_fits else f", over the {host_budget:.0f} GiB usable of {NODE_HOST_LABEL}"
+    note = (
+        "estimate, not simulated: scaffold plan cannot simulate --tricks cpu-offload; "
+        f"host memory ~{per_node:.0f} GiB per node for the offloaded shards{over}"
+    )
+    return format_estimate(est, label, gib, note=note, fits=estimate_fits(est, gib) and host_fits)
+
+
 def _plan_summary(spec: Spec, gpu: tuple[str, float] | None, text: str) -> None:
     """After `scaffold new`: the simulated per-GPU memory and verdict (with --gpu-memory), or
     the arithmetic estimate's verdict for an h100-80 (`generator.plan_estimate`, well under a
@@ -194,21 +227,11 @@ def _plan_summary(spec: Spec, gpu: tuple[str, float] | None, text: str) -> None:
     try:
         check_simulable(spec, mbs, seq)
     except PlanError as e:
-        if "cpu-offload" in spec.tricks and _simulable_without_cpu_offload(spec, mbs, seq):
-            # the simulation cannot place host memory; the estimate counts the shards off the GPU
-            label, gib = gpu or ("h100-80", GPU_MEMORY_GIB["h100-80"])
-            try:
-                est = estimate(spec, text, mbs, seq, gib)
-            except (KeyError, ValueError, ZeroDivisionError):
-                est = None
-            if est is not None:
-                per_node = est.host * trainer_gpus(spec) / 2**30
-                note = (
-                    "estimate, not simulated: scaffold plan cannot simulate --tricks cpu-offload; "
-                    f"host memory ~{per_node:.0f} GiB per node for the offloaded shards"
-                )
-                click.echo(f"memory per GPU: {format_estimate(est, label, gib, note=note)}")
-                return
+        label, gib = gpu or ("h100-80", GPU_MEMORY_GIB["h100-80"])
+        line = cpu_offload_estimate(spec, text, mbs, seq, label, gib)
+        if line is not None:  # the simulation cannot place host memory; the estimate can
+            click.echo(f"memory per GPU: {line}")
+            return
         if gpu is not None:
             click.echo(f"memory per GPU: not simulated: {e}")
         return
@@ -287,7 +310,9 @@ def plan(
     --algo grpo / grpo-lora: the trainer's (gpus - engine_gpus) x nodes ranks, stepping on
     rollouts of the script's lengths; the rollout engines' memory is a computed estimate beside
     it, each phase of the layout printed (--layout colocated: the verdict is the largest of the
-    trainer step, the generation and the weight sync).
+    trainer step, the generation and the weight sync). --tricks cpu-offload: host memory is not
+    something the simulation can tell apart, so the verdict is the arithmetic estimate's, of
+    the GPU's share and of the offloaded shards per node against a 2 TB node's host memory.
 
     \b
     With DIR (a directory `scaffold new` wrote): DIR's spec and DIR/train.py as you edited it,
@@ -306,6 +331,7 @@ def plan(
     from generator.plan import check_simulable, format_result, format_suggestion, is_grpo, simulate
     from generator.plan import fits as plan_fits
     from generator.plan import suggest as plan_suggest
+    from generator.render import render
     from generator.spec import build_answers
 
     gpu_label, gpu_gib = parse_gpu_memory(gpu_memory)
@@ -325,6 +351,11 @@ def plan(
         if not is_grpo(spec):  # GRPO's defaults are its script's Config (rollout lengths)
             mbs = answers["micro_batch_size"] if mbs is None else mbs
             seq = answers["max_seq_len"] if seq is None else seq
+    text = script.read_text() if script is not None else render(spec)
+    line = cpu_offload_estimate(spec, text, mbs, seq, gpu_label, gpu_gib)
+    if line is not None:  # the simulation cannot place host memory; the estimate can
+        click.echo(f"memory per GPU: {line}")
+        return
     check_simulable(spec, mbs, seq, kl_coef)
     progress = lambda line: click.echo(f"simulating {line} ...", err=True)  # noqa: E731
     (result,) = simulate([spec], mbs, seq, progress, kl_coef, scripts=[script])

@@ -13,7 +13,13 @@ import itertools
 from dataclasses import dataclass, replace
 
 from generator.features import TRICKS, refusal
-from generator.plan_estimate import ESTIMATE_TOLERANCE, Estimate, estimate, format_estimate
+from generator.plan_estimate import (
+    ESTIMATE_TOLERANCE,
+    Estimate,
+    estimate,
+    estimate_fits,
+    format_estimate,
+)
 from generator.plan_harness import (
     GIB,
     PlanError,
@@ -61,6 +67,7 @@ __all__ = [
     "engine_estimate",
     "engine_layout",
     "estimate",
+    "estimate_fits",
     "fits",
     "format_estimate",
     "format_result",

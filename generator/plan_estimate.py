@@ -298,13 +298,14 @@ def estimate_fits(e: Estimate, gpu_gib: float) -> bool:
 
 
 def format_estimate(
-    e: Estimate, gpu_label: str, gpu_gib: float, command: str = "", note: str = ""
-) -> str:
+    e: Estimate, gpu_label: str, gpu_gib: float, command: str = "", note: str = "",
+    fits: bool | None = None,
+) -> str:  # fmt: skip
     """`scaffold new`'s one verdict line, e.g. `fits on h100-80: ~66 GiB of 71.6 usable per GPU
     (estimate; scaffold plan ... simulates it)`; `note` replaces the parenthesis (a spec the
-    planner cannot simulate)."""
+    planner cannot simulate); `fits` overrides the GPU's verdict (cpu-offload: the host's too)."""
     budget = (1 - HEADROOM) * gpu_gib
-    verdict = "fits" if estimate_fits(e, gpu_gib) else "does NOT fit"
+    verdict = "fits" if (estimate_fits(e, gpu_gib) if fits is None else fits) else "does NOT fit"
     per = "trainer GPU" if is_grpo(e.spec) else "GPU"
     return (
         f"{verdict} on {gpu_label}: ~{e.peak / GIB:.0f} GiB of {budget:.1f} usable per {per} "

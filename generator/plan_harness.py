@@ -126,7 +126,8 @@ UNSIMULATED_TRICKS = {
     "offload": "activations move to pinned host memory on a side stream, outside the simulation",
     "cpu-offload": "FSDP2's CPUOffloadPolicy keeps the sharded weights, gradients and optimizer "
     "state in host memory, which a simulation on the CPU does not tell apart from the GPU's; "
-    "`scaffold new` prints an arithmetic estimate of the GPU's share",
+    "`scaffold new` and `scaffold plan` print an arithmetic estimate of the GPU's and the "
+    "host's shares where the rest of the spec is plannable",
 }
 # Algorithms the planner refuses, with why (the SFT skeleton's sft and lora, the GRPO skeleton's
 # GRPO_SIMULATED and the DPO skeleton's dpo and dpo-lora are simulated)

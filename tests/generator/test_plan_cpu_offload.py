@@ -111,3 +111,35 @@ def test_no_estimate_where_the_planner_has_no_model_of_the_rest(algo, model, tmp
     result = CliRunner().invoke(cli, [*args, "--out", str(tmp_path / "r")])
     assert result.exit_code == 0, result.output
     assert "wrote " in result.output and "memory per GPU" not in result.output
+
+
+@pytest.mark.fast
+def test_plan_prints_the_estimate_and_judges_the_host_memory(tmp_path):
+    """`scaffold plan` (options or DIR) prints the estimate's line for cpu-offload, as `new`
+    does; the offloaded shards' host memory per node is part of the verdict: 70B on 8 GPUs fits
+    a 2 TB node, 405B on 8 (16 B per parameter of fp32 weights, gradients and AdamW state: about
+    6 TB) does not, though its GPU share would."""
+    fits = CliRunner().invoke(
+        cli, ["plan", "--model", MODEL, "--gpus", "8", "--tricks", "ac,cpu-offload"]
+    )
+    assert fits.exit_code == 0, fits.output
+    (_, off) = _estimates("sft", ("ac",))
+    assert fits.output.startswith(f"memory per GPU: fits on h100-80: ~{off.peak / GIB:.0f} GiB")
+    assert f"host memory ~{off.host * GPUS / GIB:.0f} GiB per node" in fits.output
+    args = ["--model", "llama3.1-405b", "--gpus", "8", "--tricks", "ac,cpu-offload"]
+    new = CliRunner().invoke(cli, ["new", *args, "--out", str(tmp_path / "r")])
+    assert new.exit_code == 0, new.output
+    spec = Spec(model="llama3.1-405b", gpus=8, tricks=("ac", "cpu-offload"), out="r")
+    big = estimate(spec, render(spec))
+    assert big.peak < 0.9 * 79.6 * GIB  # the GPU's share alone would fit
+    per_node = big.host * 8 / GIB
+    assert per_node > 0.9 * 2e12 / GIB
+    line = (
+        f"memory per GPU: does NOT fit on h100-80: ~{big.peak / GIB:.0f} GiB of 71.6 usable per "
+        "GPU (estimate, not simulated: scaffold plan cannot simulate --tricks cpu-offload; host "
+        f"memory ~{per_node:.0f} GiB per node for the offloaded shards, over the 1676 GiB usable "
+        "of a 2 TB node)"
+    )
+    assert line in new.output
+    planned = CliRunner().invoke(cli, ["plan", str(tmp_path / "r")])
+    assert planned.exit_code == 0 and planned.output.strip() == line, planned.output
