@@ -40,7 +40,7 @@ from generator.plan import (
 from generator.plan import model_dir_for as _model_dir_for
 from generator.render import render
 from generator.spec import Spec, validate_spec
-from runtime import ModelArgs, read_hf_config
+from runtime import ModelArgs, build_model, read_hf_config
 from tests.helpers import spawn
 
 TOLERANCE = 0.10  # the issue's bar: simulated peak within 10% of the measured one
@@ -787,3 +787,30 @@ def test_simulations_of_one_process_share_a_server_and_survive_its_failures(
     assert len(stopped) == 1 and plan_harness._SERVER is None
     (after,) = simulate([spec], 2, 64)
     assert (after.categories, after.peak) == (first.categories, first.peak)
+
+
+def test_low_bit_state_simulation_holds_the_states_not_the_eager_step(tiny_real_vocab_dir):
+    """torchao's AdamW step runs compiled, which the simulation cannot: it stands in for the step
+    with what the compiled step allocates (two fp32 moment buffers of the parameter stepped). The
+    optimizer-state row is then exactly the states (8-bit codes, 1 B per value, an fp32 scale per
+    256-value block and the code map, each moment; fp32 moments where `low_bit_state` says no), not the
+    eager step's intermediates, and the peak at most the plain script's less the states saved
+    plus those two buffers of the largest parameter."""
+    from runtime.optim import low_bit_state
+
+    spec = Spec(model=str(tiny_real_vocab_dir), tricks=("adamw8bit",))
+    plain, lowbit = simulate([Spec(model=str(tiny_real_vocab_dir)), spec], 1, 128)
+    model = build_model(ModelArgs.from_hf_config(read_hf_config(tiny_real_vocab_dir)))
+    states = sum(  # + a 256-entry fp32 code map per 8-bit moment, a 4-byte step per parameter
+        (
+            2 * (p.numel() + 4 * p.numel() // 256 + 4 * 256)
+            if low_bit_state(p, 256)
+            else 8 * p.numel()
+        )
+        + 4
+        for p in model.parameters()
+    )
+    assert lowbit.categories["optimizer state"] == states
+    numel = [p.numel() for p in model.parameters()]
+    # the peak moves by the states' difference and at most the largest parameter's two buffers
+    assert lowbit.peak <= plain.peak - (8 * sum(numel) - states) + 8 * max(numel)
