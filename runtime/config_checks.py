@@ -145,7 +145,8 @@ def run_summary(
     cfg, model: torch.nn.Module, model_dir, world_size: int, device, details: str
 ) -> str:
     """What rank 0 prints before the first step: the resolved config (JSON), a `note | ...` line
-    for each of `config_notes(cfg)`, and one line of the model, the data and the processes.
+    for each of `config_notes(cfg)`, and one line of the model, the data, the checkpoint cadence
+    (`cfg.save_every_steps`) and the processes.
 
     Args:
         cfg: the script's Config dataclass.
@@ -159,9 +160,15 @@ def run_summary(
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     lines = [json.dumps(dataclasses.asdict(cfg), indent=2)]
     lines += [f"note | {note}" for note in config_notes(cfg)]
+    # whether a crash loses the run: multi-GPU scripts checkpoint every 50 steps by default
+    saves = (
+        f"checkpoint every {cfg.save_every_steps} steps"
+        if cfg.save_every_steps
+        else "no periodic checkpoint (save_every_steps 0)"
+    )
     lines.append(
         f"model {model_dir} | {n_params / 1e6:.1f}M params, {n_trainable / 1e6:.2f}M trainable "
-        f"({100 * n_trainable / max(n_params, 1):.2f}%) | {details} | "
+        f"({100 * n_trainable / max(n_params, 1):.2f}%) | {details} | {saves} | "
         f"{world_size} process(es) on {device.type}"
     )
     return "\n".join(lines)

@@ -125,6 +125,7 @@ class Config:
     out_dir: str = "out"  # metrics.jsonl, checkpoints and the final model go here
     log_every_steps: int = 1
     eval_every_steps: int = 25  # 0 = only at the end
+    # multi-GPU default: a lost rank or node costs at most save_every_steps steps (one GPU: 0)
     save_every_steps: int = 50  # resumable checkpoints in out_dir/checkpoints (0 = none)
     keep_last_checkpoints: int = 2  # older complete checkpoints are deleted
     resume: str = "auto"  # "auto" (newest complete checkpoint), "none", or a checkpoint dir

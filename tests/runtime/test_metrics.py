@@ -111,6 +111,7 @@ def test_run_summary_counts_parameters_and_prints_the_notes():
         lr: float = 1e-4
         warmup_steps: int = 10
         max_steps: int = 3
+        save_every_steps: int = 0
 
     model = torch.nn.Sequential(torch.nn.Linear(1000, 1000), torch.nn.Linear(1000, 10))
     model[0].requires_grad_(False)  # 1,001,000 frozen of 1,011,010
@@ -119,11 +120,15 @@ def test_run_summary_counts_parameters_and_prints_the_notes():
         "lr": 1e-4,
         "warmup_steps": 10,
         "max_steps": 3,
+        "save_every_steps": 0,
     }
     assert "\nnote | warmup_steps=10 is longer than max_steps=3" in text
     assert text.splitlines()[-1] == (
-        "model /m | 1.0M params, 0.01M trainable (0.99%) | 40 train examples | 2 process(es) on cpu"
+        "model /m | 1.0M params, 0.01M trainable (0.99%) | 40 train examples | no periodic "
+        "checkpoint (save_every_steps 0) | 2 process(es) on cpu"
     )
+    every = run_summary(Cfg(save_every_steps=50), model, "/m", 2, torch.device("cpu"), "40 rows")
+    assert "| 40 rows | checkpoint every 50 steps | 2 process(es)" in every
 
 
 def test_check_finite_names_the_last_checkpoint_and_step_line_the_figures():
