@@ -20,6 +20,8 @@ from generator.options import SPEC_OPTION_NAMES, spec_from_options, spec_options
 from generator.plan import GPU_MEMORY_GIB, parse_gpu_memory
 from generator.recipe import recipe_line
 from generator.rundir import (
+    BASE_FILE,
+    LAUNCH_BASE_DIR,
     SCRIPT,
     SPEC_FILE,
     find_run_dirs,
@@ -608,7 +610,7 @@ def _regen_check(paths) -> None:
     dirs = find_run_dirs(paths)
     if not dirs:
         raise ScaffoldError(f"no {SPEC_FILE} under {', '.join(paths)}")
-    drifted, unfinished = [], []
+    drifted, edited, unfinished = [], [], []
     for d in dirs:
         pending = read_pending(d)
         if pending is not None:  # its files are half the new render's: comparing them says nothing
@@ -620,24 +622,48 @@ def _regen_check(paths) -> None:
             unfinished.append(d)
             continue
         spec = Spec.from_json((d / SPEC_FILE).read_text(), source=str(d / SPEC_FILE))
-        for name, content in rendered_files(render(spec), render_launch(spec)).items():
-            path = d / name
-            if not path.is_file() or path.read_text() != content:
-                drifted.append(str(path))
-    for d in drifted:
-        click.echo(f"drift: {d} differs from a fresh render of its spec", err=True)
-    if unfinished and not drifted:
+        files = rendered_files(render(spec), render_launch(spec))
+        differ = {
+            name
+            for name, content in files.items()
+            if not (d / name).is_file() or (d / name).read_text() != content
+        }
+        for name in sorted(differ):
+            # a user file whose merge base is the fresh render differs by the user's edits only:
+            # `scaffold regen` has nothing to merge there (it says "up to date"), so say so
+            base = str(BASE_FILE) if name == SCRIPT else str(LAUNCH_BASE_DIR / name)
+            if base in files and base not in differ and (d / name).is_file():
+                edited.append(str(d / name))
+            else:
+                drifted.append(str(d / name))
+    for path in drifted:
+        click.echo(f"drift: {path} differs from a fresh render of its spec", err=True)
+    for path in edited:
+        click.echo(
+            f"edited: {path} differs from a fresh render by your edits only (its merge base is "
+            "that render: `scaffold regen` has nothing to merge)",
+            err=True,
+        )
+    if unfinished and not (drifted or edited):
         raise click.ClickException(
             f"{len(unfinished)} directory(ies) with an unfinished regen (listed above); finish "
             "or undo each with `scaffold regen DIR --continue` / `--abort`"
         )
-    if drifted:
+    if drifted or edited:
         also = f" and {len(unfinished)} directory(ies) with an unfinished regen" * bool(unfinished)
-        raise click.ClickException(
-            f"{len(drifted)} file(s) out of date{also}; update each directory with `scaffold regen "
-            "DIR` (keeps your edits), or overwrite it with the `scaffold new ... --force` command "
-            "in its train.py header"
-        )
+        ways = []
+        if drifted:
+            ways.append(
+                f"{len(drifted)} file(s) out of date: update each directory with `scaffold regen "
+                "DIR` (keeps your edits), or overwrite it with the `scaffold new ... --force` "
+                "command in its train.py header"
+            )
+        if edited:
+            ways.append(
+                f"{len(edited)} file(s) edited by hand: --check wants every file as rendered "
+                "(the checked-in examples); `scaffold diff DIR` shows nothing to merge for them"
+            )
+        raise click.ClickException("; ".join(ways) + also)
     click.echo(f"{len(dirs)} script(s) match their templates")
 
 

@@ -200,7 +200,17 @@ def test_regen_check_detects_drift(tmp_path):
     assert runner.invoke(cli, ["regen", "--check", str(tmp_path)]).exit_code == 0
     (out / "train.py").write_text((out / "train.py").read_text() + "# edit\n")
     result = runner.invoke(cli, ["regen", "--check", str(tmp_path)])
-    assert result.exit_code != 0 and "drift" in result.output
+    # a hand edit over a current base: --check fails, but says regen has nothing to merge (as
+    # `scaffold regen` itself says "up to date"), not that regen would update it
+    assert result.exit_code != 0 and f"edited: {out / 'train.py'}" in result.output
+    assert "drift:" not in result.output and "nothing to merge" in result.output
+    assert "up to date" in runner.invoke(cli, ["regen", str(out)]).output
+    # a base that is not the fresh render (what a template change leaves): drift, regen merges
+    base = out / ".scaffold" / "train.py.base"
+    base.write_text(base.read_text().replace("import torch\n", "import torch  # old\n", 1))
+    result = runner.invoke(cli, ["regen", "--check", str(tmp_path)])
+    assert result.exit_code != 0 and f"drift: {base}" in result.output
+    assert "update each directory with `scaffold regen DIR`" in result.output
 
 
 def test_new_writes_spec_and_base_and_refuses_overwrite(tmp_path):
