@@ -315,6 +315,9 @@ def plan(
     trainer step, the generation and the weight sync). --tricks cpu-offload: host memory is not
     something the simulation can tell apart, so the verdict is the arithmetic estimate's, of
     the GPU's share and of the offloaded shards per node against a 2 TB node's host memory.
+    --tricks compile and offload are not simulated (inductor's fusion, a side stream's host
+    copies): plan says so, and the plan without them is an upper bound; nor are --algo qlora
+    and kd, or mixture-of-experts models.
 
     \b
     With DIR (a directory `scaffold new` wrote): DIR's spec and DIR/train.py as you edited it,
