@@ -354,6 +354,35 @@ def test_truncated_completions_contribute_nothing_under_mask(grpo_script, tiny_p
         assert loss == 0.0 and all(g.abs().max() == 0 for g in grads.values()), loss_type
 
 
+def test_packed_rows_give_the_unpacked_gradient(grpo_script, even_model_dir, tmp_path):
+    """`--tricks packing` (several rollouts per row): every loss type's sequence-level parts
+    (gspo's ratio, grpo's |o_i|, overlong="mask") find each rollout's tokens by sequence_ids, so
+    the loss and gradients equal the unpacked script's (1e-6)."""
+    from generator.render import render
+    from generator.spec import Spec
+
+    (tmp_path / "train.py").write_text(render(Spec(algo="grpo", tricks=("packing",), out="o")))
+    packed = import_script(tmp_path / "train.py", "grpo_losses_packed_train")
+    rollouts = _rollouts()
+    advantages = torch.linspace(-1, 1, 8)
+    for loss_type, overlong in [(t, "none") for t in LOSS_TYPES] + [("gspo", "mask")]:
+        results = []
+        for s in (grpo_script, packed):
+            cfg = s.Config(
+                dtype="fp32", device="cpu", loss_type=loss_type, overlong=overlong,
+                max_prompt_len=8, max_new_tokens=6, scale_rewards=loss_type != "dr_grpo",
+            )  # fmt: skip
+            _, mesh = s.setup_distributed(cfg)
+            model = s.setup_model(cfg, even_model_dir, mesh, torch.device("cpu"))
+            s.destroy_distributed()
+            totals = s.step_totals([rollouts], cfg)
+            results.append(_grads(s, model, cfg, rollouts, advantages, [8], totals))
+        (loss, grads), (packed_loss, packed_grads) = results
+        assert packed_loss == pytest.approx(loss, abs=1e-6), loss_type
+        for k, g in grads.items():
+            torch.testing.assert_close(packed_grads[k], g, atol=1e-6, rtol=0, msg=(loss_type, k))
+
+
 # --- on a local Ray: dynamic sampling and learning ---------------------------------------------
 def _constant_reward(completion_ids, **kwargs) -> float:
     return 1.0
