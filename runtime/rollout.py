@@ -1042,9 +1042,9 @@ class RolloutPipeline:
     ) -> RolloutStep:
         """The groups to train policy `train_version` on, keeping `prefetch` batches in flight.
 
-        Tops the engines up to prefetch + 1 submitted batches (each sampled with
-        `sampling_seed(seed, its data position)`), waits for the oldest while the buffer holds
-        fewer than the groups still needed, and takes groups at most `max_staleness` versions
+        While the buffer holds fewer than the groups still needed, tops the engines up to
+        prefetch + 1 submitted batches (each sampled with `sampling_seed(seed, its data
+        position)`) and waits for the oldest (else tops them up to prefetch), and takes groups at most `max_staleness` versions
         behind `train_version`; older ones are dropped (whole groups) and more are generated.
         With prefetch = max_staleness (the default) the rollout modes are: sync 0 (generate,
         then train), async 1 (batch k + 1 generates while batch k trains), off-policy
@@ -1103,7 +1103,10 @@ class RolloutPipeline:
                 if refills >= max_refills:
                     break  # before submitting more: the rejected groups fill the step
                 refills += 1
-            while len(self.pending) < prefetch + 1:
+            # in flight: prefetch + 1 batches while waiting for one, prefetch while training (a
+            # step the buffer fills, e.g. from a refill's leftovers, must not start a sync batch
+            # that the weight push would make stale)
+            while len(self.pending) < prefetch + short:
                 self.position, prompts = next(batches)
                 self.submit(
                     [p["prompt_ids"] for p in prompts],

@@ -322,21 +322,26 @@ def _prompts_of(groups) -> list[int]:
 
 
 def test_next_groups_filter_refills_sync(fake_pipeline):
-    """Dynamic sampling (`keep`), sync: a rejected group is replaced from a refill batch (counted);
-    the refill's unused group is too old for the next step and dropped as stale; at
+    """Dynamic sampling (`keep`), sync: rejected groups are replaced from refill batches (counted);
+    a step that the buffer completes leaves no batch in flight (it would be stale after the
+    push); a refill's unused group is too old for the next step and dropped as stale; at
     max_refills the step is filled with the first rejected groups and nothing more is generated."""
     pipeline, batches = fake_pipeline, _prompt_batches(per_epoch=100)
-    keep = lambda g: g[0].prompt_ids[0] % 3 != 0  # noqa: E731  (prompt k = [k]; 0, 3, 6 rejected)
+    keep = lambda g: g[0].prompt_ids[0] not in (0, 2, 4)  # noqa: E731  (prompt k = [k])
     step = pipeline.next_groups(batches, 2, 0, 0, seed=0, keep=keep, max_refills=3)
-    assert _prompts_of(step.groups) == [1, 2] and (step.filtered, step.refills) == (1, 1)
-    assert len(pipeline.buffer) == 1 and step.dropped == 0  # group 3, left over
+    assert _prompts_of(step.groups) == [1, 3] and (step.filtered, step.refills) == (2, 1)
+    assert (len(pipeline.buffer), len(pipeline.pending), step.dropped) == (0, 0, 0)
     pipeline.push_weights({}, 1)
     step = pipeline.next_groups(batches, 2, 1, 0, seed=0, keep=keep, max_refills=3)
-    assert _prompts_of(step.groups) == [4, 5] and (step.filtered, step.refills) == (0, 0)
-    assert step.dropped == 2  # group 3's 2 rollouts: version 0, training version 1
+    assert _prompts_of(step.groups) == [5, 6] and (step.filtered, step.refills) == (1, 1)
+    assert (len(pipeline.buffer), len(pipeline.pending)) == (1, 0)  # group 7, left over
     pipeline.push_weights({}, 2)
-    step = pipeline.next_groups(batches, 2, 2, 0, seed=0, keep=lambda g: False, max_refills=1)
-    assert _prompts_of(step.groups) == [6, 7]  # the first rejected groups fill the step
+    step = pipeline.next_groups(batches, 2, 2, 0, seed=0, keep=keep, max_refills=3)
+    assert _prompts_of(step.groups) == [8, 9] and (step.filtered, step.refills) == (0, 0)
+    assert step.dropped == 2  # group 7's 2 rollouts: version 1, training version 2
+    pipeline.push_weights({}, 3)
+    step = pipeline.next_groups(batches, 2, 3, 0, seed=0, keep=lambda g: False, max_refills=1)
+    assert _prompts_of(step.groups) == [10, 11]  # the first rejected groups fill the step
     assert (step.filtered, step.refills, len(pipeline.pending)) == (2, 1, 0)
 
 
