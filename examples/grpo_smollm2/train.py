@@ -62,7 +62,8 @@ other G - 1 rewards instead (RLOO, Ahmadian et al. 2024, arXiv:2402.14740).
 DAPO's data tricks (arXiv:2503.14476): --dynamic_sampling drops groups whose rewards are all
 equal (advantage 0, no gradient) and generates more prompts in their place, at most
 max_refill_rounds extra batches per step (then dropped groups fill the rest; logged as
-dropped_groups, num_refills); it works in every rollout mode, as the pipeline filters the groups
+dropped_groups, num_refills; `reward` is then the trained groups' mean, without the dropped
+all-right or all-wrong ones); it works in every rollout mode, as the pipeline filters the groups
 before any staleness-bounded step takes them (in sync mode a refill batch's unused groups are too
 old for the next step and dropped, as dropped_stale). --overlong mask leaves truncated completions
 (no stop token: they hit max_new_tokens) out of the loss and its token count; --overlong shape adds
