@@ -17,6 +17,19 @@ Usage (from the repo root, with the venv):
     python benchmarks/grpo_cpu.py --steps 10 --skip 2
 Smoke test (results elsewhere):
     python benchmarks/grpo_cpu.py --steps 3 --skip 1 --out /tmp/RESULTS.md
+
+--loss_types grpo,dapo,dr_grpo,gspo,cispo runs the loss-type sweep instead (its own section):
+each loss type (and each --variants entry: extra flags, e.g. "dapo --advantage_baseline rloo")
+trains --steps sync steps from the same start, --repeats seeds each, on the learning tests' task:
+chain_sum prompts, the tiny 2-layer random Llama (512-token cut of SmolLM2's tokenizer) whose
+embedding's first coordinate is +0.1 for even and -0.1 for odd ids, and the reward "share of even
+ids among the completion's non-stop tokens" (0 when it stops at once). The stop token (<|im_end|>,
+id 2, even) gets --stop_even_weight on that coordinate, so learning "even" also makes stopping
+likelier and completion lengths vary: the normalisers (per token, per sequence, constant) then
+weigh the completions differently. Reported per variant: mean reward of the first 3 and the last 5
+steps, the step at which the 3-step mean reward first reaches 0.9 (per seed), completion length,
+completion tokens trained per second of step wall time, clip fraction.
+    python benchmarks/grpo_cpu.py --loss_types grpo,dapo,dr_grpo,gspo,cispo --steps 30 --repeats 2
 """
 
 from __future__ import annotations
@@ -37,6 +50,9 @@ from _sections import write_marked_section  # noqa: E402
 
 MARK_BEGIN = "<!-- grpo_cpu:begin -->"
 MARK_END = "<!-- grpo_cpu:end -->"
+LOSS_BEGIN = "<!-- grpo_cpu_loss_types:begin -->"
+LOSS_END = "<!-- grpo_cpu_loss_types:end -->"
+STOP_ID = 2  # <|im_end|> in SmolLM2's tokenizer and its 512-token cut
 
 
 def build_model_dir(out: Path, hidden: int, layers: int) -> Path:
@@ -115,6 +131,138 @@ def summarize(mode: str, history: list[dict], a) -> dict:
     }
 
 
+def build_even_model_dir(out: Path, stop_even_weight: float) -> Path:
+    """The learning tests' tiny model (tests/conftest.py `even_model_dir`: TINY_CONFIG at vocab
+    512, seed 0, embedding[:, 0] = +0.1 even / -0.1 odd), its stop token's coordinate set to
+    stop_even_weight."""
+    import torch
+
+    from generator.assets import ensure_smollm2
+    from runtime import ModelArgs, build_model, copy_tokenizer_files, save_hf_checkpoint
+    from tests.helpers import SMALL_VOCAB, TINY_CONFIG, small_tokenizer_files
+
+    args = ModelArgs(
+        **{**TINY_CONFIG, "vocab_size": SMALL_VOCAB}, rope_theta=100000.0,
+        max_position_embeddings=8192, tie_word_embeddings=True,
+    )  # fmt: skip
+    model = build_model(args, device="cpu")
+    model.init_weights(generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        even = torch.arange(args.vocab_size) % 2 == 0
+        model.model.embed_tokens.weight[:, 0] = torch.where(even, 0.1, -0.1)
+        model.model.embed_tokens.weight[STOP_ID, 0] = stop_even_weight
+    save_hf_checkpoint(model, out, args.to_hf_config())
+    small_tokenizer_files(ensure_smollm2(), out.parent / "tokenizer")
+    copy_tokenizer_files(out.parent / "tokenizer", out)
+    return out
+
+
+def even_share_reward(completion_ids, **kwargs) -> float:
+    """Share of even ids among the completion's tokens before its stop token (0 if none)."""
+    ids = [t for t in completion_ids if t != STOP_ID]
+    return sum(t % 2 == 0 for t in ids) / len(ids) if ids else 0.0
+
+
+def run_variant(script, flags: list[str], seed: int, model_dir: Path, data: Path, out: Path, a):
+    argv = [
+        "--model", str(model_dir), "--dataset", str(data), "--out_dir", str(out), "--dtype", "fp32",
+        "--rollout", "sync", "--max_steps", str(a.steps), "--num_generations", str(a.num_generations),
+        "--prompts_per_step", str(a.prompts_per_step), "--max_new_tokens", str(a.max_new_tokens),
+        "--micro_batch_size", str(a.micro_batch_size), "--lr", str(a.lr), "--warmup_steps", "0",
+        "--reward_weights", "1.0", "--save_final_model", "false", "--resume", "none",
+        "--seed", str(seed), *flags,
+    ]  # fmt: skip
+    return script.main(argv, reward_funcs=[even_share_reward])
+
+
+def summarize_variant(name: str, runs: list[list[dict]], a) -> dict:
+    def mean(xs):
+        return sum(xs) / len(xs)
+
+    def steps_to(h, level):  # the first step whose 3-step trailing mean reward reaches level
+        r = [m["reward"] for m in h]
+        hits = [i + 1 for i in range(2, len(r)) if sum(r[i - 2 : i + 1]) / 3 >= level]
+        return hits[0] if hits else None
+
+    rows = [m for h in runs for m in h]
+    tokens = [m["completion_len"] * a.prompts_per_step * a.num_generations for m in rows]
+    return {
+        "variant": name,
+        "first3": mean([mean([m["reward"] for m in h[:3]]) for h in runs]),
+        "last5": mean([mean([m["reward"] for m in h[-5:]]) for h in runs]),
+        "last5_per_seed": [mean([m["reward"] for m in h[-5:]]) for h in runs],
+        "steps_to_0.9": [steps_to(h, 0.9) for h in runs],
+        "len_first3": mean([mean([m["completion_len"] for m in h[:3]]) for h in runs]),
+        "len_last5": mean([mean([m["completion_len"] for m in h[-5:]]) for h in runs]),
+        # the first step (engine warm-up, first weight sync) is left out of the rate
+        "tokens_per_s": sum(tokens[1:]) / sum(m["step_time_s"] for m in rows[1:]),
+        "clip_frac": mean([m["clip_frac"] for m in rows]),
+        "train_s": mean([m["train_s"] for m in rows]),
+    }
+
+
+def loss_type_sweep(a) -> None:
+    import ray
+    import torch
+
+    from generator.assets import ensure_chain_sum
+
+    torch.set_num_threads(1)  # the trainer: one core; the engine actor holds the other
+    script = load_script()
+    variants = [
+        (t, ["--loss_type", t, "--scale_rewards", str(t != "dr_grpo").lower()])
+        for t in a.loss_types.split(",")
+    ]
+    for v in a.variants:
+        loss_type, *flags = v.split()
+        variants.append((v, ["--loss_type", loss_type, *flags]))
+    with tempfile.TemporaryDirectory(prefix="grpo-loss-bench-") as tmp:
+        tmp = Path(tmp)
+        model_dir = build_even_model_dir(tmp / "model", a.stop_even_weight)
+        data = tmp / "prompts.jsonl"
+        data.write_text("\n".join(ensure_chain_sum().read_text().splitlines()[:512]) + "\n")
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        load_before, start = os.getloadavg()[0], time.perf_counter()
+        histories = {name: [] for name, _ in variants}
+        for seed in range(
+            a.repeats
+        ):  # seed by seed, so a change in the machine's load hits every variant
+            for name, flags in variants:
+                out = tmp / f"{len(histories[name])}_{name.replace(' ', '_')}"
+                histories[name].append(run_variant(script, flags, seed, model_dir, data, out, a))
+        total, load_after = time.perf_counter() - start, os.getloadavg()[0]
+        ray.shutdown()
+    results = [summarize_variant(name, runs, a) for name, runs in histories.items()]
+    print(json.dumps({"results": results, "wall_s": total}, indent=2))
+    cmd = "python benchmarks/grpo_cpu.py " + " ".join(
+        f"'{x}'" if " " in x else x for x in sys.argv[1:]
+    )
+    rows = "\n".join(
+        f"| {r['variant']} | {r['first3']:.3f} | **{r['last5']:.3f}** ({', '.join(f'{x:.3f}' for x in r['last5_per_seed'])}) | "
+        f"{', '.join('-' if x is None else str(x) for x in r['steps_to_0.9'])} | "
+        f"{r['len_first3']:.1f} -> {r['len_last5']:.1f} | {r['tokens_per_s']:.0f} | {r['clip_frac']:.3f} | {r['train_s']:.2f} |"
+        for r in results
+    )
+    section = f"""{LOSS_BEGIN}
+## GRPO loss types side by side (CPU, `benchmarks/grpo_cpu.py --loss_types`)
+`{cmd.strip()}` ({platform.machine()}, {time.strftime("%Y-%m-%d")}, shared 2-core machine: 1-min load average
+{load_before:.1f} before, {load_after:.1f} after; {total / 60:.1f} min). The emitted examples/grpo_smollm2 script,
+unmodified except `--loss_type` and the flags shown, through its `main()`: {a.steps} sync steps of
+{a.prompts_per_step} chain_sum prompts x {a.num_generations} completions of <= {a.max_new_tokens} tokens, lr {a.lr}, fp32, seeds
+0..{a.repeats - 1} (the mean over seeds, and each seed's, in the last-5 column). The task is the learning tests' (tiny
+random Llama, "even" = one embedding direction; reward: share of even ids before the stop token), with the stop token's
+even coordinate at {a.stop_even_weight}, so that completion lengths vary and the normalisers differ (see the module
+docstring). tokens/s: completion tokens trained per second of step wall time (generation, training, weight sync), step 1 left out.
+
+| variant | reward, steps 1-3 | reward, last 5 steps | step the 3-step mean reward reaches 0.9, per seed | completion length, first 3 -> last 5 | tokens/s | clip fraction | train s/step |
+|---|---|---|---|---|---|---|---|
+{rows}
+{LOSS_END}
+"""
+    write_marked_section(a.out, section, LOSS_BEGIN, LOSS_END)
+    print(f"wrote section to {a.out}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -129,7 +277,15 @@ def main() -> None:
     p.add_argument("--max_new_tokens", type=int, default=24)
     p.add_argument("--micro_batch_size", type=int, default=16)
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "RESULTS.md")
+    p.add_argument("--loss_types", default="", help="comma list: run the loss-type sweep instead")
+    p.add_argument("--variants", nargs="*", default=[], help='sweep rows "LOSS_TYPE FLAGS..."')
+    p.add_argument("--lr", type=float, default=1e-2, help="the sweep's learning rate")
+    p.add_argument(
+        "--stop_even_weight", type=float, default=0.6, help="the sweep model's stop token"
+    )
     a = p.parse_args()
+    if a.loss_types or a.variants:
+        return loss_type_sweep(a)
 
     import ray
     import torch

@@ -36,6 +36,7 @@ from runtime.dtensors import ComputedTensor
 from runtime.expert_parallel import apply_expert_parallel
 from runtime.generate import generate, last_user_message, sample, truncate_logits
 from runtime.grpo import (
+    ADVANTAGE_BASELINES,
     collate_rollouts,
     completion_logprobs,
     group_advantages,
@@ -182,6 +183,7 @@ __all__ = [
     "gather_merged_hf_state_dict",
     "init_ray",
     "group_advantages",
+    "ADVANTAGE_BASELINES",
     "make_engine_actor",
     "make_reward_workers",
     "sampling_seed",

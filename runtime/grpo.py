@@ -1,5 +1,5 @@
-"""GRPO building blocks shared by the emitted script and the rollout engines: group-normalised
-advantages, the rollout batch layout (prompt + completion rows, pre-shifted labels) and per-token
+"""GRPO building blocks shared by the emitted script and the rollout engines: group-relative
+advantages (group mean or leave-one-out baseline, with or without the group's std), the rollout batch layout (prompt + completion rows, pre-shifted labels) and per-token
 completion log-probs under the sampling distribution: softmax(logits / temperature) restricted to
 the top-k / top-p support and renormalised over it (`runtime.generate.truncate_logits`), the
 convention both rollout engines record their log-probs under.
@@ -12,7 +12,8 @@ Shape legend: N prompts, G completions per prompt (num_generations), M = N * G r
 B rows of a micro-batch, S padded sequence length, D hidden, V vocab.
 
 Reference: Shao et al. 2024, "DeepSeekMath" (GRPO), arXiv:2402.03300, sec. 4.1.2 (outcome
-supervision: advantages = rewards normalised within their group).
+supervision: advantages = rewards normalised within their group); the variants' references are
+at `group_advantages`.
 """
 
 from __future__ import annotations
@@ -25,17 +26,30 @@ from torch import nn
 from runtime.generate import truncate_logits
 from runtime.loss import IGNORE_INDEX, token_logprobs
 
+ADVANTAGE_BASELINES = ("group_mean", "rloo")
+
 
 def group_advantages(
-    rewards: torch.Tensor, num_generations: int, eps: float = 1e-4
+    rewards: torch.Tensor,
+    num_generations: int,
+    eps: float = 1e-4,
+    scale: bool = True,
+    baseline: str = "group_mean",
 ) -> tuple[torch.Tensor, float]:
-    """Group-normalised advantages: (r - mean of its group) / (std of its group + eps).
+    """Group-relative advantages: (r_i - baseline_i) / (std of its group + eps), or without the
+    division when `scale` is False.
+
+    baseline "group_mean": b_i = mean of the group's G rewards (GRPO).
+    baseline "rloo": b_i = mean of the other G - 1 rewards (leave-one-out), so
+        r_i - b_i = G / (G - 1) * (r_i - mean): the baseline does not contain r_i itself.
 
     Args:
         rewards: [M] fp32 total reward per rollout, M = N * G, the G completions of one prompt
             contiguous.
         num_generations: G, the group size.
         eps: added to the std so that small spreads do not blow up.
+        scale: divide by the group's std (GRPO); False keeps the raw differences (Dr. GRPO, RLOO).
+        baseline: "group_mean" or "rloo".
 
     Returns:
         (advantages [M] fp32, frac_zero_std_groups: the share of groups whose rewards are all
@@ -43,24 +57,33 @@ def group_advantages(
         carries no learning signal.
 
     Raises:
-        ValueError: M is not a multiple of G.
+        ValueError: M is not a multiple of G, or an unknown baseline.
 
     Reference:
-        arXiv:2402.03300 sec. 4.1.2, A_i = (r_i - mean(r)) / std(r). The std is the unbiased
-        sample std (torch.std, as TRL's GRPOTrainer).
+        arXiv:2402.03300 sec. 4.1.2, A_i = (r_i - mean(r)) / std(r); the std is the unbiased
+        sample std (torch.std, as TRL's GRPOTrainer). No std: Liu et al. 2025, "Understanding
+        R1-Zero-Like Training" (Dr. GRPO), arXiv:2503.20783 sec. 3.1. Leave-one-out: Ahmadian
+        et al. 2024, "Back to Basics" (RLOO), arXiv:2402.14740 eq. 5.
     """
     if num_generations < 1 or rewards.numel() % num_generations:
         raise ValueError(
             f"{rewards.numel()} rewards do not split into groups of num_generations="
             f"{num_generations}; give N * G rewards, each prompt's G completions contiguous"
         )
+    if baseline not in ADVANTAGE_BASELINES:
+        raise ValueError(f"baseline={baseline!r}: choose one of {ADVANTAGE_BASELINES}")
     groups = rewards.float().view(-1, num_generations)  # [N, G]
     all_equal = groups.max(dim=1).values == groups.min(dim=1).values  # [N] bool
     if num_generations == 1:
         return torch.zeros_like(groups).view(-1), 1.0
+    G = num_generations
     mean = groups.mean(dim=1, keepdim=True)  # [N, 1]
-    std = groups.std(dim=1, keepdim=True)  # [N, 1], unbiased
-    advantages = (groups - mean) / (std + eps)
+    if baseline == "rloo":  # the mean of the other G - 1: (sum - r_i) / (G - 1)
+        advantages = groups - (groups.sum(dim=1, keepdim=True) - groups) / (G - 1)
+    else:
+        advantages = groups - mean
+    if scale:
+        advantages = advantages / (groups.std(dim=1, keepdim=True) + eps)  # unbiased std
     advantages = advantages.masked_fill(all_equal[:, None], 0.0)  # exact 0, whatever rounding says
     return advantages.view(-1), all_equal.float().mean().item()
 

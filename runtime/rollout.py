@@ -659,7 +659,8 @@ class Rollout:
     prompt_ids / completion_ids: token ids; sampler_logprobs: [C] log-probs of the completion's
     tokens under the sampling engine (softmax(logits / temperature) on the top-k / top-p support,
     renormalised: `runtime.generate.truncate_logits`); policy_version: the
-    trainer step whose weights generated it; group: index of its prompt within the batch.
+    trainer step whose weights generated it; group: index of its prompt within the batch;
+    truncated: the completion does not end in a stop token (it hit max_new_tokens).
     """
 
     prompt_ids: list[int]
@@ -670,6 +671,7 @@ class Rollout:
     policy_version: int
     group: int
     completion: str = ""
+    truncated: bool = False
 
 
 class ReplayBuffer:
@@ -730,13 +732,17 @@ class RolloutStep(NamedTuple):
     groups: N groups of G `Rollout`s; dropped: rollouts dropped as too stale while filling them;
     waited_s: seconds spent waiting for batches; position: the data position (epoch, prompts
     consumed) after the last batch submitted, what a checkpoint saved after this step records
-    (a resume skips the prompts that were in flight).
+    (a resume skips the prompts that were in flight); filtered: groups the `keep` filter
+    rejected and the step does not train on; refills: batches collected because the filter
+    had left the step short.
     """
 
     groups: list[list[Rollout]]
     dropped: int
     waited_s: float
     position: tuple[int, int]
+    filtered: int = 0
+    refills: int = 0
 
 
 class ProgressBoard:
@@ -981,6 +987,7 @@ class RolloutPipeline:
             score_s = sum(part["score_s"] for part in parts)  # reward workers' own time
             tqdm.write(f"rollout | {label}: scored {job.completions} completions ({score_s:.1f} s)")
         self.batches_collected += 1
+        stop = set(self.sampling.get("stop_token_ids") or ())
         groups, i = [], 0
         for part in parts:
             names = list(part["per_func"])
@@ -992,6 +999,7 @@ class RolloutPipeline:
                         prompt_ids=job.prompts[i], completion_ids=ids, sampler_logprobs=logps,
                         reward=part["rewards"][flat], rewards={n: part["per_func"][n][flat] for n in names},
                         policy_version=job.version, group=i, completion=part["completions"][flat],
+                        truncated=not ids or ids[-1] not in stop,
                     ))  # fmt: skip
                     flat += 1
                 groups.append(rollouts)
@@ -1029,16 +1037,27 @@ class RolloutPipeline:
         max_staleness: int,
         seed: int,
         prefetch: int | None = None,
+        keep=None,
+        max_refills: int = 0,
     ) -> RolloutStep:
         """The groups to train policy `train_version` on, keeping `prefetch` batches in flight.
 
-        Tops the engines up to prefetch + 1 submitted batches (each sampled with
-        `sampling_seed(seed, its data position)`), waits for the oldest while the buffer holds
-        fewer than the groups still needed, and takes groups at most `max_staleness` versions
+        While the buffer holds fewer than the groups still needed, tops the engines up to
+        prefetch + 1 submitted batches (each sampled with `sampling_seed(seed, its data
+        position)`) and waits for the oldest (else tops them up to prefetch), and takes groups at most `max_staleness` versions
         behind `train_version`; older ones are dropped (whole groups) and more are generated.
         With prefetch = max_staleness (the default) the rollout modes are: sync 0 (generate,
         then train), async 1 (batch k + 1 generates while batch k trains), off-policy
         max_staleness.
+
+        With `keep` (DAPO's dynamic sampling: the script passes "the group's rewards differ"),
+        a fresh-enough group it rejects is set aside and more batches are generated in its
+        place: each batch collected only because of rejected groups (the groups taken would
+        fill the step without the filter) is a refill. After
+        `max_refills` of them the step is filled up with the rejected groups, the first
+        rejected first. The groups of a refill batch that the step does not need stay in the
+        buffer for the next steps, where the staleness rule applies to them as to any other (in
+        sync mode they are then too old and dropped).
 
         Args:
             batches: iterator of (position, prompts), position = (epoch, prompts consumed after
@@ -1050,10 +1069,13 @@ class RolloutPipeline:
             seed: the run's seed (`sampling_seed`).
             prefetch: batches kept in flight beyond the one being waited for; None =
                 max_staleness.
+            keep: group (list of `Rollout`) -> bool, called on this process for every group that
+                passed the staleness rule; None keeps all.
+            max_refills: with `keep`, the most batches collected for rejected groups per call.
 
         Returns:
-            RolloutStep(groups, dropped, waited_s, position); `self.position` is that position
-            too.
+            RolloutStep(groups, dropped, waited_s, position, filtered, refills);
+            `self.position` is that position too.
 
         Raises:
             TimeoutError: more rollouts in a row were too stale than the batches in flight can
@@ -1066,7 +1088,8 @@ class RolloutPipeline:
         # stopped advancing, and waiting would loop forever
         max_dropped = (prefetch + 1) * num_groups * self.sampling["n"]
         groups: list[list[Rollout]] = []
-        dropped, waited = 0, 0.0
+        rejected: list[list[Rollout]] = []  # by `keep`, in the order taken
+        dropped, waited, refills = 0, 0.0, 0
         while len(groups) < num_groups:
             if dropped > max_dropped:
                 raise TimeoutError(
@@ -1074,7 +1097,16 @@ class RolloutPipeline:
                     f"more than {max_staleness} version(s) old (the engines sample version "
                     f"{self.version}); weights are not reaching the engines"
                 )
-            while len(self.pending) < prefetch + 1:
+            short = len(self.buffer) < num_groups - len(groups)  # a batch must be collected
+            # ... only because the filter rejected groups (without it the step would be full)
+            if short and len(groups) + len(rejected) >= num_groups:
+                if refills >= max_refills:
+                    break  # before submitting more: the rejected groups fill the step
+                refills += 1
+            # in flight: prefetch + 1 batches while waiting for one, prefetch while training (a
+            # step the buffer fills, e.g. from a refill's leftovers, must not start a sync batch
+            # that the weight push would make stale)
+            while len(self.pending) < prefetch + short:
                 self.position, prompts = next(batches)
                 self.submit(
                     [p["prompt_ids"] for p in prompts],
@@ -1082,18 +1114,21 @@ class RolloutPipeline:
                     [p["answer"] for p in prompts],
                     sampling_seed(seed, self.position),
                 )
-            if len(self.buffer) < num_groups - len(groups):
+            if short:
                 start = time.perf_counter()
                 self.collect(f"step {train_version + 1}")
                 waited += time.perf_counter() - start
             got, n_dropped = self.buffer.take(
                 num_groups - len(groups), train_version, max_staleness
             )
-            groups += got
+            for group in got:
+                (groups if keep is None or keep(group) else rejected).append(group)
             dropped += n_dropped
+        fill = num_groups - len(groups)  # > 0 only when max_refills stopped the refills
+        groups += rejected[:fill]
         if self.sleep_level and not self.pending:  # colocated: the trainer's turn on the GPUs
             self.sleep_engines()
-        return RolloutStep(groups, dropped, waited, self.position)
+        return RolloutStep(groups, dropped, waited, self.position, len(rejected) - fill, refills)
 
     def push_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
         """Queue `state` as policy `version` on every engine; later submissions sample from it.

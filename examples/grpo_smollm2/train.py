@@ -2,7 +2,7 @@
 
 Online RL with verifiable rewards: for each prompt the generator engines sample num_generations
 completions, the reward functions below score them, each completion's advantage is its reward
-normalised within its group, and the policy takes a clipped policy-gradient step. Generation,
+relative to its group, and the policy takes a clipped policy-gradient step. Generation,
 reward scoring and training run as an assembly line of Ray actors (--rollout):
 - sync: generate batch k with policy k, then train on it (every sample on-policy);
 - async: generate batch k+1 while training on batch k (samples at most 1 policy version old);
@@ -33,6 +33,43 @@ trainer processes it broadcasts every step's rollouts to the other ranks):
 A Ray cluster's nodes must expose only the engines' GPUs to Ray
 (`CUDA_VISIBLE_DEVICES=... ray start --num-gpus ...`); the trainer uses cuda:0..LOCAL_WORLD_SIZE-1 of its nodes.
 
+Objective (--loss_type; one script runs every variant, `grpo_loss` and `loss_weights` below).
+Per completion token t of sequence i: A_i its advantage, r = pi / pi_old, w the truncated
+importance weight to the sampler, clip(x) = clip(x, 1 - clip_eps_low, 1 + clip_eps_high),
+sg = stop-gradient. They differ in the token loss and in its weight in the step (normaliser);
+T = the step's loss tokens, M = its sequences, |o_i| = sequence i's loss tokens, L =
+max_new_tokens, all counted over every micro-batch and rank, so the micro-batching never
+changes the gradient:
+- dapo (default): -w min(r A, clip(r) A), weight 1 / T: every token of the step weighs the same
+  (DAPO, Yu et al. 2025, arXiv:2503.14476: clip-higher, token-level loss).
+- grpo: the same token loss, weight 1 / (M |o_i|): a mean over each sequence's tokens, then over
+  the sequences (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300 eq. 3); a long completion's
+  tokens weigh less.
+- dr_grpo: the same token loss, weight 1 / (M L), a constant, and advantages not divided by the
+  group's std (requires --scale_rewards false) (Liu et al. 2025, "Understanding R1-Zero-Like
+  Training", arXiv:2503.20783): no length or difficulty bias.
+- gspo: the sequence's ratio s_i = exp(mean_t log(pi / pi_old)) in place of r, clipped per
+  sequence, in the GSPO-token form sg(s_i) pi / sg(pi) (s_i in value, the gradient through each
+  token), weight as grpo (Zheng et al. 2025, arXiv:2507.18071; the paper clips s_i at 3e-4 /
+  4e-4: set --clip_eps_low / --clip_eps_high).
+- cispo: -w sg(clip(r)) A log pi, weight as dapo: the clip bounds a token's weight but never
+  drops its gradient (MiniMax-M1, arXiv:2506.13585).
+With one optimizer step per batch (below) r = 1 in value, so gspo's gradient equals grpo's and
+cispo's equals dapo's; the clip acts once pi_old differs from pi (several steps on a batch).
+Advantages (`runtime.group_advantages`): A_i = (R_i - mean of its group) / (std of its group +
+1e-4); --scale_rewards false drops the std; --advantage_baseline rloo subtracts the mean of the
+other G - 1 rewards instead (RLOO, Ahmadian et al. 2024, arXiv:2402.14740).
+DAPO's data tricks (arXiv:2503.14476): --dynamic_sampling drops groups whose rewards are all
+equal (advantage 0, no gradient) and generates more prompts in their place, at most
+max_refill_rounds extra batches per step (then dropped groups fill the rest; logged as
+dropped_groups, num_refills; `reward` is then the trained groups' mean, without the dropped
+all-right or all-wrong ones); it works in every rollout mode, as the pipeline filters the groups
+before any staleness-bounded step takes them (in sync mode a refill batch's unused groups are too
+old for the next step and dropped, as dropped_stale). --overlong mask leaves truncated completions
+(no stop token: they hit max_new_tokens) out of the loss and its token count; --overlong shape adds
+DAPO's soft overlong punishment (eq. 13) to the reward: 0 up to max_new_tokens - overlong_buffer
+tokens, then falling linearly to -1 at max_new_tokens.
+
 Differs from Shao et al. 2024 (DeepSeekMath, arXiv:2402.03300) / Hugging Face TRL's GRPOTrainer:
 - One optimizer step per rollout batch (TRL's num_iterations=1), so the clipping ratio is taken
   against the trainer's own log-probs before the step (decoupled PPO, Hilton et al. 2021,
@@ -40,11 +77,12 @@ Differs from Shao et al. 2024 (DeepSeekMath, arXiv:2402.03300) / Hugging Face TR
   min(pi_old / pi_sampler, is_cap) (TIS, Yao et al. 2025), which corrects stale (async,
   off-policy) samples and engine/trainer numeric mismatch.
 - Clipping is asymmetric, [1 - clip_eps_low, 1 + clip_eps_high] (DAPO, arXiv:2503.14476, sec. 3.1),
-  and the loss is token-level: the sum over every completion token of the step divided by the
-  number of those tokens (DAPO sec. 3.3), not a mean of per-sequence means.
+  and the default loss is token-level: the sum over every completion token of the step divided by
+  the number of those tokens (DAPO sec. 3.3), not a mean of per-sequence means (--loss_type grpo).
 - KL to the reference (kl_coef > 0) uses Schulman's k3 estimator, added to the loss per token;
   kl_coef = 0 (default, as DAPO) loads no reference model.
-- Groups whose rewards are all equal get advantage 0 (logged as frac_zero_std_groups).
+- Groups whose rewards are all equal get advantage 0 (logged as frac_zero_std_groups; dropped
+  and replaced with --dynamic_sampling).
 - Log-prob convention (sampler and trainer alike): the log-prob of a completion token is taken
   under the distribution that generated it, softmax(logits / temperature) restricted to the
   top-k / top-p support and renormalised over it (vLLM's logprobs_mode="processed_logprobs";
@@ -79,10 +117,12 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 from runtime import (
+    ADVANTAGE_BASELINES,
     IGNORE_INDEX,
     ConfigError,
     MetricsLogger,
     ModelArgs,
+    Rollout,
     Tokenizer,
     build_mesh,
     build_model,
@@ -98,6 +138,7 @@ from runtime import (
     destroy_distributed,
     disable_fsdp_gradient_division,
     entry_point,
+    expand_to_tokens,
     group_advantages,
     hub_repo_id,
     init_distributed,
@@ -117,6 +158,7 @@ from runtime import (
     save_hf_model,
     save_train_state,
     scatter_completion_values,
+    sequence_sums,
     share_rollouts,
     staleness_bound,
     start_rollout,
@@ -147,6 +189,13 @@ class Config:
     clip_eps_high: float = 0.28  # ratio clipped above at 1 + clip_eps_high (DAPO's clip-higher)
     kl_coef: float = 0.0  # weight of the k3 KL to the reference (0 = no reference model)
     is_cap: float = 2.0  # truncated importance weight min(pi_old / pi_sampler, is_cap) (0 = off)
+    loss_type: str = "dapo"  # "grpo" | "dapo" | "dr_grpo" | "gspo" | "cispo" (see the docstring)
+    scale_rewards: bool = True  # advantages / group reward std (false for dr_grpo)
+    advantage_baseline: str = "group_mean"  # or "rloo": the mean of the other G - 1
+    dynamic_sampling: bool = False  # DAPO: replace groups of all-equal rewards
+    max_refill_rounds: int = 4  # dynamic_sampling: extra batches per step at most
+    overlong: str = "none"  # truncated completions: "none" | "mask" (no loss) | "shape"
+    overlong_buffer: int = 16  # overlong="shape": penalty 0 -> -1 over the last tokens
     reward_weights: list[float] = field(
         default_factory=lambda: [1.0, 0.2]
     )  # per REWARD_FUNCS entry
@@ -197,6 +246,8 @@ class Config:
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "gspo", "cispo")  # the objectives (docstring, grpo_loss)
+OVERLONG = ("none", "mask", "shape")  # what happens to a completion that hit max_new_tokens
 
 
 def validate(cfg: Config, reward_funcs: list | None = None) -> None:
@@ -212,6 +263,18 @@ def validate(cfg: Config, reward_funcs: list | None = None) -> None:
          f"clip_eps_low={cfg.clip_eps_low} must be in [0, 1), clip_eps_high={cfg.clip_eps_high} >= 0"),
         (cfg.kl_coef >= 0 and cfg.is_cap >= 0, f"kl_coef={cfg.kl_coef} and is_cap={cfg.is_cap} must be >= 0"),
         (len(cfg.reward_weights) == num_funcs, f"reward_weights has {len(cfg.reward_weights)} entries for {num_funcs} reward functions"),
+        (cfg.loss_type in LOSS_TYPES, f"loss_type={cfg.loss_type!r}: choose one of {LOSS_TYPES}"),
+        (cfg.loss_type != "dr_grpo" or not cfg.scale_rewards,
+         "loss_type='dr_grpo' with scale_rewards=True: Dr. GRPO does not divide advantages by the group's std (pass --scale_rewards false)"),
+        (cfg.advantage_baseline in ADVANTAGE_BASELINES,
+         f"advantage_baseline={cfg.advantage_baseline!r}: choose one of {ADVANTAGE_BASELINES}"),
+        (not cfg.dynamic_sampling or cfg.num_generations >= 2,
+         f"dynamic_sampling with num_generations={cfg.num_generations}: a group of one completion never has reward variance, "
+         "so every group would be dropped (use num_generations >= 2)"),
+        (cfg.max_refill_rounds >= 0, f"max_refill_rounds={cfg.max_refill_rounds}: must be >= 0"),
+        (cfg.overlong in OVERLONG, f"overlong={cfg.overlong!r}: choose one of {OVERLONG}"),
+        (cfg.overlong != "shape" or 1 <= cfg.overlong_buffer <= cfg.max_new_tokens,
+         f"overlong_buffer={cfg.overlong_buffer} with overlong='shape': must be in [1, max_new_tokens={cfg.max_new_tokens}]"),
     ]  # fmt: skip
     errors += [message for holds, message in checks if not holds]
     errors += rollout_config_errors(cfg)  # engines, Ray, staleness, weight transfer
@@ -322,6 +385,56 @@ def policy_logprobs(
     return logps
 
 
+def sequence_mean(
+    values: torch.Tensor, mask: torch.Tensor, sequence_ids: torch.Tensor, num_sequences: int
+) -> torch.Tensor:
+    """At every token, the mean of `values` over its sequence's tokens where `mask` holds.
+
+    Args:
+        values: [B, S] fp32; mask: [B, S] bool; sequence_ids: [B, S] int64, the index of each
+            position's sequence in the micro-batch (< num_sequences; -1: none).
+
+    Returns:
+        [B, S] fp32, 0 at a position outside the mask and in a sequence with no masked token.
+    """
+    ids = torch.where(mask, sequence_ids, -1)
+    sums = sequence_sums(values * mask, ids, num_sequences)  # [n], accumulated in fp64
+    counts = sequence_sums(mask, ids, num_sequences).clamp(min=1)  # [n] int64
+    return expand_to_tokens(sums / counts, ids)
+
+
+def loss_weights(
+    mask: torch.Tensor,
+    sequence_ids: torch.Tensor,
+    num_sequences_here: int,
+    cfg: Config,
+    num_tokens: int,
+    num_sequences: int,
+) -> torch.Tensor:
+    """Each token's weight in the step's loss (the normaliser of each loss_type), [B, S] fp32.
+
+    The counts are the whole step's (every micro-batch and rank), so the weighted sums of the
+    micro-batches add up to the full batch's loss and their gradients to its gradient:
+        dapo, cispo:  1 / T              T = the step's loss tokens (num_tokens): all weigh the same
+        grpo, gspo:   1 / (M * |o_i|)    M = the step's sequences, |o_i| = this sequence's loss
+                                         tokens: the mean over each sequence, then over sequences
+        dr_grpo:      1 / (M * L)        L = max_new_tokens: a constant, no length bias
+
+    Args:
+        mask: [B, S] bool, the loss tokens; sequence_ids: [B, S] int64, each position's sequence
+            (< num_sequences_here, the sequences in this micro-batch).
+        num_tokens, num_sequences: T and M (`step_totals`).
+    """
+    if cfg.loss_type in ("grpo", "gspo"):
+        ids = torch.where(mask, sequence_ids, -1)
+        lengths = sequence_sums(mask, ids, num_sequences_here).float()  # [n] |o_i|
+        lengths = expand_to_tokens(lengths, ids)  # [B, S], each token its sequence's
+        return mask / (num_sequences * lengths.clamp(min=1))
+    if cfg.loss_type == "dr_grpo":
+        return mask / (num_sequences * cfg.max_new_tokens)
+    return mask / num_tokens  # dapo, cispo
+
+
 def grpo_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -333,55 +446,88 @@ def grpo_loss(
     is_cap: float,
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
+    loss_type: str = "dapo",
+    weights: torch.Tensor | None = None,
+    sequence_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:
-    """Summed token-level GRPO loss of one micro-batch and its summed metrics.
+    """The GRPO-family loss of one micro-batch, sum over tokens of weights * loss, and its
+    summed metrics.
 
-    per token t of completion i:
+    per token t of completion i (A = A_i, sg = stop-gradient, clip(x) = clip(x, 1 - clip_eps_low,
+    1 + clip_eps_high)):
         r = exp(logprobs - old_logprobs)                        (= 1 in value at one step per batch)
         w = min(exp(old_logprobs - sampler_logprobs), is_cap)   (detached; 1 when is_cap = 0)
-        loss = -w * min(r * A_i, clip(r, 1 - clip_eps_low, 1 + clip_eps_high) * A_i) + kl_coef * k3
-        k3 = exp(ref - logprobs) - (ref - logprobs) - 1          (>= 0; unbiased for KL(pi || ref))
-    The caller divides the sum by the number of completion tokens of the whole step (all
-    micro-batches and ranks): every token weighs the same, whatever its sequence's length.
+        grpo, dapo, dr_grpo:  loss = -w * min(r * A, clip(r) * A)
+        gspo:   s_i = exp(mean over i's tokens of (logprobs - old_logprobs))   (sequence ratio)
+                s = sg(s_i) * exp(logprobs - sg(logprobs))    (= s_i in value, grad through token t)
+                loss = -w * min(s * A, clip(s) * A)
+        cispo:  loss = -w * sg(clip(r)) * A * logprobs
+        all:    loss += kl_coef * k3,  k3 = exp(ref - logprobs) - (ref - logprobs) - 1  (>= 0;
+                unbiased for KL(pi || ref))
+    The loss types differ again in `weights` (`loss_weights`: how the step normalises).
 
     Args:
         logprobs: [B, S] fp32 log-probs of the completion tokens under the policy (with grad).
         old_logprobs: [B, S] the proximal policy's (here: `logprobs.detach()`).
         sampler_logprobs: [B, S] the generating engine's, stored with each sample.
-        advantages: [B] fp32 group-normalised advantage per sequence, or [B, S] per token (packing).
-        mask: [B, S] bool, True on completion tokens.
+        advantages: [B] fp32 advantage per sequence, or [B, S] per token (packing).
+        mask: [B, S] bool, True on the loss's completion tokens.
         ref_logprobs: [B, S] the reference model's, or None (kl_coef must then be 0).
+        loss_type: one of LOSS_TYPES.
+        weights: [B, S] fp32 each token's weight in the step (`loss_weights`); None: 1 on the
+            mask (the plain sum).
+        sequence_ids: [B, S] int64, each position's sequence in the micro-batch (gspo's
+            sequence ratio); None: each row is one sequence.
 
     Returns:
-        (scalar: the summed per-token loss; sums over tokens of clipped (0/1), kl, is_weight).
+        (scalar: the weighted sum; sums over the mask's tokens of clipped (0/1), kl, is_weight).
+        clipped: the clip zeroed the token's policy gradient (grpo, dapo, dr_grpo, gspo), or
+        changed its weight (cispo).
 
     Reference:
         GRPO: arXiv:2402.03300 eq. 3 (k3 KL: Schulman 2020, http://joschu.net/blog/kl-approx.html);
-        clip-higher and token-level sum: DAPO arXiv:2503.14476 eq. 8; decoupled proximal policy
-        and importance weight: Hilton et al. 2021, arXiv:2110.00641 eq. 5; truncation: TIS
-        (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training").
+        clip-higher and token-level sum: DAPO arXiv:2503.14476 eq. 8; Dr. GRPO arXiv:2503.20783;
+        GSPO (and GSPO-token) arXiv:2507.18071; CISPO: MiniMax-M1 arXiv:2506.13585; decoupled
+        proximal policy and importance weight: Hilton et al. 2021, arXiv:2110.00641 eq. 5;
+        truncation: TIS (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You
+        Off-Policy RL Training").
     Differs from reference: the importance weight is truncated at is_cap (bias for variance).
     """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type={loss_type!r}: choose one of {LOSS_TYPES}")
     A = advantages if advantages.dim() == 2 else advantages[:, None]  # [B, S] or [B, 1]
-    ratio = torch.exp(logprobs - old_logprobs)  # [B, S]
-    clipped_ratio = ratio.clamp(1 - clip_eps_low, 1 + clip_eps_high)
-    surrogate = torch.minimum(ratio * A, clipped_ratio * A)
+    low, high = 1 - clip_eps_low, 1 + clip_eps_high
+    log_ratio = logprobs - old_logprobs  # [B, S]
+    if loss_type == "gspo":  # one ratio per sequence: the geometric mean of its token ratios
+        if sequence_ids is None:  # row i is sequence i
+            sequence_ids = torch.arange(mask.shape[0], device=mask.device)[:, None]
+            sequence_ids = sequence_ids.expand(mask.shape)
+        # mask.numel() bounds the micro-batch's sequences without reading sequence_ids (no sync)
+        seq_log_ratio = sequence_mean(log_ratio.detach(), mask, sequence_ids, mask.numel())
+        ratio = torch.exp(seq_log_ratio + logprobs - logprobs.detach())  # s_i in value
+    else:
+        ratio = torch.exp(log_ratio)
     is_weight = torch.ones_like(ratio)
     if is_cap > 0:
         is_weight = torch.exp(old_logprobs - sampler_logprobs).clamp(max=is_cap).detach()
-    per_token = -is_weight * surrogate
+    if loss_type == "cispo":  # REINFORCE, each token weighted by its clipped, detached ratio
+        per_token = -is_weight * ratio.clamp(low, high).detach() * A * logprobs
+        clipped = (ratio < low) | (ratio > high)
+    else:  # PPO's pessimistic clipped surrogate
+        surrogate = torch.minimum(ratio * A, ratio.clamp(low, high) * A)
+        per_token = -is_weight * surrogate
+        clipped = ((ratio < low) & (A < 0)) | ((ratio > high) & (A > 0))
     kl = torch.zeros_like(ratio)
     if kl_coef > 0:
         delta = ref_logprobs - logprobs
         kl = torch.exp(delta) - delta - 1
         per_token = per_token + kl_coef * kl
-    clipped = ((ratio < 1 - clip_eps_low) & (A < 0)) | ((ratio > 1 + clip_eps_high) & (A > 0))
     sums = {
         "clip_frac": (clipped & mask).sum().float(),
         "kl": (kl.detach() * mask).sum(),
         "is_weight": (is_weight * mask).sum(),
     }
-    return (per_token * mask).sum(), sums
+    return (per_token * (mask if weights is None else weights)).sum(), sums
 
 
 # === 6. Optimizer + LR schedule ===
@@ -474,17 +620,61 @@ def prompt_batches(
 
 
 # === 8. Rollout ===
+def overlong_penalty(length: int, cfg: Config) -> float:
+    """DAPO's soft overlong punishment of a completion of `length` tokens (arXiv:2503.14476 eq.
+    13, L_max = max_new_tokens, L_cache = overlong_buffer):
+        0                                    if length <= L_max - L_cache
+        ((L_max - L_cache) - length) / L_cache   if L_max - L_cache < length <= L_max
+        -1                                   if length > L_max (the engines stop at L_max)
+    """
+    free = cfg.max_new_tokens - cfg.overlong_buffer
+    return 0.0 if length <= free else max(-1.0, (free - length) / cfg.overlong_buffer)
+
+
+def total_reward(r: Rollout, cfg: Config) -> float:
+    """The reward the advantages see: the reward functions' weighted sum (r.reward), plus the
+    overlong penalty under overlong="shape"."""
+    penalty = overlong_penalty(len(r.completion_ids), cfg) if cfg.overlong == "shape" else 0.0
+    return r.reward + penalty
+
+
+def rewards_differ(group: list, cfg: Config) -> bool:
+    """Dynamic sampling's filter (DAPO arXiv:2503.14476 eq. 11): keep a group only if its total
+    rewards are not all equal (an all-equal group has advantage 0: no policy gradient)."""
+    rewards = torch.tensor([total_reward(r, cfg) for r in group])  # fp32, as group_advantages
+    return bool(rewards.max() > rewards.min())
+
+
 def rollout_metrics(groups: list, cfg: Config, version: int) -> tuple[torch.Tensor, dict]:
-    """Advantages [N*G] of the step's groups (each reward normalised within its group), their
-    mean reward and frac_zero_std_groups, and the runtime's bookkeeping (`rollout_stats`)."""
-    rewards = torch.tensor([r.reward for g in groups for r in g])  # [N*G], group by group
-    advantages, frac_zero_std = group_advantages(rewards, cfg.num_generations)
+    """Advantages [N*G] of the step's groups (each total reward relative to its group:
+    `group_advantages` with scale_rewards and advantage_baseline), their mean reward (the reward
+    functions', without the overlong penalty), frac_zero_std_groups, the share of truncated
+    completions (completions/clipped_ratio, TRL's name), under overlong="shape" the mean penalty
+    (rewards/overlong_penalty), and the runtime's bookkeeping (`rollout_stats`)."""
+    flat = [r for g in groups for r in g]  # [N*G], group by group
+    rewards = torch.tensor([total_reward(r, cfg) for r in flat])
+    advantages, frac_zero_std = group_advantages(
+        rewards, cfg.num_generations, scale=cfg.scale_rewards, baseline=cfg.advantage_baseline
+    )
     metrics = {
-        "reward": rewards.mean().item(),
+        "reward": torch.tensor([r.reward for r in flat]).mean().item(),
         "frac_zero_std_groups": frac_zero_std,
+        "completions/clipped_ratio": sum(r.truncated for r in flat) / len(flat),
         **rollout_stats(groups, version),
     }
+    if cfg.overlong == "shape":
+        penalties = [overlong_penalty(len(r.completion_ids), cfg) for r in flat]
+        metrics["rewards/overlong_penalty"] = sum(penalties) / len(flat)
     return advantages, metrics
+
+
+def step_totals(groups: list, cfg: Config) -> tuple[int, int]:
+    """The step's loss tokens T (completion tokens, less the truncated completions' under
+    overlong="mask"; at least 1) and sequences M (N * G), over all ranks: `loss_weights`'
+    counts."""
+    flat = [r for g in groups for r in g]
+    kept = [r for r in flat if not (cfg.overlong == "mask" and r.truncated)]
+    return max(1, sum(len(r.completion_ids) for r in kept)), len(flat)
 
 
 # === 9. train_step ===
@@ -521,9 +711,18 @@ def backward_and_step(
 
 
 def microbatch_loss(
-    model, reference, mb: list, advantages: torch.Tensor, cfg: Config, device
+    model,
+    reference,
+    mb: list,
+    advantages: torch.Tensor,
+    cfg: Config,
+    device,
+    num_tokens: int,
+    num_sequences: int,
 ) -> tuple[torch.Tensor, dict]:
-    """`grpo_loss` of a micro-batch of `Rollout`s (advantages: [len(mb)] fp32): summed loss, sums."""
+    """`grpo_loss` of a micro-batch of `Rollout`s (advantages: [len(mb)] fp32), weighted by
+    `loss_weights` with the step's num_tokens and num_sequences (`step_totals`): this
+    micro-batch's share of the step's loss, and the metric sums."""
     batch = collate_rollouts(
         [r.prompt_ids for r in mb], [r.completion_ids for r in mb], pad_token_id=0
     )
@@ -532,15 +731,22 @@ def microbatch_loss(
     sampler_logprobs = scatter_completion_values(
         [r.sampler_logprobs for r in mb], prompt_lens, input_ids.shape[1]
     )
+    sequence_ids = torch.arange(len(mb), device=device)[:, None].expand(input_ids.shape)  # row i
     logprobs = policy_logprobs(model, input_ids, labels, cfg)  # [B, S]
     ref_logprobs = None
     if reference is not None:
         with torch.no_grad():
             ref_logprobs = policy_logprobs(reference, input_ids, labels, cfg)
+    mask = labels != IGNORE_INDEX  # [B, S] the completion tokens
+    # overlong="mask": a truncated completion (no stop token) leaves the loss (DAPO sec. 3.4)
+    if cfg.overlong == "mask":
+        kept = torch.tensor([not r.truncated for r in mb], device=device)
+        mask = mask & expand_to_tokens(kept, sequence_ids)
+    weights = loss_weights(mask, sequence_ids, len(mb), cfg, num_tokens, num_sequences)
     # one optimizer step per batch: the proximal policy is the current one (ratio 1 in value)
     return grpo_loss(
-        logprobs, logprobs.detach(), sampler_logprobs.to(device), advantages.to(device), labels != IGNORE_INDEX,
-        cfg.clip_eps_low, cfg.clip_eps_high, cfg.is_cap, ref_logprobs, cfg.kl_coef,
+        logprobs, logprobs.detach(), sampler_logprobs.to(device), advantages.to(device), mask,
+        cfg.clip_eps_low, cfg.clip_eps_high, cfg.is_cap, ref_logprobs, cfg.kl_coef, cfg.loss_type, weights, sequence_ids,
     )  # fmt: skip
 
 
@@ -555,19 +761,25 @@ def train_step(
     num_micro_batches: int,
     cfg: Config,
     device,
+    num_sequences: int | None = None,
 ) -> dict:
     """One optimizer step over this rank's rollouts, in `num_micro_batches` micro-batches.
 
     Args:
         rollouts: this rank's `Rollout`s; advantages: [len(rollouts)] fp32, theirs.
-        num_tokens: completion tokens of the whole step (all ranks): the loss divisor.
+        num_tokens: loss tokens of the whole step (all ranks, `step_totals`): the completion
+            tokens, less the truncated completions' under overlong="mask".
         num_micro_batches: the same on every rank (FSDP's collectives must pair up); a rank
             whose share is shorter runs zero-gradient micro-batches.
+        num_sequences: rollouts of the whole step (all ranks), the grpo / gspo / dr_grpo
+            normaliser; None: len(rollouts) (one process).
 
     Returns:
-        loss (per completion token), clip_frac, kl, is_weight (token means), grad_norm, lr.
+        loss (the step's, as its loss_type normalises it), clip_frac, kl, is_weight (means over
+        the loss tokens), grad_norm, lr.
     """
     size = cfg.micro_batch_size
+    num_sequences = len(rollouts) if num_sequences is None else num_sequences
     micro_batches = [
         (rollouts[i * size : (i + 1) * size], advantages[i * size : (i + 1) * size])
         for i in range(num_micro_batches)
@@ -580,13 +792,15 @@ def train_step(
             return zero, {
                 k: torch.zeros((), device=device) for k in ("clip_frac", "kl", "is_weight")
             }
-        loss_sum, sums = microbatch_loss(model, reference, mb, mb_advantages, cfg, device)
-        return loss_sum / num_tokens, sums
+        # already weighted for the whole step (loss_weights): the micro-batches' gradients add up
+        return microbatch_loss(
+            model, reference, mb, mb_advantages, cfg, device, num_tokens, num_sequences
+        )
 
     totals, grad_norm, lr = backward_and_step(
         model, optimizer, scheduler, micro_batches, loss_fn, cfg
     )
-    # the loss is already per completion token of the step; the other sums become means here
+    # the loss is already the step's; the other sums become means over its loss tokens here
     sums = torch.stack([totals[k] for k in ("loss", "clip_frac", "kl", "is_weight")])
     if dist.is_initialized():
         dist.all_reduce(sums)
@@ -635,6 +849,8 @@ def main(argv: list[str] | None = None, reward_funcs: list | None = None) -> lis
     batches = prompt_batches(
         examples, cfg.prompts_per_step, cfg.seed, state.epoch, state.samples_consumed
     )
+    # dynamic sampling: the pipeline sets aside groups whose rewards are all equal and refills
+    keep = functools.partial(rewards_differ, cfg=cfg) if cfg.dynamic_sampling else None
     logger = MetricsLogger(out_dir, cfg.loggers, cfg, state.step, argv) if is_main else None
     if is_main:
         print(run_summary(cfg, model, model_dir, dist_info.world_size, device, (
@@ -650,22 +866,24 @@ def main(argv: list[str] | None = None, reward_funcs: list | None = None) -> lis
         # rank 0 asks the pipeline for the step's groups: it keeps the engines `prefetch` batches ahead
         # (sync 0, async 1, off-policy max_staleness), drops groups older than staleness_bound and
         # seeds each batch's sampling by its data position (a resumed run samples the same)
-        groups, dropped, waited, position = (
-            pipeline.next_groups(batches, cfg.prompts_per_step, version, staleness_bound(cfg), cfg.seed)
-            if is_main else (None, 0, 0.0, None)
+        groups, dropped, waited, position, filtered, refills = (
+            pipeline.next_groups(
+                batches, cfg.prompts_per_step, version, staleness_bound(cfg), cfg.seed, keep=keep, max_refills=cfg.max_refill_rounds,
+            ) if is_main else (None, 0, 0.0, None, 0, 0)
         )  # fmt: skip
         groups, position = share_rollouts(groups, position, dp_size)  # rank 0's, on every rank
         state.epoch, state.samples_consumed = position  # after the prompts submitted so far
         advantages, metrics = rollout_metrics(groups, cfg, version)  # [N*G], same on every rank
         rollouts = [r for g in groups for r in g][dp_rank::dp_size]  # this rank's share
-        # the loss divisor: completion tokens of all ranks; micro-batches: as many on every rank
-        num_tokens = max(1, sum(len(r.completion_ids) for g in groups for r in g))
+        # the loss's counts: loss tokens and sequences of all ranks; micro-batches: as many on every rank
+        num_tokens, num_sequences = step_totals(groups, cfg)
         num_micro = math.ceil(
             math.ceil(len(groups) * cfg.num_generations / dp_size) / cfg.micro_batch_size
         )
         train_start = time.perf_counter()
         metrics.update(train_step(
-            model, reference, optimizer, scheduler, rollouts, advantages[dp_rank::dp_size], num_tokens, num_micro, cfg, device
+            model, reference, optimizer, scheduler, rollouts, advantages[dp_rank::dp_size], num_tokens, num_micro, cfg, device,
+            num_sequences,
         ))  # fmt: skip
         train_time = time.perf_counter() - train_start
         check_finite(step, metrics, state.path, hint="lower --lr")  # NaN/inf: stop, save nothing
@@ -677,7 +895,7 @@ def main(argv: list[str] | None = None, reward_funcs: list | None = None) -> lis
             metrics["weight_sync_s"] = sync_weights(pipeline, model, cfg, step, source)
         step_time = time.perf_counter() - start
         metrics.update(
-            dropped_stale=dropped, rollout_wait_s=waited, train_s=train_time, step_time_s=step_time,
+            dropped_stale=dropped, dropped_groups=filtered, num_refills=refills, rollout_wait_s=waited, train_s=train_time, step_time_s=step_time,
             samples_per_s=cfg.prompts_per_step * cfg.num_generations / step_time, peak_mem_mib=peak_memory_mib(device),
         )  # fmt: skip
         history.append(metrics)

@@ -203,6 +203,8 @@ def build_answers(spec: Spec) -> dict:
         # chain_sum demo's short ones (its prompts are under 100 tokens, its answers one number)
         "max_prompt_len": 512 if long_rows else 256,
         "max_new_tokens": 1024 if long_rows else 64,
+        # DAPO's overlong_buffer (L_cache): a quarter of max_new_tokens (DAPO: 4096 of 20480)
+        "overlong_buffer": 256 if long_rows else 16,
         "skeleton": algo.skeleton,
         "adapters": algo.template == "lora",
         "ref_modes": list(ref_modes),

@@ -125,7 +125,8 @@ def test_step_trains_only_adapters_and_the_kl_reference_is_the_base(
     mb = groups[0]
     advantages, _ = s.rollout_metrics(groups, cfg, 3)
     with torch.no_grad():
-        _, sums = s.microbatch_loss(model, None, mb, advantages[:4], cfg, "cpu")
+        totals = s.step_totals([mb], cfg)  # the loss's counts (only the KL sum is read here)
+        _, sums = s.microbatch_loss(model, None, mb, advantages[:4], cfg, "cpu", *totals)
         batch = collate_rollouts([r.prompt_ids for r in mb], [r.completion_ids for r in mb], 0)
         policy = completion_logprobs(model, batch["input_ids"], batch["labels"])
     engine = RuntimeEngine(str(even_model_dir), "float32")

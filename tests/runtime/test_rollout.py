@@ -3,7 +3,8 @@ log-probs equal the trainer's completion log-probs, the replay buffer's stalenes
 local Ray (2 CPUs), weight sync through the object store (the engine then scores a fixed sequence
 exactly as the trainer does) and its timeout error, and the pipeline's own scheduling
 (`RolloutPipeline.next_groups`, with stand-in engines that report the seed and weights they
-sampled with): per-batch seeds, prefetch by mode, stale groups dropped and replaced, the
+sampled with): per-batch seeds, prefetch by mode, stale groups dropped and replaced, groups a
+filter rejects replaced from refill batches (dynamic sampling), the
 error when the engines' weights stop advancing, and the progress lines it prints while engines
 in actors start and generate."""
 
@@ -314,6 +315,46 @@ def test_next_groups_fails_when_weights_stop_advancing(fake_pipeline):
     ):
         pipeline.next_groups(_prompt_batches(), 2, train_version=3, max_staleness=0, seed=0)
     assert pipeline.buffer.dropped == 8
+
+
+def _prompts_of(groups) -> list[int]:
+    return [g[0].prompt_ids[0] for g in groups]
+
+
+def test_next_groups_filter_refills_sync(fake_pipeline):
+    """Dynamic sampling (`keep`), sync: rejected groups are replaced from refill batches (counted);
+    a step that the buffer completes leaves no batch in flight (it would be stale after the
+    push); a refill's unused group is too old for the next step and dropped as stale; at
+    max_refills the step is filled with the first rejected groups and nothing more is generated."""
+    pipeline, batches = fake_pipeline, _prompt_batches(per_epoch=100)
+    keep = lambda g: g[0].prompt_ids[0] not in (0, 2, 4)  # noqa: E731  (prompt k = [k])
+    step = pipeline.next_groups(batches, 2, 0, 0, seed=0, keep=keep, max_refills=3)
+    assert _prompts_of(step.groups) == [1, 3] and (step.filtered, step.refills) == (2, 1)
+    assert (len(pipeline.buffer), len(pipeline.pending), step.dropped) == (0, 0, 0)
+    pipeline.push_weights({}, 1)
+    step = pipeline.next_groups(batches, 2, 1, 0, seed=0, keep=keep, max_refills=3)
+    assert _prompts_of(step.groups) == [5, 6] and (step.filtered, step.refills) == (1, 1)
+    assert (len(pipeline.buffer), len(pipeline.pending)) == (1, 0)  # group 7, left over
+    pipeline.push_weights({}, 2)
+    step = pipeline.next_groups(batches, 2, 2, 0, seed=0, keep=keep, max_refills=3)
+    assert _prompts_of(step.groups) == [8, 9] and (step.filtered, step.refills) == (0, 0)
+    assert step.dropped == 2  # group 7's 2 rollouts: version 1, training version 2
+    pipeline.push_weights({}, 3)
+    step = pipeline.next_groups(batches, 2, 3, 0, seed=0, keep=lambda g: False, max_refills=1)
+    assert _prompts_of(step.groups) == [10, 11]  # the first rejected groups fill the step
+    assert (step.filtered, step.refills, len(pipeline.pending)) == (2, 1, 0)
+
+
+def test_next_groups_filter_leftovers_serve_the_next_async_step(fake_pipeline):
+    """async (max_staleness 1): a refill's unused group is young enough for the next step."""
+    pipeline, batches = fake_pipeline, _prompt_batches(per_epoch=100)
+    keep = lambda g: g[0].prompt_ids[0] % 4 != 0  # noqa: E731  (0, 4, 8 rejected)
+    step = pipeline.next_groups(batches, 2, 0, 1, seed=0, keep=keep, max_refills=3)
+    assert _prompts_of(step.groups) == [1, 2] and (step.filtered, step.refills) == (1, 1)
+    pipeline.push_weights({}, 1)
+    step = pipeline.next_groups(batches, 2, 1, 1, seed=0, keep=keep, max_refills=3)
+    assert _prompts_of(step.groups) == [3, 5] and (step.filtered, step.refills) == (1, 0)
+    assert step.dropped == 0 and [g[0].policy_version for g in step.groups] == [0, 0]
 
 
 def test_engine_gpu_ids_after_the_trainers():

@@ -290,13 +290,18 @@ def test_start_rollout_generates_scores_and_loads_pushed_weights(ray_session, ev
         )  # fmt: skip
         prompts = [{"prompt_ids": [1, 2, 3 + i], "prompt": "p", "answer": "0"} for i in range(2)]
         batches = iter([((0, 2), prompts)])
-        groups, dropped, _, position = pipeline.next_groups(batches, 2, 0, rs.staleness_bound(cfg), cfg.seed)  # fmt: skip
-        assert position == (0, 2) and dropped == 0 and [len(g) for g in groups] == [3, 3]
+        groups, dropped, _, position, filtered, _ = pipeline.next_groups(batches, 2, 0, rs.staleness_bound(cfg), cfg.seed)  # fmt: skip
+        assert (
+            position == (0, 2) and dropped == filtered == 0 and [len(g) for g in groups] == [3, 3]
+        )
         for group, prompt in zip(groups, prompts, strict=True):
             for r in group:
                 assert r.prompt_ids == prompt["prompt_ids"] and 1 <= len(r.completion_ids) <= 4
                 assert r.reward == pytest.approx(even_token_reward(r.completion_ids))
                 assert len(r.sampler_logprobs) == len(r.completion_ids) and r.policy_version == 0
+                # truncated: no stop token at the end (the completion hit max_new_tokens)
+                ended = r.completion_ids[-1] in tokenizer.stop_token_ids
+                assert r.truncated == (not ended) and (ended or len(r.completion_ids) == 4)
         model = _policy(even_model_dir)
         rs.sync_weights(pipeline, model, cfg, version=1)  # sync: waits for the engines
         assert (
