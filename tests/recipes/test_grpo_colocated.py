@@ -94,6 +94,23 @@ def test_colocated_refuses_overlapping_rollouts(colocated_script):
     colocated_script.validate(colocated_script.Config(layout="split", rollout="async"))
 
 
+@pytest.mark.fast
+def test_colocated_cpu_offload_refuses_offload_optimizer(tmp_path):
+    """Under cpu-offload the optimizer state lives in host memory already: the colocated script
+    refuses --offload_optimizer in one line, and its header does not recommend it."""
+    spec = Spec(algo="grpo", gpus=2, layout="colocated", tricks=("cpu-offload",), out=str(tmp_path))
+    text = render(spec)
+    assert "--offload_optimizer true" not in text and "nothing of its own" in text
+    (tmp_path / "train.py").write_text(text)
+    script = import_script(tmp_path / "train.py", "colocated_cpu_offload")
+    with pytest.raises(script.ConfigError, match="offload_optimizer=True with trick cpu-offload"):
+        script.validate(script.Config(offload_optimizer=True, engine="runtime"))
+    script.validate(script.Config(engine="runtime"))
+    assert "--offload_optimizer true" in render(
+        Spec(algo="grpo", gpus=2, layout="colocated", out="o")
+    )
+
+
 def test_colocated_grpo_lora_syncs_the_merged_policy_into_woken_engines(
     ray_session, even_model_dir, chain_sum_64, tmp_path, monkeypatch
 ):
