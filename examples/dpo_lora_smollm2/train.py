@@ -179,9 +179,7 @@ class Config:
     orpo_lambda: float = 0.1  # orpo: weight of the odds-ratio term (TRL's ORPOConfig.beta)
     desirable_weight: float = 1.0  # kto: weight of the desirable examples' losses (lambda_D)
     undesirable_weight: float = 1.0  # kto: weight of the undesirable examples' losses (lambda_U)
-    ref_mode: str = (
-        "adapters-off"  # adapters-off | separate | precomputed (the docstring); simpo, orpo: none
-    )
+    ref_mode: str = "adapters-off"  # adapters-off | separate | precomputed; simpo, orpo: none
     ref_device: str = (
         "auto"  # ref_mode=separate: "auto" (the policy's device, sharded) or "cpu" (a full copy)
     )
