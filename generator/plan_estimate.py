@@ -18,6 +18,9 @@ What it counts, per trainer rank (bytes):
 - DPO: a micro-batch of P pairs is 2P sequences of max_seq_len tokens; the reference of the
   Config's ref_mode (`_dpo_moments`): separate's frozen copy (and its root left gathered),
   nothing for adapters-off, and for precomputed a "reference pass" moment before training;
+  none at all for the reference-free loss_type simpo and orpo (`dpo_reference_mode`). kto is
+  estimated as DPO (its 2P rows of completions and KL sequences; it trains on P of them, so
+  the activations are an upper bound);
 - GRPO: the largest phase of the layout on the trainer's GPU (`plan_report.grpo_phases`):
   split, the trainer peak (plus the engine where one shares its GPU); colocated, the max of the
   trainer step (+ a sleeping engine), the generation (the awake engine + what the trainer keeps
@@ -37,6 +40,7 @@ from generator.features import PEFT_ALGOS
 from generator.plan_harness import (
     GIB,
     adapter_params,
+    dpo_reference_mode,
     is_dpo,
     is_grpo,
     model_dims,
@@ -235,7 +239,7 @@ def estimate(
         moments["backward" if "optim-in-bwd" in tricks else "optimizer step"]["update"] = step
     if dpo:
         _dpo_moments(moments, cfg, d, dtype, shard, unwrapped, loss_tokens, vocab, tricks, on_gpu)
-        if cfg.get("ref_mode", "separate") == "separate":  # offloaded with the policy
+        if dpo_reference_mode(cfg) == "separate":  # offloaded with the policy
             host += (1 - on_gpu) * dtype * d["params"] / shard
     moment = max(moments, key=lambda m: sum(moments[m].values()))
     engine_ok = True
@@ -278,9 +282,10 @@ def _dpo_moments(
       comes);
     - adapters-off: nothing (the policy itself, no second model);
     - precomputed: a "reference pass" moment before training: the parameters, the gathered
-      copies and that forward's loss work, no optimizer state yet (created at the first step).
+      copies and that forward's loss work, no optimizer state yet (created at the first step);
+    - none (loss_type simpo or orpo, whatever ref_mode says): nothing.
     """
-    mode = cfg.get("ref_mode", "separate")
+    mode = dpo_reference_mode(cfg)
     if mode == "precomputed":
         no_grad_loss = loss_tokens * vocab * 4 * 2 / (8 if "lce" in tricks else 1)
         moments["reference pass"] = {

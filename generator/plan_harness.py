@@ -69,6 +69,11 @@ What is simulated, and what is not:
   two micro-batches per rank), then the steps, which read the table. That pass and the steps
   are two stages, each with its own peak (`PlanResult.stages`); the plan's peak is the larger
   and the report says which. Not simulated: ref_device="cpu" (the reference in host memory).
+  The Config's loss_type decides whether there is a reference at all (`dpo_reference_mode`):
+  simpo and orpo build none, whatever ref_mode says, as main(); kto's micro-batch is
+  micro_batch_size examples, their completions and KL sequences in the same 2 x micro_batch_size
+  rows, half of them desirable. `scaffold new` plans the rendered default, loss_type "sigmoid"
+  (with a reference); a script run with `--loss_type simpo` needs less than that plan says.
 - Data-dependent branches take the path of a healthy step: `torch.isfinite(grad_norm)` is True
   (the optimizer steps), a boolean mask selects every position (GRPO's label mask: the
   completion tokens, as many as its rows have), and a number read on the host (the step's
@@ -240,6 +245,19 @@ def is_grpo(spec: Spec) -> bool:
 def is_dpo(spec: Spec) -> bool:
     """The spec renders the DPO skeleton (preference pairs, a reference: `measure_dpo_step`)."""
     return ALGOS[spec.algo].skeleton == "dpo"
+
+
+# the DPO script's REFERENCE_FREE: the loss types that score the policy alone (SimPO, ORPO)
+REFERENCE_FREE_LOSSES = ("simpo", "orpo")
+
+
+def dpo_reference_mode(config: dict) -> str:
+    """The reference the DPO script's main() sets up for these Config values ({field: value}):
+    "none" for a reference-free loss_type (no model built, loaded or precomputed), else the
+    Config's ref_mode."""
+    if config.get("loss_type", "sigmoid") in REFERENCE_FREE_LOSSES:
+        return "none"
+    return config.get("ref_mode", "separate")
 
 
 def has_adapters(spec: Spec) -> bool:
@@ -861,6 +879,8 @@ def measure_dpo_step(
     """
     import functools
 
+    import torch
+
     from runtime.parallel import data_parallel
     from runtime.preference import precompute_reference_logprobs
 
@@ -870,7 +890,8 @@ def measure_dpo_step(
         **{k: v for k, v in sizes.items() if v is not None},
     )  # fmt: skip
     script.validate(cfg)
-    if cfg.ref_device == "cpu":
+    ref_mode = dpo_reference_mode(asdict(cfg))
+    if ref_mode == "separate" and cfg.ref_device == "cpu":
         raise PlanError(
             "scaffold plan cannot simulate ref_device='cpu': the reference is a full copy in host "
             "memory and its forward runs on the CPU, which the plan's one simulated device cannot "
@@ -881,12 +902,12 @@ def measure_dpo_step(
     dist_info, mesh = script.setup_distributed(cfg)
     dp_rank, dp_size, _ = data_parallel(mesh)
     device = dist_info.device
-    stages = cfg.ref_mode == "precomputed"
+    stages = ref_mode == "precomputed"
     with _simulated_build(script, fake):
         with _fake_to_empty() if fake else contextlib.nullcontext(), _real_mesh_ops():
             model = script.setup_model(cfg, model_dir, mesh, device)
             reference = None
-            if cfg.ref_mode == "separate":
+            if ref_mode == "separate":
                 reference = script.build_reference(cfg, model_dir, mesh, device)
         optimizer, scheduler = script.build_optimizer(cfg, model)
         logits = [0]
@@ -917,6 +938,8 @@ def measure_dpo_step(
                 )
                 tracker.start_stage(TRAINING_STEP)
             batch = synthetic_pairs(P, S, packing)
+            if getattr(cfg, "loss_type", "") == "kto":  # P examples, every other one desirable
+                batch["desirable"] = torch.arange(P) % 2 == 0
             for _ in range(2):  # step 1 creates the optimizer state; step 2 holds it
                 script.train_step(
                     model, reference, ref_cache, optimizer, scheduler, [batch], cfg, device
@@ -927,7 +950,7 @@ def measure_dpo_step(
     measured = {
         "categories": categories, "peak": peak, "logits": logits[0],
         "micro_batch_size": P, "max_seq_len": S, "dtype": cfg.dtype,
-        "dpo": {"ref_mode": cfg.ref_mode, "pairs": P, "sequences": 2 * P},
+        "dpo": {"ref_mode": ref_mode, "pairs": P, "sequences": 2 * P},
         "stages": {
             name: {"categories": _rows(snap), "peak": snap[_TOTAL]}
             for name, snap in tracker.stage_peaks.items()

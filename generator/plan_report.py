@@ -338,6 +338,11 @@ def _dpo_reference(r: PlanResult) -> str:
     which stage the peak below is (the larger one)."""
     mode = r.dpo["ref_mode"]
     change = "(the script's Config ref_mode; `scaffold plan DIR` plans an edited one)"
+    if mode == "none":
+        return (
+            "reference: none (the Config's loss_type is simpo or orpo, which score the policy "
+            "alone; `scaffold plan DIR` plans an edited one)"
+        )
     if mode == "separate":
         return (
             f"reference: separate {change}, a frozen copy sharded like the policy in the compute "

@@ -31,6 +31,7 @@ from runtime.data import (
     split_train_val,
     to_messages,
     to_preference,
+    to_unpaired,
 )
 from runtime.dtensors import ComputedTensor
 from runtime.expert_parallel import apply_expert_parallel
@@ -298,6 +299,7 @@ __all__ = [
     "split_train_val",
     "to_messages",
     "to_preference",
+    "to_unpaired",
     "token_logprobs",
     "transformer_flops_per_token",
     "truncate_logits",

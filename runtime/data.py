@@ -22,6 +22,11 @@ and the rejected continuation:
 | ShareGPT preference    | `conversations` + `chosen`/`rejected` {from, value} (or lists) | LLaMA-Factory dpo_en_demo |
 | messages + preference  | `messages` + `chosen`/`rejected`                               | |
 
+KTO's unpaired rows are normalised by `to_unpaired` to examples of a prompt, one continuation and
+its label: TRL's unpaired preference layout (`prompt`, `conversations` or `messages`; `completion`;
+`label`, true = desirable), or any preference row above, which gives two (chosen: desirable,
+rejected: undesirable), as TRL's `unpair_preference_dataset`.
+
 Every error names the file (or source), the row and the key, so a bad row in a 100k-row file is
 found without a debugger. No tensors here. `infinite_batches` walks a resumable loader over the
 epochs, for the training loop.
@@ -348,6 +353,72 @@ def to_preference(row: dict, index: int, source: str) -> dict:
     if not prompt:
         raise ValueError(f"{where}: the prompt (`{prompt_key or 'chosen'}`) is empty; add it.")
     return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+
+
+def to_unpaired(row: dict, index: int, source: str) -> list[dict]:
+    """Normalise one row to KTO's unpaired examples, {"prompt", "completion", "label"} each.
+
+    Args:
+        row: one row from `load_rows`: TRL's unpaired layout (`prompt`, `conversations` or
+            `messages`, then `completion` and a bool `label`), or a preference row
+            (`to_preference`'s layouts: it has `chosen` / `rejected` and no `completion`/`label`).
+        index: the row's index, for error messages.
+        source: the file or dataset name, for error messages.
+
+    Returns:
+        [{"prompt": [messages], "completion": [messages], "label": bool}]: one example for an
+        unpaired row; two for a pair, its chosen reply (label True, desirable) then its rejected
+        one (label False).
+
+    Raises:
+        ValueError: neither layout, a missing `completion` / `label` / prompt key, a `label`
+            that is not true or false (1, "yes", null), a bad message, or an empty completion;
+            the message names source, row and key.
+    """
+    where = f"{source} row {index}"
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected a dict (one row), got {_kind(row)}.")
+    if "completion" not in row and "label" not in row:
+        if "chosen" in row or "rejected" in row:  # a pair: two examples (TRL's unpairing)
+            pref = to_preference(row, index, source)
+            return [
+                {"prompt": pref["prompt"], "completion": pref["chosen"], "label": True},
+                {"prompt": pref["prompt"], "completion": pref["rejected"], "label": False},
+            ]
+        raise ValueError(
+            f"{where}: expected `completion` and `label` (an unpaired row, with `prompt`, "
+            f"`conversations` or `messages`) or `chosen` and `rejected` (a pair) (found: "
+            f"{sorted(row)})."
+        )
+    for key in ("completion", "label"):
+        if key not in row:
+            raise ValueError(
+                f"{where}: missing key `{key}` (found: {sorted(row)}); an unpaired row needs "
+                "`completion` and `label` (true: desirable, false: undesirable), plus `prompt`, "
+                "`conversations` or `messages`."
+            )
+    label = row["label"]
+    if not isinstance(label, bool):
+        raise ValueError(
+            f"{where}: `label` must be true (desirable) or false (undesirable), got "
+            f"{_kind(label)} {label!r}."
+        )
+    prompt_key = next((k for k in PREFERENCE_PROMPT_KEYS if k in row), None)
+    if prompt_key is None:
+        raise ValueError(
+            f"{where}: missing the prompt: `prompt`, `conversations` or `messages` (found: "
+            f"{sorted(row)})."
+        )
+    prompt = _turn(row[prompt_key], "user", prompt_key, where)
+    completion = _continuation(row["completion"], "completion", where)
+    if not any(m["role"] == "assistant" and m["content"].strip() for m in completion):
+        raise ValueError(
+            f"{where}: `completion` has no non-empty assistant reply, so there is nothing to "
+            "train on; fill it in or drop the row."
+        )
+    if not prompt:
+        raise ValueError(f"{where}: the prompt (`{prompt_key}`) is empty; add it.")
+    return [{"prompt": prompt, "completion": completion, "label": label}]
 
 
 def _continuation(value: Any, key: str, where: str) -> list[dict]:

@@ -9,6 +9,8 @@ its checks on resume, and the per-batch look-up.
 A scored batch holds P pairs as 2P sequences: the P chosen ones, then their P rejected ones, and
 sample_ids [P] int64, the pairs' ids (row numbers in the data file). `logprob_fn(model, batch)`
 returns that batch's sequence log-probs [2P] fp32 (sum over each reply's tokens) in the same order.
+KTO's batches have the same layout: P examples, their P completions then their P KL sequences (the
+example's prompt with another example's completion), sample_ids the examples' ids.
 
 Shape legend: P pairs of a batch, N = the largest pair id + 1 (rows of the table).
 """

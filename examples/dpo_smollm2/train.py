@@ -1,8 +1,22 @@
-"""DPO (Direct Preference Optimization) of smollm2-135m (llama family).
+"""DPO (Direct Preference Optimization) of smollm2-135m (llama family); IPO, SimPO, ORPO, KTO.
 
-Trains on preference pairs (a prompt, a chosen and a rejected reply): the policy learns to rank the
-chosen reply above the rejected one relative to a frozen reference model, with no reward model and
-no sampling. Parallelism: FSDP2 `fully_shard` over all processes (one code path for 1..N devices).
+Trains on preference data (a prompt, a chosen and a rejected reply; or, for KTO, single replies
+labelled desirable or not): the policy learns to prefer the chosen replies, with no reward model
+and no sampling. Parallelism: FSDP2 `fully_shard` over all processes (one code path for 1..N
+devices).
+
+Losses (--loss_type; each one's function in section 5 writes out its math and cites its paper):
+- sigmoid: DPO (Rafailov et al. 2023), pairs, against a frozen reference model (--ref_mode).
+- ipo: IPO (Azar et al. 2023), the same on per-token mean log-probs with a squared loss.
+- simpo: SimPO (Meng et al. 2024), pairs, per-token mean log-probs and a target margin
+  simpo_gamma; no reference.
+- orpo: ORPO (Hong et al. 2024), pairs, the chosen reply's NLL plus orpo_lambda x an odds-ratio
+  term; no reference.
+- kto: KTO (Ethayarajh et al. 2024), unpaired desirable / undesirable replies against the
+  reference, around a reference point z_ref (the step's KL estimate on mismatched pairs).
+simpo and orpo build, load and precompute no reference model (only the policy is resident);
+--ref_mode and --ref_device are refused with them. beta defaults to 2.0 for simpo (the SimPO
+paper's; torchtune's SimPOLoss), else 0.1 (TRL's); orpo has no beta (its weight is orpo_lambda).
 
 Launch:
     python train.py                                   # 1 process (CPU, or 1 GPU)
@@ -11,32 +25,53 @@ Launch:
     sbatch launch/slurm.sbatch                        # Slurm: 1 node(s) x 1 GPU(s), c10d rendezvous
     launch/torchrun_multinode.sh                      # torchrun --nnodes 1: the line to run on each node
     python train.py --ref_mode precomputed --beta 0.05   # reference log-probs cached before training
+    python train.py --loss_type simpo                  # reference-free: one model resident
 
 Data (--dataset, .json/.jsonl/.parquet or a `datasets` name), one pair per row, either
 - TRL's `prompt` (or `messages`), `chosen`, `rejected`: strings or message lists ({"role",
   "content"}), or only `chosen`/`rejected` conversations that share their prompt turns (TRL's
   implicit prompt); or
 - LLaMA-Factory's `conversations` (the prompt turns) with `chosen`/`rejected` replies.
+kto also reads TRL's unpaired rows: `prompt` (or `messages`, `conversations`), `completion` and a
+bool `label` (true: desirable); a pair there is two examples, chosen desirable and rejected not
+(TRL's unpair_preference_dataset).
 
-Logged (TRL's names): rewards/chosen and rewards/rejected = beta * (policy - reference) log-prob
-of each reply (summed over its tokens; IPO: per-token mean), mean over the step's pairs;
-rewards/margins = their difference; rewards/accuracies = the fraction of pairs whose chosen reward
-is higher (0 at step 1, where the policy is the reference).
+Logged (TRL's names), means over the step's pairs: rewards/chosen and rewards/rejected, each
+reply's implicit reward (sigmoid: beta * (policy - reference) log-prob, summed over its tokens;
+ipo: of the per-token means; simpo: beta * the policy's mean log-prob; orpo: orpo_lambda * it),
+rewards/margins (their difference), rewards/accuracies (the share of pairs whose chosen reward is
+higher; 0 at DPO's step 1, where the policy is the reference), logps/chosen and logps/rejected
+(the policy's log-probs the loss uses). orpo adds nll_loss, log_odds_ratio (mean log sigmoid of
+the log odds ratio) and log_odds_chosen (the mean log odds ratio). kto (unpaired: no accuracy)
+logs its rewards beta * (policy - reference) and logps per label, over the step's examples of
+that label (count/chosen, count/rejected; left out when there are none), their margin, and kl
+(z_ref).
 
-Reference modes (--ref_mode):
+Reference modes (--ref_mode; sigmoid, ipo and kto):
 - separate: a frozen copy of the checkpoint (--ref_device cpu keeps it in host memory)
 - precomputed: one pass over the data before training caches the reference log-probs per pair, then
   only the policy is resident
 
-Differs from Rafailov et al. 2023 (arXiv:2305.18290) / Hugging Face TRL's DPOTrainer:
-- Loss = mean over all pairs of the optimizer step (all micro-batches and ranks), as TRL per batch.
+Differs from the papers above / Hugging Face TRL's DPOTrainer, CPOTrainer (SimPO), ORPOTrainer
+and KTOTrainer:
+- Loss = mean over all pairs (KTO: examples) of the optimizer step (all micro-batches and ranks),
+  as TRL per batch.
+- kto: z_ref is one estimate per optimizer step: the mean policy - reference log-ratio of the KL
+  sequences of all its micro-batches and ranks (a no-grad pass before the backward passes; TRL
+  takes it per micro-batch, averaged over ranks), so gradient accumulation changes nothing. An
+  example's KL sequence is its prompt with the next example's completion (file order, pairs
+  unpaired as chosen ones then rejected ones), fixed once (TRL pairs neighbours within a batch).
+- orpo: the NLL term is each chosen reply's per-token mean, averaged over pairs (the paper's
+  per-example loss); TRL averages over all chosen tokens of the batch, weighting long replies more.
+  log(1 - p) is taken as log(-expm1(log p)) where p > 1/2 (TRL's log1p(-exp(log p)) there loses
+  its digits, and is -inf at log p = 0), else as TRL.
 - A pair longer than max_seq_len is cut at the end (TRL truncates the prompt first); pairs with no
-  supervised token left in either reply are dropped.
+  supervised token left in either reply (KTO: examples with none in their completion) are dropped.
 - Log-probabilities take lm_head's logits at the supervised positions only ([T, V], T = reply
   tokens); `--tricks lce` takes them in chunks instead.
 - dtype="bf16" computes in bf16 but keeps fp32 master weights and fp32 AdamW state.
 - Bytes per trained parameter (FSDP-sharded, GPU): weights 4 (fp32 master) + gradients 4 (fp32) +
-  AdamW state 8 (fp32) = 16; a separate frozen reference 2 (bf16).
+  AdamW state 8 (fp32) = 16; a separate frozen reference 2 (bf16); none for loss_type simpo, orpo.
 
 Generated by scaffold 0.1.0 with `scaffold new --algo dpo --model smollm2-135m --dataset dpo_en_demo.json --out examples/dpo_smollm2`.
 Edit freely; `scaffold regen` merges template or option changes into your edits.
@@ -45,6 +80,7 @@ Edit freely; `scaffold regen` merges template or option changes into your edits.
 # === 1. Imports ===
 import dataclasses
 import functools
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -101,6 +137,7 @@ from runtime import (
     split_train_val,
     step_line,
     to_preference,
+    to_unpaired,
 )
 
 
@@ -115,18 +152,23 @@ class Config:
     max_seq_len: int = 512  # tokens per sequence (prompt + one reply); longer ones are cut
     pad_to_max_seq_len: bool = False  # pad every batch to max_seq_len (fixed shapes for benchmarks)
     val_fraction: float = 0.02  # held-out share of the pairs for validation metrics
-    # DPO
-    beta: float = (
-        0.1  # KL strength: rewards are beta * (log pi - log pi_ref); lower = further from ref
-    )
-    loss_type: str = (
-        "sigmoid"  # "sigmoid" (DPO) or "ipo" (Azar et al. 2023: mean log-probs, squared loss)
-    )
-    label_smoothing: float = 0.0  # sigmoid only: assumed share of flipped preference labels (cDPO)
-    ref_mode: str = "separate"  # separate | precomputed (see the docstring)
+    # preference loss (the docstring's list; section 5)
+    loss_type: str = "sigmoid"  # sigmoid (DPO) | ipo | simpo | orpo | kto
+    beta: float | None = None  # reward scale; None: 2.0 for simpo, else 0.1 (orpo has none)
+    label_smoothing: float = 0.0  # sigmoid, simpo: assumed share of flipped labels (cDPO)
+    simpo_gamma: float = 0.5  # simpo: target reward margin gamma (TRL's default)
+    orpo_lambda: float = 0.1  # orpo: weight of the odds-ratio term (TRL's ORPOConfig.beta)
+    desirable_weight: float = 1.0  # kto: weight of the desirable examples' losses (lambda_D)
+    undesirable_weight: float = 1.0  # kto: weight of the undesirable examples' losses (lambda_U)
+    ref_mode: str = "separate"  # separate | precomputed; simpo, orpo: none
     ref_device: str = (
         "auto"  # ref_mode=separate: "auto" (the policy's device, sharded) or "cpu" (a full copy)
     )
+
+    def __post_init__(self):  # beta's default is the loss's: SimPO's rewards are per-token means
+        if self.beta is None and self.loss_type != "orpo":
+            self.beta = 2.0 if self.loss_type == "simpo" else 0.1
+
     # optimization
     lr: float = 1e-06  # peak learning rate
     weight_decay: float = 0.0  # AdamW decoupled decay on matrices (not on norms/biases)
@@ -157,23 +199,57 @@ class Config:
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-LOSS_TYPES = ("sigmoid", "ipo")
+LOSS_TYPES = ("sigmoid", "ipo", "simpo", "orpo", "kto")
+REFERENCE_FREE = ("simpo", "orpo")  # they score the policy alone: no reference model at all
 REF_MODES = ("separate", "precomputed")
+# each loss's own fields: set for another loss they would do nothing, so validate refuses them
+LOSS_FIELDS = {
+    "simpo_gamma": "simpo",
+    "orpo_lambda": "orpo",
+    "desirable_weight": "kto",
+    "undesirable_weight": "kto",
+}
 
 
 def validate(cfg: Config) -> None:
     """Check every field and combination at once, before any model or data work."""
     errors = common_config_errors(cfg)  # the fields every config has; a missing logger fails now
-    if cfg.beta <= 0 or cfg.loss_type not in LOSS_TYPES or not 0 <= cfg.label_smoothing < 0.5:
+    if cfg.loss_type not in LOSS_TYPES:
+        errors.append(f"loss_type={cfg.loss_type!r}: choose one of {LOSS_TYPES}")
+    if cfg.loss_type == "orpo" and cfg.beta is not None:
         errors.append(
-            f"beta={cfg.beta} must be > 0, loss_type={cfg.loss_type!r} one of {LOSS_TYPES}, "
-            f"label_smoothing={cfg.label_smoothing} in [0, 0.5)"
+            f"beta={cfg.beta} with loss_type='orpo': ORPO has no beta, its odds-ratio weight is "
+            "orpo_lambda (TRL's ORPOConfig.beta); drop --beta or set --orpo_lambda"
         )
-    if cfg.label_smoothing and cfg.loss_type != "sigmoid":
+    elif cfg.beta is not None and cfg.beta <= 0:
+        errors.append(f"beta={cfg.beta} must be > 0")
+    if not 0 <= cfg.label_smoothing < 0.5:
+        errors.append(f"label_smoothing={cfg.label_smoothing} must be in [0, 0.5)")
+    elif cfg.label_smoothing and cfg.loss_type not in ("sigmoid", "simpo"):
         errors.append(
-            f"label_smoothing={cfg.label_smoothing} applies to loss_type='sigmoid' only; set it to 0"
+            f"label_smoothing={cfg.label_smoothing} applies to loss_type sigmoid and simpo only; set it to 0"
         )
-    if cfg.ref_mode == "adapters-off":
+    for name, loss_type in LOSS_FIELDS.items():
+        value = getattr(cfg, name)
+        if value < 0 or (name.endswith("weight") and value == 0):
+            errors.append(f"{name}={value} must be {'> 0' if name.endswith('weight') else '>= 0'}")
+        elif (
+            cfg.loss_type in LOSS_TYPES
+            and cfg.loss_type != loss_type
+            and value != getattr(Config, name)
+        ):
+            errors.append(
+                f"{name}={value} applies to loss_type={loss_type!r} only, and this run's is "
+                f"{cfg.loss_type!r}; drop --{name}"
+            )
+    if cfg.loss_type in REFERENCE_FREE:  # the reference's options would do nothing: refuse them
+        for name in ("ref_mode", "ref_device"):
+            if getattr(cfg, name) != getattr(Config, name):
+                errors.append(
+                    f"{name}={getattr(cfg, name)!r} with loss_type={cfg.loss_type!r}: {cfg.loss_type} uses "
+                    f"no reference model (none is built, loaded or precomputed); drop --{name}"
+                )
+    elif cfg.ref_mode == "adapters-off":
         errors.append(
             "ref_mode='adapters-off' uses the frozen base under LoRA adapters as the reference, but this "
             "script trains all parameters (the reference would drift): render LoRA DPO with "
@@ -181,7 +257,7 @@ def validate(cfg: Config) -> None:
         )
     elif cfg.ref_mode not in REF_MODES:
         errors.append(f"ref_mode={cfg.ref_mode!r}: choose one of {REF_MODES}")
-    if cfg.ref_device not in ("auto", "cpu") or (
+    elif cfg.ref_device not in ("auto", "cpu") or (
         cfg.ref_device == "cpu" and cfg.ref_mode != "separate"
     ):
         errors.append(
@@ -337,20 +413,148 @@ def dpo_loss(
     return losses, chosen_rewards, rejected_rewards
 
 
-def pair_losses(model, reference, ref_cache, batch: dict, cfg: Config) -> tuple[torch.Tensor, dict]:
-    """DPO losses [P] of one micro-batch and its summed metrics (TRL's names)."""
-    P = batch["sample_ids"].numel()
-    policy_logps, num_tokens = sequence_logprobs(model, batch, cfg)  # [2P], [2P]
-    # the frozen copy, or the rows of the precomputed table ([N, 2] per pair id): [2P]
-    ref_logps = reference_logprobs(
+def simpo_loss(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    beta: float,
+    gamma: float,
+    label_smoothing: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-pair SimPO loss and its rewards: no reference model.
+
+    Args:
+        policy_chosen, policy_rejected: [P] fp32 per-token mean log-probs of each reply
+            (length-normalised: the sum over its tokens / its token count).
+        beta: reward scale; the reward of a reply is r = beta * its mean log-prob.
+        gamma: target reward margin: the chosen reward should exceed the rejected one by gamma.
+        label_smoothing: assumed probability that a pair's label is flipped, as in cDPO.
+
+    Returns:
+        (losses [P], chosen_rewards [P], rejected_rewards [P]); rewards are detached.
+
+    Reference:
+        Meng et al. 2024, arXiv:2405.14734, eq. 6: -log sigmoid(r_chosen - r_rejected - gamma),
+        written as TRL's CPOTrainer (loss_type="simpo", cpo_alpha=0):
+        -log sigmoid(beta * (h - gamma / beta)), h = the difference of the mean log-probs.
+    """
+    logits = (policy_chosen - policy_rejected) - gamma / beta  # [P]
+    losses = (
+        -F.logsigmoid(beta * logits) * (1 - label_smoothing)
+        - F.logsigmoid(-beta * logits) * label_smoothing
+    )
+    return losses, beta * policy_chosen.detach(), beta * policy_rejected.detach()
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x <= 0, accurate everywhere: log(-expm1(x)) for x > -log 2, where
+    1 - exp(x) would cancel (and log1p(-exp(x)) is -inf for x within fp32 rounding of 0), else
+    log1p(-exp(x)) (Maechler 2012, "Accurately computing log(1 - exp(-|a|))")."""
+    return torch.where(x > -math.log(2), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def orpo_loss(
+    policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, orpo_lambda: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-pair ORPO loss, its rewards and log odds ratios: no reference model.
+
+    Args:
+        policy_chosen, policy_rejected: [P] fp32 per-token mean log-probs of each reply: log p,
+            p = the reply's length-normalised probability (exp of its mean token log-prob).
+        orpo_lambda: weight of the odds-ratio term (TRL's ORPOConfig.beta).
+
+    Returns:
+        (losses [P], chosen_rewards [P], rejected_rewards [P], log_odds [P]); all but the losses
+        detached. rewards = orpo_lambda * mean log-prob (TRL's); log_odds = log(odds_chosen /
+        odds_rejected).
+
+    Reference:
+        Hong et al. 2024, arXiv:2403.07691, eqs. 6-7: L = L_SFT + lambda * L_OR, with
+        odds(y) = p / (1 - p), L_OR = -log sigmoid(log(odds_chosen / odds_rejected)) and L_SFT
+        the chosen reply's NLL (its per-token mean here); log odds = log p - log(1 - p), as TRL.
+    """
+    log_odds = (policy_chosen - log1mexp(policy_chosen)) - (
+        policy_rejected - log1mexp(policy_rejected)
+    )
+    nll = -policy_chosen  # [P] L_SFT: the chosen reply's mean negative log-likelihood
+    losses = nll - orpo_lambda * F.logsigmoid(log_odds)  # L_SFT + lambda * L_OR
+    chosen_rewards = orpo_lambda * policy_chosen.detach()
+    rejected_rewards = orpo_lambda * policy_rejected.detach()
+    return losses, chosen_rewards, rejected_rewards, log_odds.detach()
+
+
+def kto_loss(
+    policy_logps: torch.Tensor,
+    ref_logps: torch.Tensor,
+    desirable: torch.Tensor,
+    kl: torch.Tensor,
+    beta: float,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-example KTO loss and the implicit rewards.
+
+    Args:
+        policy_logps, ref_logps: [E] fp32 log-probs of each example's completion (summed over its
+            tokens) under the policy and the reference.
+        desirable: [E] bool, the examples' labels.
+        kl: scalar fp32 z_ref >= 0, detached: the step's KL estimate (`kto_reference_point`).
+        beta: reward scale; r = beta * (log pi - log pi_ref).
+        desirable_weight, undesirable_weight: lambda_D and lambda_U.
+
+    Returns:
+        (losses [E], rewards [E]); rewards are detached.
+
+    Reference:
+        Ethayarajh et al. 2024, arXiv:2402.01306, eq. 8, as TRL's KTOTrainer: with h = log pi -
+        log pi_ref, a desirable example loses lambda_D * (1 - sigmoid(beta * (h - z_ref))), an
+        undesirable one lambda_U * (1 - sigmoid(beta * (z_ref - h))).
+    """
+    logratios = policy_logps - ref_logps  # [E] h
+    losses = torch.where(
+        desirable,
+        desirable_weight * (1 - torch.sigmoid(beta * (logratios - kl))),
+        undesirable_weight * (1 - torch.sigmoid(beta * (kl - logratios))),
+    )
+    return losses, beta * logratios.detach()
+
+
+def reference_side(model, reference, ref_cache, batch: dict, cfg: Config) -> torch.Tensor:
+    """The reference's sequence log-probs [2P] fp32 of `batch` (no gradient), by ref_mode."""
+    # the frozen copy, or the rows of the precomputed table ([N, 2] per pair id)
+    return reference_logprobs(
         reference, ref_cache, batch, lambda m, b: sequence_logprobs(m, b, cfg)[0]
     )
-    if cfg.loss_type == "ipo":  # IPO compares per-token means (TRL), not sums
-        policy_logps, ref_logps = policy_logps / num_tokens, ref_logps / num_tokens
-    losses, chosen_rewards, rejected_rewards = dpo_loss(
-        policy_logps[:P], policy_logps[P:], ref_logps[:P], ref_logps[P:],
-        cfg.beta, cfg.label_smoothing, cfg.loss_type,
-    )  # fmt: skip
+
+
+def pair_losses(model, reference, ref_cache, batch: dict, cfg: Config) -> tuple[torch.Tensor, dict]:
+    """Pair losses [P] of one micro-batch (sigmoid, ipo, simpo, orpo) and its summed metrics
+    (TRL's names)."""
+    P = batch["sample_ids"].numel()
+    policy_logps, num_tokens = sequence_logprobs(model, batch, cfg)  # [2P], [2P]
+    extra = {}
+    if cfg.loss_type in REFERENCE_FREE:  # the policy alone, on per-token means (length-normalised)
+        policy_logps = policy_logps / num_tokens
+        if cfg.loss_type == "simpo":
+            losses, chosen_rewards, rejected_rewards = simpo_loss(
+                policy_logps[:P], policy_logps[P:], cfg.beta, cfg.simpo_gamma, cfg.label_smoothing
+            )
+        else:
+            losses, chosen_rewards, rejected_rewards, log_odds = orpo_loss(
+                policy_logps[:P], policy_logps[P:], cfg.orpo_lambda
+            )
+            extra = {
+                "nll_loss": -policy_logps[:P].detach().sum(),
+                "log_odds_ratio": F.logsigmoid(log_odds).sum(),
+                "log_odds_chosen": log_odds.sum(),
+            }
+    else:
+        ref_logps = reference_side(model, reference, ref_cache, batch, cfg)  # [2P]
+        if cfg.loss_type == "ipo":  # IPO compares per-token means (TRL), not sums
+            policy_logps, ref_logps = policy_logps / num_tokens, ref_logps / num_tokens
+        losses, chosen_rewards, rejected_rewards = dpo_loss(
+            policy_logps[:P], policy_logps[P:], ref_logps[:P], ref_logps[P:],
+            cfg.beta, cfg.label_smoothing, cfg.loss_type,
+        )  # fmt: skip
     sums = {
         "rewards/chosen": chosen_rewards.sum(),
         "rewards/rejected": rejected_rewards.sum(),
@@ -358,8 +562,72 @@ def pair_losses(model, reference, ref_cache, batch: dict, cfg: Config) -> tuple[
         "rewards/margins": (chosen_rewards - rejected_rewards).sum(),
         "logps/chosen": policy_logps[:P].detach().sum(),
         "logps/rejected": policy_logps[P:].detach().sum(),
+        **extra,
     }
     return losses, sums
+
+
+@torch.no_grad()
+def kto_reference_point(
+    model, reference, ref_cache, micro_batches: list[dict], cfg: Config, device
+):
+    """KTO's reference point z_ref for one optimizer step, and each micro-batch's reference
+    log-probs of its completions (scored here once, for the loss pass).
+
+    z_ref estimates KL(pi || pi_ref) by the mean policy - reference log-ratio of the step's KL
+    sequences (each example's prompt with another example's completion: a reply not written for
+    it), over every micro-batch and data-parallel rank; clamped at 0 and detached, as TRL's.
+
+    Returns:
+        (z_ref: scalar fp32, [[E] fp32 reference log-probs of each micro-batch's completions]).
+    """
+    totals = torch.zeros(2, device=device)  # sum of the KL log-ratios, number of examples
+    ref_completions = []
+    for mb in micro_batches:
+        batch = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
+        E = batch["sample_ids"].numel()  # rows: E completions, then their E KL sequences
+        ref_logps = reference_side(model, reference, ref_cache, batch, cfg)  # [2E]
+        kl_rows = {k: batch[k][E:] for k in ("input_ids", "labels")}
+        policy_kl = sequence_logprobs(model, kl_rows, cfg)[0]  # [E]
+        totals += torch.stack(
+            [(policy_kl - ref_logps[E:]).sum(), torch.tensor(float(E), device=device)]
+        )
+        ref_completions.append(ref_logps[:E])
+    all_reduce_sum(totals)
+    return (totals[0] / totals[1]).clamp(min=0), ref_completions
+
+
+def kto_losses(model, batch: dict, kl: torch.Tensor, cfg: Config) -> tuple[torch.Tensor, dict]:
+    """KTO losses [E] of one micro-batch of examples and its summed metrics (TRL's names), from
+    batch["ref_logps"] [E] and z_ref `kl` of `kto_reference_point`."""
+    E = batch["sample_ids"].numel()
+    completions = {k: batch[k][:E] for k in ("input_ids", "labels")}  # the KL rows are not trained
+    policy_logps = sequence_logprobs(model, completions, cfg)[0]  # [E]
+    desirable = batch["desirable"]  # [E] bool
+    losses, rewards = kto_loss(
+        policy_logps, batch["ref_logps"], desirable, kl,
+        cfg.beta, cfg.desirable_weight, cfg.undesirable_weight,
+    )  # fmt: skip
+    chosen, rejected = desirable.float(), (~desirable).float()
+    logps = policy_logps.detach()
+    sums = {
+        "rewards/chosen": (rewards * chosen).sum(),
+        "rewards/rejected": (rewards * rejected).sum(),
+        "logps/chosen": (logps * chosen).sum(),
+        "logps/rejected": (logps * rejected).sum(),
+        "count/chosen": chosen.sum(),
+        "count/rejected": rejected.sum(),
+    }
+    return losses, sums
+
+
+def preference_losses(
+    model, reference, ref_cache, batch: dict, cfg: Config, kl=None
+) -> tuple[torch.Tensor, dict]:
+    """One micro-batch's losses and summed metrics: `kto_losses` for kto (z_ref `kl`), else `pair_losses`."""
+    if cfg.loss_type == "kto":
+        return kto_losses(model, batch, kl, cfg)
+    return pair_losses(model, reference, ref_cache, batch, cfg)
 
 
 # === 6. Optimizer + LR schedule ===
@@ -433,6 +701,51 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer) -> tuple[list[dict], list[
     return split_train_val(kept, cfg.val_fraction, cfg.seed)
 
 
+def build_kto_datasets(cfg: Config, tokenizer: Tokenizer) -> tuple[list[dict], list[dict]]:
+    """KTO's examples: each reply with its label and its KL sequence; split off a validation set.
+
+    A row is one unpaired example, or a pair, which gives two (`to_unpaired`: chosen desirable,
+    rejected undesirable); the pairs' chosen examples come first, then their rejected ones, as
+    TRL's unpair_preference_dataset lays them out. An example's KL sequence is its prompt with the
+    next example's completion (the last one's: the first's), a reply not written for it unless the
+    two share their prompt (as in TRL): the policy / reference log-ratio of these estimates
+    KL(pi || pi_ref), KTO's reference point. It is fixed here, so the precomputed reference can
+    cache it with the example.
+
+    Returns:
+        (train, val): [{"id": example number, "prompt": [messages], "desirable": bool,
+        "completion": {"input_ids", "labels"}, "kl": {"input_ids", "labels"}}, ...].
+    """
+    source = resolve_data_path(cfg.dataset)
+    firsts, seconds = [], []  # unpaired rows and chosen replies; rejected replies
+    for i, row in enumerate(load_rows(source)):
+        first, *second = to_unpaired(row, i, source)
+        firsts.append(first)
+        seconds += second
+    unpaired = firsts + seconds
+    examples = []
+    for i, ex in enumerate(unpaired):
+        other = unpaired[(i + 1) % len(unpaired)]["completion"]
+        examples.append({
+            "id": i, "prompt": ex["prompt"], "desirable": ex["label"],
+            "completion": tokenize_sequence(ex["prompt"], ex["completion"], tokenizer, cfg.max_seq_len),
+            "kl": tokenize_sequence(ex["prompt"], other, tokenizer, cfg.max_seq_len),
+        })  # fmt: skip
+    # the KL sequence shares the prompt, so it keeps a reply token whenever the completion does
+    kept = [ex for ex in examples if any(t != IGNORE_INDEX for t in ex["completion"]["labels"])]
+    if not kept:
+        raise ValueError(
+            f"{source}: no example keeps a supervised token in its completion after truncation to "
+            f"max_seq_len={cfg.max_seq_len}; raise --max_seq_len"
+        )
+    if len(kept) < len(examples) and int(os.environ.get("RANK", "0")) == 0:
+        print(
+            f"{source}: {len(examples) - len(kept)} of {len(examples)} examples dropped: their prompt leaves "
+            f"no reply token within max_seq_len={cfg.max_seq_len} (raise --max_seq_len to keep them)"
+        )
+    return split_train_val(kept, cfg.val_fraction, cfg.seed)
+
+
 def collate(pairs: list[dict], pad_token_id: int, pad_to: int = 0) -> dict:
     """Right-pad P pairs into one batch, the P chosen sequences then their P rejected ones:
     input_ids [2P, S] int64 (pad_token_id on padding), labels [2P, S] int64 (IGNORE_INDEX on
@@ -440,6 +753,17 @@ def collate(pairs: list[dict], pad_token_id: int, pad_to: int = 0) -> dict:
     sequences = [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs]
     pad_values = {"input_ids": pad_token_id, "labels": IGNORE_INDEX}
     return pad_batch(sequences, pad_values, pad_to, ids=[p["id"] for p in pairs])
+
+
+def collate_kto(examples: list[dict], pad_token_id: int, pad_to: int = 0) -> dict:
+    """Right-pad E KTO examples into one batch in the pairs' layout, their E completions then
+    their E KL sequences: input_ids [2E, S], labels [2E, S] int64, num_tokens, sample_ids [E]
+    int64, and desirable [E] bool (the labels)."""
+    sequences = [e["completion"] for e in examples] + [e["kl"] for e in examples]
+    pad_values = {"input_ids": pad_token_id, "labels": IGNORE_INDEX}
+    batch = pad_batch(sequences, pad_values, pad_to, ids=[e["id"] for e in examples])
+    batch["desirable"] = torch.tensor([e["desirable"] for e in examples], dtype=torch.bool)
+    return batch
 
 
 # === 8. train_step ===
@@ -485,63 +809,109 @@ def train_step(
     cfg: Config,
     device,
 ) -> dict:
-    """One optimizer step over `gradient_accumulation_steps` micro-batches of pairs.
+    """One optimizer step over `gradient_accumulation_steps` micro-batches of pairs (kto:
+    examples).
 
-    Every micro-batch's summed pair loss is divided by the pair count of the whole step (all
-    micro-batches and data-parallel ranks), so the gradient is that of the mean over all pairs.
+    Every micro-batch's summed loss is divided by the pair (example) count of the whole step (all
+    micro-batches and data-parallel ranks), so the gradient is that of the mean over all of them.
+    KTO first scores the step's KL sequences (`kto_reference_point`): z_ref enters every example's
+    loss, so it is one value for the whole step, whatever its split into micro-batches.
 
     Returns:
-        loss (mean per pair), the rewards/* and logps/* means (TRL's names), grad_norm (before
-        clipping), lr, num_tokens (non-pad input tokens, all ranks), num_pairs (all ranks).
+        loss (mean per pair or example), the rewards/* and logps/* means (TRL's names:
+        `step_means`),
+        kl (kto's z_ref), grad_norm (before clipping), lr, num_tokens (non-pad input tokens, all
+        ranks), num_pairs (all ranks; kto: num_examples).
     """
-    global_pairs = all_reduce_sum(
+    global_count = all_reduce_sum(
         torch.tensor(float(sum(len(mb["sample_ids"]) for mb in micro_batches)), device=device)
     )
     global_inputs = all_reduce_sum(sum(mb["num_tokens"] for mb in micro_batches).to(device).float())
+    kl = None
+    if cfg.loss_type == "kto":  # z_ref first, and the reference's log-probs of the completions
+        kl, ref_logps = kto_reference_point(model, reference, ref_cache, micro_batches, cfg, device)
+        micro_batches = [
+            {**mb, "ref_logps": ref} for mb, ref in zip(micro_batches, ref_logps, strict=True)
+        ]
 
     def loss_fn(mb: dict) -> tuple[torch.Tensor, dict]:
         batch = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
-        losses, sums = pair_losses(model, reference, ref_cache, batch, cfg)
-        return losses.sum() / global_pairs, sums
+        losses, sums = preference_losses(model, reference, ref_cache, batch, cfg, kl)
+        return losses.sum() / global_count, sums
 
     totals, grad_norm, lr = backward_and_step(
         model, optimizer, scheduler, micro_batches, loss_fn, cfg
     )
-    # the loss is already a mean over the step's pairs; the other sums become means here
     sums = all_reduce_sum(torch.stack(list(totals.values())))  # one collective
-    means = {
-        k: (v if k == "loss" else v / global_pairs).item()
-        for k, v in zip(totals, sums, strict=True)
-    }
-    return {
+    metrics = {
         "sample_ids": torch.cat([mb["sample_ids"] for mb in micro_batches]).tolist(),  # this rank's
-        **means,
+        **step_means(dict(zip(totals, sums, strict=True)), global_count, cfg),
         "grad_norm": grad_norm.item(),
         "lr": lr,
         "num_tokens": int(global_inputs.item()),
-        "num_pairs": int(global_pairs.item()),
+        "num_pairs": int(global_count.item()),
     }
+    if cfg.loss_type == "kto":
+        metrics["kl"] = kl.item()
+        metrics["num_examples"] = metrics.pop("num_pairs")
+    return metrics
+
+
+def step_means(sums: dict[str, torch.Tensor], count: torch.Tensor, cfg: Config) -> dict[str, float]:
+    """The step's summed metrics (all ranks) as TRL logs them: the loss (already a mean), the rest
+    means over the step's `count` pairs; for kto each label's rewards and log-probs over that
+    label's examples (left out when the step has none), their margin, and the counts."""
+    if cfg.loss_type == "kto":
+        means = {"loss": sums["loss"].item()}
+        for side in ("chosen", "rejected"):
+            n = sums[f"count/{side}"]
+            means[f"count/{side}"] = int(n.item())
+            if means[f"count/{side}"]:
+                means[f"rewards/{side}"] = (sums[f"rewards/{side}"] / n).item()
+                means[f"logps/{side}"] = (sums[f"logps/{side}"] / n).item()
+        if "rewards/chosen" in means and "rewards/rejected" in means:
+            means["rewards/margins"] = means["rewards/chosen"] - means["rewards/rejected"]
+        return means
+    return {k: (v if k == "loss" else v / count).item() for k, v in sums.items()}
+
+
+def step_figures(metrics: dict) -> str:
+    """What the printed step line adds after the loss: the reward accuracy and margin, and kto's
+    z_ref, those the step logged."""
+    figures = (
+        ("rewards/accuracies", "acc", ".2f"),
+        ("rewards/margins", "margin", ".4f"),
+        ("kl", "kl", ".4f"),
+    )
+    return "".join(
+        f" | {name} {metrics[key]:{fmt}}" for key, name, fmt in figures if key in metrics
+    )
 
 
 @torch.no_grad()
 def evaluate(model, reference, ref_cache, loader: DataLoader, cfg: Config, device) -> dict:
-    """Validation loss and reward accuracy, means over every (sharded) validation pair."""
+    """Validation loss and reward accuracy (pairs only), means over every (sharded) validation pair
+    or example; kto's z_ref is each validation batch's own (TRL's per-batch estimate)."""
     model.eval()
     totals = torch.zeros(3, device=device)
     for mb in loader:
         batch = {k: v.to(device) for k, v in mb.items()}
-        losses, sums = pair_losses(model, reference, ref_cache, batch, cfg)
+        kl = None
+        if cfg.loss_type == "kto":
+            kl, ref_logps = kto_reference_point(model, reference, ref_cache, [batch], cfg, device)
+            batch["ref_logps"] = ref_logps[0]
+        losses, sums = preference_losses(model, reference, ref_cache, batch, cfg, kl)
+        correct = sums.get("rewards/accuracies", torch.zeros((), device=device))
         totals += torch.stack(
-            [
-                losses.sum(),
-                sums["rewards/accuracies"],
-                torch.tensor(float(losses.numel()), device=device),
-            ]
+            [losses.sum(), correct, torch.tensor(float(losses.numel()), device=device)]
         )
     model.train()
     all_reduce_sum(totals)
     n = totals[2].clamp(min=1)
-    return {"val_loss": (totals[0] / n).item(), "val_rewards/accuracies": (totals[1] / n).item()}
+    metrics = {"val_loss": (totals[0] / n).item()}
+    if cfg.loss_type != "kto":
+        metrics["val_rewards/accuracies"] = (totals[1] / n).item()
+    return metrics
 
 
 # === 9. main ===
@@ -560,32 +930,41 @@ def main(argv: list[str] | None = None) -> dict:
     )
     tokenizer = Tokenizer.from_dir(model_dir)
     check_vocab_fits(tokenizer, model_dir)  # ids past the embedding table would fail mid-step
-    train_set, val_set = build_datasets(cfg, tokenizer)
+    # kto: unpaired examples (a pair gives two); the other losses: pairs
+    what = "examples" if cfg.loss_type == "kto" else "pairs"
+    train_set, val_set = (build_kto_datasets if cfg.loss_type == "kto" else build_datasets)(
+        cfg, tokenizer
+    )
     model = setup_model(cfg, model_dir, mesh, device)
     optimizer, scheduler = build_optimizer(cfg, model)
     pad_to = cfg.max_seq_len if cfg.pad_to_max_seq_len else 0
-    collate_fn = functools.partial(collate, pad_token_id=tokenizer.pad_token_id, pad_to=pad_to)
+    collate_batch = collate_kto if cfg.loss_type == "kto" else collate
+    collate_fn = functools.partial(
+        collate_batch, pad_token_id=tokenizer.pad_token_id, pad_to=pad_to
+    )
     # each dp rank reads a disjoint shard; training shuffles by (seed, epoch) and can resume part-way
     loader_args = (collate_fn, cfg.micro_batch_size, dp_rank, dp_size, cfg.seed)
-    train_loader = build_dataloader(train_set, *loader_args, train=True, what="pairs")
+    train_loader = build_dataloader(train_set, *loader_args, train=True, what=what)
     val_loader = build_dataloader(val_set, *loader_args, train=False, unsupervised_fill=False)
     resumed = resolve_resume(cfg.resume, out_dir / "checkpoints") is not None
+    # simpo and orpo score the policy alone: no reference is built, loaded or precomputed
+    ref_mode = "none" if cfg.loss_type in REFERENCE_FREE else cfg.ref_mode
     reference, ref_cache = None, None
-    if cfg.ref_mode == "separate":
+    if ref_mode == "separate":
         reference = build_reference(cfg, model_dir, mesh, device)
-    # precomputed: every pair scored once by the untrained policy, kept in out_dir for a resume
-    if cfg.ref_mode == "precomputed":
+    # precomputed: every pair (kto: example) scored once by the untrained policy, kept for a resume
+    if ref_mode == "precomputed":
         ref_cache = load_reference_logprobs(
-            out_dir / "reference_logps.pt", {k: getattr(cfg, k) for k in ("model", "dataset", "max_seq_len", "dtype")},
+            out_dir / "reference_logps.pt", {k: getattr(cfg, k) for k in ("model", "dataset", "max_seq_len", "dtype", "loss_type")},
             resumed, is_main, model, train_set + val_set,
-            lambda m, b: sequence_logprobs(m, b, cfg)[0], functools.partial(collate, pad_token_id=tokenizer.pad_token_id),
+            lambda m, b: sequence_logprobs(m, b, cfg)[0], functools.partial(collate_batch, pad_token_id=tokenizer.pad_token_id),
             cfg.micro_batch_size, dp_rank, dp_size, device,
         )  # fmt: skip
     global_batch = cfg.micro_batch_size * cfg.gradient_accumulation_steps * dp_size
     if is_main:
         print(run_summary(cfg, model, model_dir, dist_info.world_size, device, (
-            f"reference: {cfg.ref_mode} | {len(train_set)} train / {len(val_set)} val pairs | "
-            f"global batch {global_batch} pairs (<= {2 * global_batch * cfg.max_seq_len} tokens)"
+            f"loss: {cfg.loss_type} | reference: {ref_mode} | {len(train_set)} train / {len(val_set)} val {what} | "
+            f"global batch {global_batch} {what} (<= {2 * global_batch * cfg.max_seq_len} tokens)"
         )))  # fmt: skip
     ckpt_dir = out_dir / "checkpoints"
     state = resume_training(
@@ -618,13 +997,7 @@ def main(argv: list[str] | None = None) -> dict:
         if is_main and (step % cfg.log_every_steps == 0 or is_last or "val_loss" in metrics):
             logger.log(metrics, step)
             progress.set_postfix(loss=round(metrics["loss"], 4))
-            progress.write(
-                step_line(
-                    step,
-                    metrics,
-                    f" | acc {metrics['rewards/accuracies']:.2f} | margin {metrics['rewards/margins']:.4f}",
-                )
-            )
+            progress.write(step_line(step, metrics, step_figures(metrics)))
         if cfg.save_every_steps and (step % cfg.save_every_steps == 0 or is_last):
             config = dataclasses.asdict(cfg)
             state.path = save_train_state(

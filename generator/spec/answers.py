@@ -99,7 +99,9 @@ def _bytes_per_param(spec: Spec) -> str:
     elif algo.skeleton in ("dpo", "grpo"):
         # cpu-offload shards the frozen reference with the same CPUOffloadPolicy (model.jinja)
         where = ", in host memory too" if "cpu-offload" in tricks else ""
-        line += f"; a separate frozen reference {frozen}{where}"
+        # the DPO script's reference-free losses (SimPO, ORPO) build none
+        none = "; none for loss_type simpo, orpo" if algo.skeleton == "dpo" else ""
+        line += f"; a separate frozen reference {frozen}{where}{none}"
     return line + "."
 
 

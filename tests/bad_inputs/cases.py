@@ -114,6 +114,7 @@ def teacher_with_other_tokenizer(base: Path, dst: Path) -> Path:
 
 
 PAIR = {"prompt": "Say hi.", "chosen": "Hi!", "rejected": "No."}
+KTO_ROW = {"prompt": "Say hi.", "completion": "Hi!", "label": True}  # TRL's unpaired layout
 
 
 def parquet(rows: list[dict]) -> Callable[[], bytes]:
@@ -488,8 +489,33 @@ CASES = [
     script("dpo-adapters-off-full-parameters", ["--ref_mode", "adapters-off"],
            r"ref_mode='adapters-off'", r"trains all parameters", r"--algo dpo-lora",
            r"--ref_mode separate or precomputed", recipe="dpo_smollm2"),
-    script("dpo-unknown-loss-type", ["--loss_type", "kto"], r"loss_type='kto'",
-           r"\('sigmoid', 'ipo'\)", recipe="dpo_smollm2"),
+    script("dpo-unknown-loss-type", ["--loss_type", "dpop"], r"loss_type='dpop': choose one of",
+           r"\('sigmoid', 'ipo', 'simpo', 'orpo', 'kto'\)", recipe="dpo_smollm2"),
+    script("simpo-with-ref-mode", ["--loss_type", "simpo", "--ref_mode", "precomputed"],
+           r"ref_mode='precomputed' with loss_type='simpo'", r"uses no reference model",
+           r"drop --ref_mode", recipe="dpo_smollm2"),
+    script("orpo-with-beta", ["--loss_type", "orpo", "--beta", "0.2"],
+           r"beta=0\.2 with loss_type='orpo'", r"orpo_lambda", recipe="dpo_smollm2"),
+    script("sigmoid-with-simpo-gamma", ["--simpo_gamma", "1.0"],
+           r"simpo_gamma=1\.0 applies to loss_type='simpo' only", r"this run's is 'sigmoid'",
+           recipe="dpo_smollm2"),
+    script("kto-label-not-bool", ["--loss_type", "kto", "--dataset", "{tmp}/kto.jsonl"],
+           r"{tmp}/kto\.jsonl row 1: `label` must be true \(desirable\) or false", r"got str 'yes'",
+           files={"kto.jsonl": jsonl([KTO_ROW, {**KTO_ROW, "label": "yes"}])}, recipe="dpo_smollm2"),
+    script("kto-label-missing", ["--loss_type", "kto", "--dataset", "{tmp}/kto.jsonl"],
+           r"{tmp}/kto\.jsonl row 0: missing key `label`", r"found: \['completion', 'prompt'\]",
+           files={"kto.jsonl": jsonl([{"prompt": "Say hi.", "completion": "Hi!"}])},
+           recipe="dpo_smollm2"),
+    script("kto-label-integer", ["--loss_type", "kto", "--dataset", "{tmp}/kto.json"],
+           r"{tmp}/kto\.json row 0: `label` must be true \(desirable\) or false", r"got int 1",
+           files={"kto.json": json.dumps([{**KTO_ROW, "label": 1}])}, recipe="dpo_smollm2"),
+    script("kto-neither-layout", ["--loss_type", "kto", "--dataset", "{tmp}/kto.jsonl"],
+           r"{tmp}/kto\.jsonl row 0: expected `completion` and `label`", r"or `chosen` and `rejected`",
+           files={"kto.jsonl": jsonl([{"prompt": "Say hi.", "response": "Hi!"}])},
+           recipe="dpo_smollm2"),
+    script("kto-completion-not-message", ["--loss_type", "kto", "--dataset", "{tmp}/kto.jsonl"],
+           r"{tmp}/kto\.jsonl row 0: `completion` must be a string or a message list, got int",
+           files={"kto.jsonl": jsonl([{**KTO_ROW, "completion": 7}])}, recipe="dpo_smollm2"),
     # --- GRPO ------------------------------------------------------------------------------------
     scaffold("new-grpo-with-hsdp",
              ["new", "--algo", "grpo", "--dp-replicate", "2", "--gpus", "4", "--out", "{tmp}/o"],

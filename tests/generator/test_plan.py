@@ -649,6 +649,33 @@ def test_dpo_two_rank_simulation_matches_two_gloo_ranks(tiny_real_vocab_dir, tmp
                 _assert_stages_agree(sim, rank_result)
 
 
+def test_reference_free_losses_plan_no_reference(tiny_real_vocab_dir):
+    """loss_type simpo or orpo in the Config (a runtime flag: `scaffold plan DIR` on an edited
+    default, or simulate's config): the estimate and the simulation count no reference, whatever
+    ref_mode says, and the parameters are the policy's alone, as with precomputed; kto, which
+    keeps its reference, simulates in the Config's ref_mode."""
+    from generator.plan_estimate import estimate
+
+    spec = _dpo_spec(tiny_real_vocab_dir)
+    text = render(spec)
+    separate = estimate(spec, text, DPO_MBS, DPO_SEQ)
+    for loss_type in ("simpo", "orpo"):
+        free = estimate(spec, text, DPO_MBS, DPO_SEQ, config={"loss_type": loss_type})
+        assert separate.parts["reference"] > 0 and "reference" not in free.parts
+        assert free.peak < separate.peak
+    free, pre, kto = (
+        simulate([spec], DPO_MBS, DPO_SEQ, config=config)[0]
+        for config in ({"loss_type": "simpo"}, {"ref_mode": "precomputed"},
+                       {"loss_type": "kto", "ref_mode": "precomputed"})
+    )  # fmt: skip
+    assert free.dpo["ref_mode"] == "none" and free.stages is None
+    assert free.categories["parameters"] == pre.stages["training step"]["categories"]["parameters"]
+    assert "reference: none (the Config's loss_type is simpo or orpo" in format_result(
+        free, "h100-80", 79.6
+    )
+    assert kto.dpo["ref_mode"] == "precomputed" and kto.stages.keys() == pre.stages.keys()
+
+
 # --- `scaffold plan DIR`: DIR's spec and its train.py as the user edited it --------------------
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime.data import load_rows, split_train_val, to_messages
+from runtime.data import load_rows, split_train_val, to_messages, to_unpaired
 
 pytestmark = pytest.mark.fast  # in `make test-fast` (tests/README.md)
 
@@ -276,6 +276,35 @@ def test_real_dpo_demo_conversations():
         assert chosen[-1] == {"role": "assistant", "content": row["chosen"]["value"]}
     with pytest.raises(ValueError, match=rf"{source} row 0: no assistant message"):
         to_messages(rows[0], 0, source)
+
+
+def test_unpaired_rows_and_pairs_become_kto_examples():
+    """TRL's unpaired layout (strings or conversational) is one example; a pair of any preference
+    layout is two, chosen desirable then rejected undesirable; the errors name row and key."""
+    user = [{"role": "user", "content": "Hi"}]
+    reply = [{"role": "assistant", "content": "Hello"}]
+    assert to_unpaired({"prompt": "Hi", "completion": "Hello", "label": False}, 0, "s") == [
+        {"prompt": user, "completion": reply, "label": False}
+    ]
+    assert to_unpaired({"messages": CHAT[:2], "completion": reply, "label": True}, 0, "s") == [
+        {"prompt": CHAT[:2], "completion": reply, "label": True}
+    ]
+    no = [{"role": "assistant", "content": "No."}]
+    assert to_unpaired({"prompt": "Hi", "chosen": "Hello", "rejected": "No."}, 0, "s") == [
+        {"prompt": user, "completion": reply, "label": True},
+        {"prompt": user, "completion": no, "label": False},
+    ]
+    for row, message in [
+        ({"prompt": "Hi", "completion": "Hello", "label": "true"}, r"s row 3: `label` must be true \(desirable\) or false \(undesirable\), got str 'true'"),
+        ({"prompt": "Hi", "completion": "Hello", "label": None}, r"got null None"),
+        ({"prompt": "Hi", "label": True}, r"s row 3: missing key `completion` \(found: \['label', 'prompt'\]\)"),
+        ({"completion": "Hello", "label": True}, r"s row 3: missing the prompt: `prompt`, `conversations` or `messages`"),
+        ({"prompt": "Hi", "completion": " ", "label": True}, r"s row 3: `completion` has no non-empty assistant reply"),
+        ({"prompt": "Hi", "chosen": "Hello"}, r"s row 3: missing key `rejected`"),
+        ({"text": "Hi"}, r"s row 3: expected `completion` and `label`"),
+    ]:  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            to_unpaired(row, 3, "s")
 
 
 def test_pad_with_unsupervised_copies():
