@@ -42,10 +42,6 @@ HEAVY_MODULES = {
     "tests/generator/test_plan.py": 134,
     "tests/recipes/test_resume.py": 132,
     "tests/recipes/test_grpo.py": 111,
-    # new this session, timed only on a loaded machine (157.7 and ~150 s there, slow tests
-    # included): about half that on quiet cores, to be replaced by a quiet run's figures
-    "tests/recipes/test_grpo_losses.py": 80,
-    "tests/recipes/test_preference_losses.py": 70,
     "tests/recipes/test_grpo_colocated.py": 96,
     "tests/recipes/test_sft.py": 81,
     "tests/distributed/test_grpo_ranks.py": 64,
