@@ -449,7 +449,12 @@ def log1mexp(x: torch.Tensor) -> torch.Tensor:
     """log(1 - exp(x)) for x <= 0, accurate everywhere: log(-expm1(x)) for x > -log 2, where
     1 - exp(x) would cancel (and log1p(-exp(x)) is -inf for x within fp32 rounding of 0), else
     log1p(-exp(x)) (Maechler 2012, "Accurately computing log(1 - exp(-|a|))")."""
-    return torch.where(x > -math.log(2), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+    near_zero = x > -math.log(2)
+    # each branch gets only the inputs it serves (-1 elsewhere): torch.where passes a zero
+    # gradient to the branch it drops, and 0 * inf (log1p(-exp(x)) as x -> 0) would be NaN
+    upper = torch.log(-torch.expm1(torch.where(near_zero, x, -1.0)))
+    lower = torch.log1p(-torch.exp(torch.where(near_zero, -1.0, x)))
+    return torch.where(near_zero, upper, lower)
 
 
 def orpo_loss(

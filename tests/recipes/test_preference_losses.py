@@ -114,6 +114,14 @@ def test_orpo_loss_equals_closed_form(dpo_script):
     # the form it replaces, near p = 1: fp32 rounds exp(-1e-6) to a neighbour of 1
     naive = torch.log1p(-torch.exp(torch.tensor(-1e-6)))
     assert abs(naive.item() - math.log(1e-6)) > 1e-2
+    # closer still (exp(-1e-9) is 1 in fp32): value and gradient stay finite, and equal
+    # log(1 - e^x) = log(-x) + O(x) and its derivative 1/x
+    x = torch.tensor([-1e-9, -1e-7, -2.0], requires_grad=True)
+    y = dpo_script.log1mexp(x)
+    y.sum().backward()
+    torch.testing.assert_close(y[:2], torch.log(-x[:2].detach()), rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(x.grad).all(), x.grad
+    torch.testing.assert_close(x.grad[:2], 1 / x[:2].detach(), rtol=1e-3, atol=0.0)
 
 
 @pytest.mark.fast
