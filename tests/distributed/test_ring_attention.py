@@ -133,7 +133,9 @@ def test_modes_refuse_what_they_do_not_build():
     model = build_model(ModelArgs(**TINY_CONFIG, max_position_embeddings=64), device="cpu")
     with pytest.raises(ValueError, match=r"mode 'rings': choose one of allgather, ring"):
         apply_context_parallel(model, None, "rings")
-    assert CP_MODES == ("allgather", "ring")
+    from generator.spec.core import CP_MODES as SPEC_CP_MODES  # repeated there (no torch import)
+
+    assert CP_MODES == SPEC_CP_MODES == ("allgather", "ring")
     attn = model.model.layers[0].self_attn
     attn.cp_group, attn.cp_attention = object(), None  # cp on: a dense mask must not reach it
     dense = torch.ones(1, 1, 4, 4, dtype=torch.bool)
