@@ -29,6 +29,15 @@ output and log-sum-exp (P = exp(QK^T scale - lse) is then the final softmax rest
 block, so the block's dQ, dK, dV are exact terms of the full gradient). dQ stays local; the block's
 dK/dV (fp32) travel with it and reach their owner after one more hop.
 
+Memory per rank: each layer keeps for backward its own q, K, V, output and fp32 log-sum-exp
+(all-gather keeps the whole sequence's K/V: cp times its own). The backward of a layer adds an
+fp32 dQ accumulator, two K/V blocks and two fp32 dK/dV buffers (the one coming in, the one going
+out): about 14 times a rank's own K (bf16) with H = Hkv, its dQ share H/Hkv times larger. So the
+ring is the smaller mode once the other ranks' K/V that all-gather keeps ((cp - 1) times its own
+K and V, for every layer kept for backward) outweigh that: at larger cp, or over many layers
+without activation checkpointing; at cp 2 with it the ring is the larger (measured:
+benchmarks/RESULTS.md, "Context parallel: ring vs all-gather").
+
 Kernels, per block (both return the log-sum-exp the merge needs and take it back in backward):
 CPU: aten `_scaled_dot_product_flash_attention_for_cpu` (GQA native, float mask); CUDA: aten
 `_scaled_dot_product_efficient_attention` (K/V heads repeated to H for the block, additive bias
@@ -42,8 +51,8 @@ Reference: Liu, Zaharia, Abbeel 2023, "Ring Attention with Blockwise Transformer
 Near-Infinite Context", https://arxiv.org/abs/2310.01889 (blockwise attention, K/V around the
 ring, online softmax; backward passing dK/dV with the blocks); the 2*cp zig-zag layout of Llama 3
 (arXiv:2407.21783 sec. 3.3.2). Differs from reference: the zig-zag chunks balance the causal work
-(the paper's blocks are contiguous); one block in flight per step (no overlap of the backward's
-dK/dV send with the next block's compute beyond the async collective).
+(the paper's contiguous blocks leave the late ranks most of it); attention only (the paper's
+blockwise feed-forward is not needed: the MLP runs per token on the local chunks anyway).
 """
 
 from __future__ import annotations
@@ -105,8 +114,11 @@ class _RingAttention(torch.autograd.Function):
                 out, lse = out_b.float(), lse_b
             else:  # online softmax: out = sum_b exp(lse_b - lse) out_b, lse = logsumexp_b lse_b
                 o, m = out[:, :, rows], lse[:, :, rows]  # views: updated in place
-                o -= torch.sigmoid(lse_b - m)[..., None] * (o - out_b.float())
+                step_out = o - out_b  # fp32; one temporary: out -= sigmoid(lse_b - m) (out - out_b)
+                o -= step_out.mul_(torch.sigmoid(lse_b - m)[..., None])
                 m -= F.logsigmoid(m - lse_b)  # logaddexp(m, lse_b); lse_b = -inf adds nothing
+                del step_out
+            del out_b, lse_b
             if incoming is not None:
                 kv, docs = ring.wait(incoming[0]), ring.wait(incoming[1])
         out = out.to(q.dtype)
@@ -134,6 +146,7 @@ class _RingAttention(torch.autograd.Function):
                 out[:, :, rows], lse[:, :, rows], causal, mask,
             )  # fmt: skip
             dq[:, :, rows] += dq_b
+            del dq_b
             # the block's dK/dV (fp32): the terms of the ranks it visited before, travelling with it
             if step == 0:
                 dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
@@ -141,11 +154,15 @@ class _RingAttention(torch.autograd.Function):
                 dkv = ring.wait(dkv_handle)
             dkv[0, :, :, cols] += dk_b
             dkv[1, :, :, cols] += dv_b
-            dkv_handle = ring.send(dkv)  # to rank r+1; after the last step that is the owner
-            if incoming is not None:
+            del dk_b, dv_b
+            if incoming is not None:  # the next block in (the last one freed) before dK/dV go out
                 kv, docs = ring.wait(incoming[0]), ring.wait(incoming[1])
+            dkv_handle = ring.send(dkv)  # to rank r+1; after the last step that is the owner
+            del dkv
+        del kv, docs
+        dq = dq.to(q.dtype)
         dkv = ring.wait(dkv_handle)  # this rank's own K/V gradients, every rank's terms added
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
 class _Ring:
@@ -158,20 +175,32 @@ class _Ring:
         self.cp, rank = dist.get_world_size(group), dist.get_rank(group)
         self.next, self.prev = (rank + 1) % self.cp, (rank - 1) % self.cp
 
-    def send(self, t: torch.Tensor | None):
+    def send(self, t: torch.Tensor | None) -> _Pending | None:
         if t is None:
             return None
         splits_in, splits_out = [0] * self.cp, [0] * self.cp
         splits_in[self.next] = splits_out[self.prev] = t.numel()
         flat = t.contiguous().view(-1)
-        return funcol.all_to_all_single(flat, splits_out, splits_in, self.group), t.shape
+        received = funcol.all_to_all_single(flat, splits_out, splits_in, self.group)
+        return _Pending(received, t.shape, flat)
 
     @staticmethod
-    def wait(handle) -> torch.Tensor | None:
-        if handle is None:
-            return None
-        received, shape = handle
-        return funcol.wait_tensor(received).view(shape)
+    def wait(pending: _Pending | None) -> torch.Tensor | None:
+        return None if pending is None else pending.wait()
+
+
+class _Pending:
+    """A transfer in flight. It keeps the sent tensor until `wait`, as the collective does (gloo
+    and NCCL hold it until they complete), so that a simulation under fake tensors frees it when
+    they do; `wait` drops it."""
+
+    def __init__(self, received: torch.Tensor, shape: torch.Size, sent: torch.Tensor) -> None:
+        self.received, self.shape, self.sent = received, shape, sent
+
+    def wait(self) -> torch.Tensor:
+        received = funcol.wait_tensor(self.received).view(self.shape)
+        self.received = self.sent = None
+        return received
 
 
 def _visible(rank: int, src: int, L: int) -> tuple[slice, slice, bool]:
@@ -211,11 +240,7 @@ def _attend(q, k, v, causal: bool, mask: torch.Tensor | None):
     """out [B, H, Lq, Dh] (q's dtype), lse [B, H, Lq] fp32; a row the mask leaves no key gets
     out 0 and lse -inf (it then adds nothing to the merge)."""
     if q.device.type == "cuda":
-        out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, _repeat_kv(k, q), _repeat_kv(v, q), _cuda_bias(mask, q), True, 0.0,
-            causal and mask is None,
-        )  # fmt: skip
-        lse = lse[:, :, : q.shape[2]]  # the kernel pads the query dim (to 32)
+        out, lse = _cuda_attend(q, k, v, causal, mask)
     else:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal and mask is None, attn_mask=_cpu_bias(mask, q)
@@ -231,21 +256,36 @@ def _attend_backward(dout, q, k, v, out, lse, causal: bool, mask: torch.Tensor |
     """dq [B, H, Lq, Dh], dk/dv [B, Hkv, Lk, Dh] of one block, from the merged out and lse."""
     dout, q, out, lse = dout.contiguous(), q.contiguous(), out.contiguous(), lse.contiguous()
     if q.device.type == "cuda":
-        Lq = q.shape[2]
-        padded = F.pad(lse, (0, -Lq % 32))  # the forward's padded length
-        empty = torch.empty((), dtype=torch.int64, device=q.device)  # no dropout: no philox state
-        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            dout, q, _repeat_kv(k, q), _repeat_kv(v, q), _cuda_bias(mask, q), out, padded,
-            empty, empty, 0.0, [True, True, True, False], causal and mask is None,
-        )  # fmt: skip
-        group = q.shape[1] // k.shape[1]
-        if group > 1:  # the repeated heads' gradients summed back onto their KV head
-            dk = dk.unflatten(1, (k.shape[1], group)).sum(2)
-            dv = dv.unflatten(1, (k.shape[1], group)).sum(2)
-        return dq, dk, dv
+        return _cuda_attend_backward(dout, q, k, v, out, lse, causal, mask)
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         dout, q, k, v, out, lse, 0.0, causal and mask is None, attn_mask=_cpu_bias(mask, q)
     )
+
+
+def _cuda_attend(q, k, v, causal: bool, mask: torch.Tensor | None):
+    """The efficient-attention kernel (equal head counts: K/V repeated for the block)."""
+    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, _repeat_kv(k, q), _repeat_kv(v, q), _cuda_bias(mask, q), True, 0.0,
+        causal and mask is None,
+    )  # fmt: skip
+    return out, lse[:, :, : q.shape[2]]  # the kernel pads the query dim of lse to 32
+
+
+def _cuda_attend_backward(dout, q, k, v, out, lse, causal: bool, mask: torch.Tensor | None):
+    """Its backward, given the merged lse padded as the forward pads it; the repeated heads'
+    dK/dV summed back onto their KV head."""
+    padded = F.pad(lse, (0, -q.shape[2] % 32))
+    # no dropout: the philox seed and offset are unread; the forward returns such empty CPU scalars
+    unused = torch.empty((), dtype=torch.int64)
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, _repeat_kv(k, q), _repeat_kv(v, q), _cuda_bias(mask, q), out, padded,
+        unused, unused, 0.0, [True, True, True, False], causal and mask is None,
+    )  # fmt: skip
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        dk = dk.unflatten(1, (k.shape[1], group)).sum(2)  # [B, H, Lk, Dh] -> [B, Hkv, Lk, Dh]
+        dv = dv.unflatten(1, (k.shape[1], group)).sum(2)
+    return dq, dk, dv
 
 
 def _cpu_bias(mask: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:

@@ -141,3 +141,18 @@ def test_modes_refuse_what_they_do_not_build():
     dense = torch.ones(1, 1, 4, 4, dtype=torch.bool)
     with pytest.raises(NotImplementedError, match="integer document ids"):
         model(torch.zeros(1, 4, dtype=torch.long), attention_mask=dense)
+
+
+def test_cuda_block_kernels_shapes_on_meta_tensors():
+    """The CUDA path (efficient attention; no GPU here) on meta tensors: the shapes, the padded
+    log-sum-exp handed back to the backward, and GQA's repeated heads summed back onto Hkv,
+    with and without a document mask (an odd key length: the bias's aligned stride)."""
+    import runtime.ring_attention as ring
+
+    q, dout = (torch.empty(2, 4, 40, 16, device="meta") for _ in range(2))
+    k, v = (torch.empty(2, 2, 24, 16, device="meta") for _ in range(2))
+    for mask in (None, torch.empty(2, 1, 40, 24, dtype=torch.bool, device="meta")):
+        out, lse = ring._cuda_attend(q, k, v, False, mask)
+        assert out.shape == q.shape and lse.shape == (2, 4, 40)
+        dq, dk, dv = ring._cuda_attend_backward(dout, q, k, v, out, lse, False, mask)
+        assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
