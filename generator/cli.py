@@ -275,8 +275,8 @@ def _plan_summary(spec: Spec, gpu: tuple[str, float] | None, text: str) -> None:
 )
 @_friendly
 def plan(
-    directory, algo, peft, model, tricks, gpus, nodes, tp, cp, cp_mode, dp_replicate, dtype, engine_gpus,
-    engine_tp, layout, micro_batch_size, max_seq_len, kl_coef, gpu_memory, suggest,
+    directory, algo, peft, model, tricks, gpus, nodes, tp, cp, cp_mode, dp_replicate, dtype,
+    engine_gpus, engine_tp, layout, micro_batch_size, max_seq_len, kl_coef, gpu_memory, suggest,
 ):  # fmt: skip
     """Per-GPU peak memory of the script `scaffold new` would write (or of DIR/train.py), simulated.
 

@@ -59,8 +59,8 @@ SPEC_OPTIONS = [
         default="allgather",
         show_default=True,
         help="--cp > 1: allgather (each rank gathers the whole sequence's K/V per layer) or ring "
-        "(K/V blocks passed around the cp ranks: memory per rank stays at its own tokens'; "
-        "needed for --tricks packing).",
+        "(K/V blocks passed around the cp ranks, no rank holds the whole sequence's; needed for "
+        "--tricks packing).",
     ),
     click.option(
         "--dp-replicate",

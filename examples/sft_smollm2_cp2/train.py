@@ -28,7 +28,8 @@ Differs from Hugging Face TRL / torchtune defaults:
   (cp_mode): "allgather" gathers them, so every rank holds the whole sequence's K/V per layer
   (and keeps it for backward); "ring" passes K/V blocks around the cp ranks, two in flight (the
   one attended and the next, each of S/cp tokens), merged by log-sum-exp, exact up to summation
-  order (Liu et al. 2023, arXiv:2310.01889); a rank keeps only its own K/V for backward.
+  order (Liu et al. 2023, arXiv:2310.01889); a rank keeps only its own K/V for backward, and
+  its backward adds fp32 dQ and dK/dV buffers: the smaller mode at larger cp or without ac.
   FSDP shards and sums gradients over dp_shard x cp; token counts and the loss are reduced over
   dp x cp (mesh["dp_cp"]): the cp ranks of one dp rank read the same rows but hold different
   tokens. Rows are padded to a multiple of 2*cp. No sample at the end (decoding feeds one token,

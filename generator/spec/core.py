@@ -37,8 +37,8 @@ class Spec:
     nodes: int = 1
     tp: int = 1  # tensor-parallel degree (within a node)
     cp: int = 1  # context-parallel degree
-    # how attention reaches the other cp ranks' K/V (runtime.CP_MODES): "allgather" (each rank
-    # gathers the whole sequence's K/V, Llama 3) or "ring" (K/V blocks passed around the cp ranks)
+    # how attention reaches the other cp ranks' K/V (CP_MODES): "allgather" (each rank gathers
+    # the whole sequence's K/V, Llama 3) or "ring" (K/V blocks passed around the cp ranks)
     cp_mode: str = "allgather"
     dp_replicate: int = 1  # HSDP replica groups; dp_shard = gpus * nodes / (dp_replicate * cp * tp)
     ep: int = 1  # expert-parallel degree (MoE models): experts sharded over ep ranks
