@@ -101,8 +101,8 @@ def cli():
 )
 @_friendly
 def new(
-    algo, peft, model, tricks, gpus, nodes, tp, cp, dp_replicate, ep, engine_gpus, engine_tp, layout,
-    dtype, dataset, out, teacher, force, gpu_memory,
+    algo, peft, model, tricks, gpus, nodes, tp, cp, cp_mode, dp_replicate, ep, engine_gpus, engine_tp,
+    layout, dtype, dataset, out, teacher, force, gpu_memory,
 ):  # fmt: skip
     """Write OUT/train.py for the chosen model, algorithm, tricks and GPUs.
 
@@ -121,6 +121,7 @@ def new(
     spec = spec_from_options(
         algo, peft, model, tricks, gpus, nodes, tp, cp, dp_replicate, ep, dtype, dataset, out,
         engine_gpus, engine_tp, teacher, layout, fit_gpu=gpu or ("h100-80", GPU_MEMORY_GIB["h100-80"]),
+        cp_mode=cp_mode,
     )  # fmt: skip
     out_dir = Path(out)
     script = out_dir / SCRIPT
@@ -299,8 +300,8 @@ def _plan_summary(spec: Spec, gpu: tuple[str, float] | None, text: str) -> None:
 )
 @_friendly
 def plan(
-    directory, algo, peft, model, tricks, gpus, nodes, tp, cp, dp_replicate, dtype, engine_gpus,
-    engine_tp, layout, micro_batch_size, max_seq_len, kl_coef, gpu_memory, suggest,
+    directory, algo, peft, model, tricks, gpus, nodes, tp, cp, cp_mode, dp_replicate, dtype,
+    engine_gpus, engine_tp, layout, micro_batch_size, max_seq_len, kl_coef, gpu_memory, suggest,
 ):  # fmt: skip
     """Per-GPU peak memory of the script `scaffold new` would write (or of DIR/train.py), simulated.
 
@@ -348,7 +349,7 @@ def plan(
     else:
         spec = spec_from_options(
             algo, peft, model, tricks, gpus, nodes, tp, cp, dp_replicate, 1, dtype, None, None,
-            engine_gpus, engine_tp, layout=layout, fit_gpu=(gpu_label, gpu_gib),
+            engine_gpus, engine_tp, layout=layout, fit_gpu=(gpu_label, gpu_gib), cp_mode=cp_mode,
         )  # fmt: skip
         if spec.fit_for:
             click.echo(recipe_line(spec))

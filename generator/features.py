@@ -214,7 +214,7 @@ PLANS = {
     "--gpus N": "FSDP2 over N processes (the default plan: every algorithm)",
     "--dp-replicate": "HSDP: replica groups of FSDP shards",
     "--tp": "tensor + sequence parallel, loss parallel",
-    "--cp": "context parallel (ring of K/V all-gathers)",
+    "--cp": "context parallel (K/V all-gather, or a ring with --cp-mode ring)",
     "--ep": "expert parallel (MoE)",
 }
 

@@ -51,7 +51,16 @@ SPEC_OPTIONS = [
         default=1,
         show_default=True,
         type=int,
-        help="Context-parallel degree: rows split into 2*cp chunks, K/V all-gathered in attention.",
+        help="Context-parallel degree: rows split into 2*cp chunks; attention reaches the other "
+        "chunks' K/V as --cp-mode says.",
+    ),
+    click.option(
+        "--cp-mode",
+        default="allgather",
+        show_default=True,
+        help="--cp > 1: allgather (each rank gathers the whole sequence's K/V per layer) or ring "
+        "(K/V blocks passed around the cp ranks, no rank holds the whole sequence's; needed for "
+        "--tricks packing).",
     ),
     click.option(
         "--dp-replicate",
@@ -102,7 +111,7 @@ def spec_options(command):
 
 def spec_from_options(
     algo, peft, model, tricks, gpus, nodes, tp, cp, dp_replicate, ep, dtype, dataset=None, out=None,
-    engine_gpus=None, engine_tp=None, teacher="", layout=None, fit_gpu=None,
+    engine_gpus=None, engine_tp=None, teacher="", layout=None, fit_gpu=None, cp_mode="allgather",
 ) -> Spec:  # fmt: skip
     """The Spec of `scaffold new` / `scaffold plan` options: --tricks split on commas (`none`: no
     tricks), --dataset defaulting to the algorithm's demo set, GRPO's engine GPUs chosen when not
@@ -125,6 +134,7 @@ def spec_from_options(
         nodes=nodes,
         tp=tp,
         cp=cp,
+        cp_mode=cp_mode,
         dp_replicate=dp_replicate,
         ep=ep,
         dtype=dtype,

@@ -204,6 +204,11 @@ def estimate(
         acts = tokens * (AC_PER_TOKEN * d["D"] * dtype / 2 * d["L"]) + tokens * per_block
     else:
         acts = tokens * per_block * d["L"]
+    if spec.cp > 1 and spec.cp_mode == "allgather":
+        # all-gather context parallel: a block keeps the whole sequence's K and V for backward,
+        # cp - 1 times its own tokens' more (the ring passes blocks and keeps only its own)
+        gathered_kv = tokens * (spec.cp - 1) * 2 * d["kv"] * dtype / spec.tp
+        acts += gathered_kv * (1 if "ac" in tricks else d["L"])
     if grpo:  # the loss on completion tokens only; the log-probs in fp32
         loss_tokens = mbs * cfg["max_new_tokens"]
     else:

@@ -33,7 +33,10 @@ What is simulated, and what is not:
   The verdict therefore keeps `plan_report.HEADROOM` of the GPU's memory free.
 - The synthetic batch: micro_batch_size rows of max_seq_len tokens (the options, else the
   script's Config defaults), every position supervised (the largest logits a batch of that size
-  can produce), gradient_accumulation_steps = 1.
+  can produce), gradient_accumulation_steps = 1. Under --cp, train_step is called as the
+  script's main() calls it (cp rank and size, the dp x cp group), so the rank keeps its 2 of the
+  2*cp chunks of every row; the attention is the Config's cp_mode (all-gather or ring), and the
+  all-gather's bottom-right causal mask is a GPU's (no mask tensor: `_causal_bias_outside_modes`).
 - GRPO: the trainer's step on synthetic rollouts, built as the script's loop builds them:
   prompts_per_step * num_generations `Rollout`s of max_prompt_len prompt and max_new_tokens
   completion tokens (the longest rows the script trains on; the script's Config defaults, or
@@ -443,13 +446,20 @@ def _real_mesh_ops():
 
 
 @contextlib.contextmanager
-def _causal_bias_outside_modes():
-    """Create context parallel's `CausalBias` masks outside the dispatch modes.
+def _causal_bias_outside_modes(fake: bool):
+    """Context parallel's all-gather attention under the dispatch modes: its bottom-right causal
+    mask `causal_lower_right(L, S)` as a GPU sees it (fake), or created outside the modes (real).
 
-    `causal_lower_right(L, S)` is a tensor subclass that holds two lengths and no data (SDPA
-    materialises or dispatches it per call); creating one under any TorchDispatchMode fails
-    (MemTracker's, on real tensors too, or the FakeTensorMode: "the raw Tensor object is already
-    associated to a python object"). Its own bytes are nil, so nothing the plan counts moves.
+    The mask is a tensor subclass whose meaning is two lengths; SDPA dispatches it per device.
+    On CUDA it runs the flash or efficient kernel with no mask tensor; on the CPU it is
+    materialised as a dense [L, S] mask, which SDPA keeps for backward (2 GiB per layer for
+    llama3.3-70b at 128k tokens on 8 cp ranks). The plan is a GPU's, so under fake tensors the
+    attention runs with no mask: the same kernel outputs and saved tensors as the GPU's, none of
+    the CPU's mask. A real CPU measurement (the tests' reference) keeps the CPU's mask: creating
+    one under any TorchDispatchMode fails (MemTracker's, or the FakeTensorMode: "the raw Tensor
+    object is already associated to a python object"), so it is made outside them, and at 1 x 1
+    with the lengths set after: PyTorch builds it with the legacy `Tensor(variant, L, S)`
+    constructor, a real, never-read [2, L, S] fp32 tensor (torch 2.13).
     """
     from torch.utils._python_dispatch import _disable_current_modes
 
@@ -457,11 +467,13 @@ def _causal_bias_outside_modes():
 
     make = cp.causal_lower_right
 
-    def real_causal_lower_right(*sizes):
+    def real_causal_lower_right(seq_len_q: int, seq_len_kv: int):
         with _disable_current_modes():
-            return make(*sizes)
+            bias = make(1, 1)  # placeholder storage [2, 1, 1]
+        bias.seq_len_q, bias.seq_len_kv = seq_len_q, seq_len_kv
+        return bias
 
-    cp.causal_lower_right = real_causal_lower_right
+    cp.causal_lower_right = (lambda *sizes: None) if fake else real_causal_lower_right
     try:
         yield
     finally:
@@ -779,8 +791,10 @@ def measure_step(
         with _fake_to_empty() if fake else contextlib.nullcontext(), _real_mesh_ops():
             model = script.setup_model(cfg, model_dir, mesh, dist_info.device)
         optimizer, scheduler = script.build_optimizer(cfg, model)
-        # rows padded as the script's collate pads them: to a multiple of tp (sequence parallel)
-        padded_len = -(-max_seq_len // spec.tp) * spec.tp
+        # rows padded as the script's collate pads them: to a multiple of tp (sequence parallel),
+        # and of 2*cp*tp under context parallel (2*cp chunks per row)
+        multiple = spec.tp * (2 * spec.cp if spec.cp > 1 else 1)
+        padded_len = -(-max_seq_len // multiple) * multiple
         batch = synthetic_batch(micro_batch_size, padded_len, packing)
         logits = [0]
         hook = model.lm_head.register_forward_hook(
@@ -792,11 +806,16 @@ def measure_step(
         answers = _data_dependent_answers() if fake else contextlib.nullcontext()
         propagation = _separate_propagation_fake_mode() if fake else contextlib.nullcontext()
         dp_group = mesh["dp"].get_group()
-        with propagation, tracker, answers, _causal_bias_outside_modes():
+        cp_args = ()
+        if getattr(cfg, "cp", 1) > 1:  # as the script's main(): this rank's chunks of every row
+            dp_group = mesh["dp_cp"].get_group()
+            cp_args = (mesh["cp"].get_local_rank(), cfg.cp)
+        with propagation, tracker, answers, _causal_bias_outside_modes(fake):
             for _ in range(2):  # step 1 creates the optimizer state; step 2 holds it
                 script.train_step(
-                    model, optimizer, scheduler, [batch], cfg, dist_info.device, dp_group
-                )
+                    model, optimizer, scheduler, [batch], cfg, dist_info.device, dp_group,
+                    *cp_args,
+                )  # fmt: skip
         hook.remove()
         categories, peak = _peak_rows(tracker)
     del model, optimizer, scheduler

@@ -67,6 +67,7 @@ SETTABLE = (
     "nodes",
     "tp",
     "cp",
+    "cp_mode",
     "dp_replicate",
     "ep",
     "engine_gpus",

@@ -86,7 +86,9 @@ def docstring_text(value: str) -> str:
 # helpers: module-level functions a feature adds, after the Model section).
 # Additive slots collect every enabled feature's lines; override slots (loss, optimizer,
 # backward_and_step, ...) replace the skeleton's default body, so at most one feature may fill
-# each; `model_inputs` is single too: it defines the one `model_kwargs` dict.
+# each; `model_inputs` is single too: it defines the one `model_kwargs` dict, and a feature
+# whose `model_inputs` renders to nothing for a spec does not fill it (context parallel's under
+# packing, whose own passes the positions and the document ids).
 SLOTS = (
     "title", "imports", "config_fields", "validate", "model_setup", "fsdp_kwargs", "after_shard",
     "load_weights", "helpers", "loss_setup", "model_inputs", "loss", "optimizer_cls", "optimizer",
@@ -98,14 +100,19 @@ OVERRIDE_SLOTS = (
 )  # fmt: skip
 
 
-def feature_slots(templates: list[str]) -> dict[str, list[str]]:
-    """For each slot, the feature templates (in order) that define a macro of that name."""
+def feature_slots(templates: list[str], answers: dict | None = None) -> dict[str, list[str]]:
+    """For each slot, the feature templates (in order) that define a macro of that name; with the
+    spec's `answers`, a `model_inputs` macro that renders to nothing for them does not count."""
     filled = {slot: [] for slot in SLOTS}
     for name in templates:
         module = environment().get_template(f"features/{name}.py.jinja").module
         for slot in SLOTS:
-            if hasattr(module, slot):
-                filled[slot].append(name)
+            if not hasattr(module, slot):
+                continue
+            if slot == "model_inputs" and answers is not None:
+                if not str(module.model_inputs(answers)).strip():
+                    continue
+            filled[slot].append(name)
     for slot in OVERRIDE_SLOTS:
         if len(filled[slot]) > 1:
             raise SpecError(
@@ -122,7 +129,7 @@ def template_answers(spec: Spec) -> dict:
         SpecError: invalid spec, or two features that replace the same section.
     """
     answers = build_answers(spec)
-    slots = feature_slots(answers["features"])
+    slots = feature_slots(answers["features"], answers)
     # A `model_inputs` slot defines `model_kwargs` (extra model arguments: positions, masks).
     forward_args = 'batch["input_ids"]' + (", **model_kwargs" if slots["model_inputs"] else "")
     return {**answers, "slots": slots, "forward_args": forward_args}

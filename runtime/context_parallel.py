@@ -1,14 +1,21 @@
-"""Context parallel: every rank holds a slice of each sequence; attention all-gathers K and V.
+"""Context parallel: every rank holds a slice of each sequence; attention sees every rank's K/V.
 
 The layout of Llama 3 (sec. 3.3.2): the sequence of every row is cut into 2*cp equal chunks and
 cp rank r keeps chunks r and 2*cp-1-r, so under the causal mask every rank has the same attention
 work (an early, cheap chunk paired with a late, expensive one). Everything outside attention is
-per token and runs on the local tokens unchanged. In every attention layer the local K and V
-(after RoPE, which used the global position ids) are all-gathered over the cp ranks (GQA keeps
-them small: Hkv heads, not H), put back in sequence order, and each local query chunk attends to
-the keys up to its own end with a bottom-right-aligned causal mask. The softmax runs over exactly
-the keys one process would use, so the result is exact (not an approximation like ring attention's
-running rescale, which is exact only up to summation order either).
+per token and runs on the local tokens unchanged. Attention reaches the other ranks' K/V (after
+RoPE, which used the global position ids) in one of two modes (`CP_MODES`):
+
+- "allgather" (Llama 3): every attention layer all-gathers the local K and V over the cp ranks
+  (GQA keeps them small: Hkv heads, not H), puts them back in sequence order, and each local query
+  chunk attends to the keys up to its own end with a bottom-right-aligned causal mask. One softmax
+  over exactly the keys one process would use. Memory: each rank holds the whole sequence's K/V
+  per layer (and keeps it for backward), which bounds the longest context.
+- "ring" (Liu et al. 2023, runtime.ring_attention): the K/V blocks travel around the cp ranks,
+  attended one at a time and merged by their log-sum-exp (exact up to summation order); each rank
+  holds its own K/V, the block it attends to and the one in flight (and keeps only its own for
+  backward), so its K/V memory is a few times its own S/cp tokens', never the whole sequence's.
+  Takes packed rows' document ids (block-causal by document); all-gather does not (not built).
 
 This is our own plan rather than PyTorch's `context_parallel` because that one dispatches only the
 CUDA SDPA kernels; this one runs on CPU (gloo, the tests) and GPU alike.
@@ -17,8 +24,10 @@ Shape legend: B batch, S full sequence, S_loc = S / cp local tokens, L = S / (2 
 chunk, H query heads, Hkv KV heads, Dh head dim.
 
 Reference: Grattafiori et al. 2024, "The Llama 3 Herd of Models", https://arxiv.org/abs/2407.21783,
-sec. 3.3.2 "Context parallelism" (all-gather K/V, 2*cp chunks, rank r holds r and 2*cp-1-r).
-Differs from reference: no document mask (packed rows are refused with context parallel).
+sec. 3.3.2 "Context parallelism" (all-gather K/V, 2*cp chunks, rank r holds r and 2*cp-1-r);
+Liu, Zaharia, Abbeel 2023, "Ring Attention with Blockwise Transformers for Near-Infinite Context",
+https://arxiv.org/abs/2310.01889 (the ring mode). Differs from reference: the all-gather mode has
+no document mask (packed rows need the ring mode).
 """
 
 from __future__ import annotations
@@ -33,8 +42,10 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from runtime.models.llama import LlamaAttention
+from runtime.ring_attention import ring_attention
 
 __all__ = [
+    "CP_MODES",
     "CP_SEQUENCE_KEYS",
     "apply_context_parallel",
     "context_parallel_attention",
@@ -44,6 +55,8 @@ __all__ = [
 
 # Batch entries laid out [B, S] over the sequence: these are sharded, everything else is kept.
 CP_SEQUENCE_KEYS = ("input_ids", "labels", "position_ids", "document_ids")
+# How attention reaches the other cp ranks' K/V (module docstring): the Config's cp_mode.
+CP_MODES = ("allgather", "ring")
 
 
 def context_parallel_chunks(cp_rank: int, cp_size: int) -> tuple[int, int]:
@@ -97,15 +110,21 @@ def shard_for_context_parallel(batch: dict, cp_rank: int, cp_size: int) -> dict:
 
 
 def context_parallel_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group: dist.ProcessGroup
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cp_group: dist.ProcessGroup,
+    document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of the local queries over the K/V of all cp ranks.
+    """Causal attention of the local queries over the K/V of all cp ranks (the all-gather mode).
 
     Args:
         q: [B, H, S_loc, Dh] the local queries: chunk r then chunk 2*cp-1-r, RoPE applied.
         k: [B, Hkv, S_loc, Dh] the local keys, same layout, RoPE applied.
         v: [B, Hkv, S_loc, Dh] the local values.
         cp_group: the process group of the cp mesh dim.
+        document_ids: must be None: packed rows' document mask is the ring mode's
+            (`ring_attention`).
 
     Returns:
         [B, H, S_loc, Dh] attention output of the local queries (same layout as q).
@@ -113,6 +132,11 @@ def context_parallel_attention(
     The all-gather is autograd-aware: its backward reduce-scatters (sums) every rank's gradient
     of the gathered K/V back to the rank that owns those tokens.
     """
+    if document_ids is not None:
+        raise NotImplementedError(
+            "all-gather context parallel has no document mask (not built); packed rows need "
+            "the ring mode: apply_context_parallel(model, group, mode='ring')"
+        )
     cp = dist.get_world_size(cp_group)
     rank = dist.get_rank(cp_group)
     B, Hkv, S_loc, Dh = k.shape
@@ -141,14 +165,24 @@ def context_parallel_attention(
     return torch.cat(outs, dim=2)  # 2 x [B, H, L, Dh] -> [B, H, S_loc, Dh]
 
 
-def apply_context_parallel(model: torch.nn.Module, cp_group: dist.ProcessGroup) -> None:
+def apply_context_parallel(
+    model: torch.nn.Module, cp_group: dist.ProcessGroup, mode: str = "allgather"
+) -> None:
     """Make every attention layer of `model` attend over the cp ranks' K/V.
 
-    Sets `cp_group` and `cp_attention` (= `context_parallel_attention`) on each `LlamaAttention`
-    (cp_group None, the default, is the unchanged single-rank path). Feed the model `shard_for_context_parallel` batches with their global position_ids;
-    an explicit attention mask or a KV cache is refused by the attention layer under cp.
+    Sets `cp_group` and `cp_attention` on each `LlamaAttention`: `context_parallel_attention`
+    for mode "allgather", `ring_attention` for "ring" (cp_group None, the default, is the
+    unchanged single-rank path). Feed the model `shard_for_context_parallel` batches with their
+    global position_ids (packed rows: their positions, and their document_ids as the model's
+    attention_mask, ring mode only); a KV cache is refused by the attention layer under cp.
+
+    Raises:
+        ValueError: mode is not one of CP_MODES.
     """
+    if mode not in CP_MODES:
+        raise ValueError(f"context parallel mode {mode!r}: choose one of {', '.join(CP_MODES)}")
+    attention = ring_attention if mode == "ring" else context_parallel_attention
     for module in model.modules():
         if isinstance(module, LlamaAttention):
             module.cp_group = cp_group
-            module.cp_attention = context_parallel_attention
+            module.cp_attention = attention

@@ -24,8 +24,8 @@ PACKAGES = ("runtime", "generator")
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("runtime.models", ("runtime.models", "runtime.models.args", "runtime.models.moe",
                         "runtime.models.llama")),
-    ("runtime.parallel", ("runtime.parallel", "runtime.context_parallel",
-                          "runtime.expert_parallel")),
+    ("runtime.parallel", ("runtime.parallel", "runtime.ring_attention",
+                          "runtime.context_parallel", "runtime.expert_parallel")),
     ("runtime.io", ("runtime.dtensors", "runtime.checkpoint", "runtime.train_state",
                     "runtime.hub", "runtime.tokenizer", "runtime.config")),
     ("runtime.train", ("runtime.loss", "runtime.optim", "runtime.optim_in_backward",

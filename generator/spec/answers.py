@@ -183,6 +183,7 @@ def build_answers(spec: Spec) -> dict:
         "colocated": spec.layout == "colocated",
         "tp": spec.tp,
         "cp": spec.cp,
+        "cp_mode": spec.cp_mode,
         "dp_replicate": spec.dp_replicate,
         # extra build_mesh arguments and collate padding of the parallel features
         "mesh_args": (", cp=cfg.cp" if spec.cp > 1 else "")

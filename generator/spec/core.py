@@ -11,6 +11,8 @@ from generator.features import ALGOS
 
 DTYPES = ("bf16", "fp32")
 LAYOUTS = ("split", "colocated")  # GRPO's --layout
+# --cp-mode: runtime.context_parallel.CP_MODES, repeated so that the spec imports no torch
+CP_MODES = ("allgather", "ring")
 # algorithms with rollout engines (--engine-gpus, --engine-tp): the GRPO skeleton's
 ROLLOUT_ALGOS = tuple(name for name, algo in ALGOS.items() if algo.skeleton == "grpo")
 
@@ -35,6 +37,9 @@ class Spec:
     nodes: int = 1
     tp: int = 1  # tensor-parallel degree (within a node)
     cp: int = 1  # context-parallel degree
+    # how attention reaches the other cp ranks' K/V (CP_MODES): "allgather" (each rank gathers
+    # the whole sequence's K/V, Llama 3) or "ring" (K/V blocks passed around the cp ranks)
+    cp_mode: str = "allgather"
     dp_replicate: int = 1  # HSDP replica groups; dp_shard = gpus * nodes / (dp_replicate * cp * tp)
     ep: int = 1  # expert-parallel degree (MoE models): experts sharded over ep ranks
     # GRPO's rollout engines: GPUs per node they get (the trainer takes the other gpus -
@@ -80,7 +85,7 @@ class Spec:
         and GRPO's engine layout whenever a node has more than 1 GPU (the CLI then chooses it,
         so leaving it out would mean a possibly different layout)."""
         default = Spec()
-        names = ["gpus", "nodes", "tp", "cp", "dp_replicate", "ep"]
+        names = ["gpus", "nodes", "tp", "cp", "cp_mode", "dp_replicate", "ep"]
         changed = [n for n in names if getattr(self, n) != getattr(default, n)]
         if self.algo in ROLLOUT_ALGOS and (
             self.gpus > 1 or (self.engine_gpus, self.engine_tp) != (0, 1)

@@ -16,7 +16,7 @@ from generator.features import (
     TRICKS,
     refusal,
 )
-from generator.spec.core import DTYPES, LAYOUTS, ROLLOUT_ALGOS, Spec, SpecError
+from generator.spec.core import CP_MODES, DTYPES, LAYOUTS, ROLLOUT_ALGOS, Spec, SpecError
 
 
 def validate_spec(spec: Spec) -> None:
@@ -150,6 +150,13 @@ def _validate_parallel(spec: Spec) -> None:
                 f"--algo {spec.algo} with {option} {value}: {why}; use {fallback}"
                 f"{hsdp if option != '--dp-replicate' else ''})"
             )
+    if spec.cp_mode not in CP_MODES:
+        raise SpecError(f"--cp-mode {spec.cp_mode!r}: choose one of {', '.join(CP_MODES)}")
+    if spec.cp_mode != "allgather" and spec.cp == 1:
+        raise SpecError(
+            f"--cp-mode {spec.cp_mode} with --cp 1: one rank holds the whole sequence, there is "
+            "no ring; set --cp > 1 or leave --cp-mode out"
+        )
     if spec.cp > 1:
         _validate_cp(spec, world)
     if spec.tp > 1:
@@ -333,10 +340,8 @@ def _validate_engines(spec: Spec) -> None:
 
 
 # Context parallel (runtime.context_parallel) is tested for full SFT, alone and with FSDP, HSDP,
-# TP, lce and ac; these pairings are refused, each with the reason.
+# TP, lce and ac (and packing in the ring mode); these pairings are refused, each with the reason.
 _CP_REFUSED_TRICKS = {
-    "packing": "packed rows need a block-causal document mask, and the context-parallel "
-    "attention is plain causal over whole rows",
     "compile": "per-block torch.compile of the K/V all-gather attention is not tested here",
     "offload": "activation offloading (CUDA) with the context-parallel attention is not tested",
     "bf16-sr": "bf16 weights with the stochastic-rounding AdamW are tested under FSDP only",
@@ -351,6 +356,13 @@ def _validate_cp(spec: Spec, world: int) -> None:
         raise SpecError(
             f"--tricks {refused[0]} with --cp {spec.cp}: {_CP_REFUSED_TRICKS[refused[0]]}; drop "
             f"it ({_tricks_flag(t for t in spec.tricks if t not in refused)}) or use --cp 1"
+        )
+    if "packing" in spec.tricks and spec.cp_mode != "ring":
+        raise SpecError(
+            f"--tricks packing with --cp {spec.cp} --cp-mode {spec.cp_mode}: packed rows need a "
+            "block-causal document mask, which the all-gather attention does not build (not "
+            "built yet); add --cp-mode ring (its K/V blocks carry their document ids), or drop "
+            f"packing ({_tricks_flag(t for t in spec.tricks if t != 'packing')}), or use --cp 1"
         )
     config = model_config(spec)
     if config.get("model_type", "llama") in MOE_FAMILIES:

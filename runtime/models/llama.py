@@ -203,7 +203,9 @@ class LlamaAttention(nn.Module):
 
         `is_causal` is used only when attention_mask is None. Returns [B, S, D]. Under context
         parallel (`cp_group` set) x holds this rank's two chunks of every row and attention is
-        causal over the K/V gathered from all cp ranks (no mask, no KV cache).
+        causal over the K/V of all cp ranks (no KV cache); attention_mask is then None or, for
+        packed rows, the [B, S] integer document ids of the local tokens (block-causal by
+        document; the ring mode builds each block's mask from them).
         """
         B, S, _ = x.shape
         # -1 for the head count: tensor parallel shards heads, so a rank holds H/tp of them.
@@ -219,13 +221,15 @@ class LlamaAttention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v)  # -> [B, Hkv, S_kv, Dh]
         if self.cp_group is not None:
-            if attention_mask is not None or kv_cache is not None or not is_causal:
+            documents = attention_mask  # None, or [B, S] int document ids (packed rows)
+            if kv_cache is not None or not is_causal or not _document_ids(documents):
                 raise NotImplementedError(
-                    "context parallel attention is plain causal over whole rows: an attention "
-                    "mask (packing), a KV cache (decoding) or non-causal attention is not "
-                    "supported; run those without cp (cp_group=None)"
+                    "context parallel attention is causal over whole rows, or block-causal by "
+                    "document given [B, S] integer document ids as attention_mask: a dense or "
+                    "flex mask, a KV cache (decoding) or non-causal attention is not supported; "
+                    "run those without cp (cp_group=None)"
                 )
-            out = self.cp_attention(q, k, v, self.cp_group)  # [B, H, S, Dh]
+            out = self.cp_attention(q, k, v, self.cp_group, documents)  # [B, H, S, Dh]
         elif isinstance(attention_mask, BlockMask):  # flex attention (packed documents on GPU)
             out = _flex_attention(q, k, v, attention_mask)  # [B, H, S, Dh]
         else:
@@ -240,6 +244,18 @@ class LlamaAttention(nn.Module):
         out = out.transpose(1, 2)  # [B, H, S, Dh] -> [B, S, H, Dh]
         out = out.reshape(B, S, -1)  # [B, S, H, Dh] -> [B, S, H*Dh]
         return self.o_proj(out)
+
+
+def _document_ids(mask) -> bool:
+    """Context parallel's attention_mask: None, or [B, S] integer document ids (packed rows)."""
+    if mask is None:
+        return True
+    return (
+        isinstance(mask, torch.Tensor)
+        and mask.dim() == 2
+        and not mask.is_floating_point()
+        and mask.dtype != torch.bool
+    )
 
 
 @functools.cache
@@ -438,7 +454,8 @@ class CausalLM(nn.Module):
             attention_mask: [B, 1, S, S_kv] bool, True = may attend (passed to SDPA); or a
                 flex-attention BlockMask (runtime.packing.document_attention_mask), which runs
                 flex attention instead (no KV cache); None = plain causal. Every query row should allow at least one key, else SDPA
-                returns NaN for that row.
+                returns NaN for that row. Under context parallel (runtime.apply_context_parallel,
+                ring mode): [B, S] integer document ids of this rank's tokens (packed rows).
             kv_cache: optional KVCache; the new k/v are appended and seq_len advances by S.
             output_router_logits: also return every MoE layer's router logits.
             logits_mask: [B, S] bool, True = compute this position's logits. The other hidden

@@ -1,8 +1,11 @@
 """Context parallel (runtime.context_parallel) of the emitted SFT script over gloo equals one
 process: CP 2 (2 ranks); CP 2 x FSDP 2, HSDP x CP, CP 2 x TP 2 and CP 4 (4 ranks); with the plain
 `logits_mask` loss and with `--tricks ac,lce` (recomputed all-gather, per-token linear CE), for a
-tied Llama and an untied Qwen3 (q/k norm, biases). Plus the batch layout of
-`shard_for_context_parallel` and the script's own validation messages.
+tied Llama and an untied Qwen3 (q/k norm, biases); in both cp modes (cp_mode "allgather" and
+"ring": K/V blocks passed around the cp ranks, runtime.ring_attention). Packed rows under the ring
+mode (`--tricks packing --cp-mode ring`: block-causal by document over the ring) give the unpacked
+one-process run. Plus the batch layout of `shard_for_context_parallel` and the script's own
+validation messages.
 Measured (2 ranks, 3 steps): loss within 1.0e-7 relative, parameters within 1.2e-7.
 
 Each configuration runs the script's own `setup_distributed`, `setup_model` (CP plan, FSDP over
@@ -59,8 +62,14 @@ def test_shard_layout_head_tail_chunks_and_global_positions():
         shard_for_context_parallel(batch, 0, 3)
 
 
-def run_case(script_path: str, model_dir: str, dp_replicate: int, cp: int, tp: int = 1) -> dict:
-    """3 SGD steps of the script under this plan; losses, grad norms and full parameters."""
+def run_case(
+    script_path: str, model_dir: str, dp_replicate: int, cp: int, tp: int = 1,
+    cp_mode: str = "allgather", packed: bool = False,
+) -> dict:  # fmt: skip
+    """3 SGD steps of the script under this plan; losses, grad norms and full parameters.
+
+    packed: the 8 rows packed into rows of max_seq_len (the packing script's data); one step over
+    all of them is the same loss and gradient as the unpacked rows."""
     import torch.distributed as dist
 
     from tests.helpers import import_script
@@ -69,13 +78,16 @@ def run_case(script_path: str, model_dir: str, dp_replicate: int, cp: int, tp: i
     cfg = script.Config(
         model=model_dir, dtype="fp32", max_grad_norm=0.0, device="cpu", max_seq_len=32,
         val_fraction=0.0, cp=cp, dp_replicate=dp_replicate, sample_max_new_tokens=0,
-        **({"tp": tp} if tp > 1 else {}),
+        **({"tp": tp} if tp > 1 else {}), **({"cp_mode": cp_mode} if cp > 1 else {}),
     )  # fmt: skip
     script.validate(cfg)
     dist_info, mesh = script.setup_distributed(cfg)
     dp = mesh["dp"]
     cp_rank = mesh["cp"].get_local_rank() if cp > 1 else 0
-    rows = odd_length_rows(256)[dp.get_local_rank() :: dp.size()]  # this dp rank's share of 8 rows
+    rows = odd_length_rows(256)
+    if packed:  # 4 packs of 2 documents each, whose boundaries fall inside the cp chunks
+        rows = script.pack_examples(rows, cfg.max_seq_len)
+    rows = rows[dp.get_local_rank() :: dp.size()]  # this dp rank's share of the rows
     micro_batches = [
         script.collate(rows[i : i + 2], pad_token_id=0, pad_to_multiple_of=2 * cp * tp)
         for i in range(0, len(rows), 2)
@@ -83,6 +95,10 @@ def run_case(script_path: str, model_dir: str, dp_replicate: int, cp: int, tp: i
     model = script.setup_model(cfg, Path(model_dir), mesh, dist_info.device)
     attn = model.model.layers[0].self_attn
     assert (attn.cp_group is not None) == (cp > 1)
+    if cp > 1:
+        assert attn.cp_attention.__name__ == {"ring": "ring_attention"}.get(
+            cp_mode, "context_parallel_attention"
+        )
     if tp > 1:  # the TP plan is on too: vocab-sharded lm_head (loss parallel)
         w = model.lm_head.weight
         assert w.placements[w.device_mesh.mesh_dim_names.index("tp")].is_shard(0), w.placements
@@ -108,21 +124,28 @@ def run_case(script_path: str, model_dir: str, dp_replicate: int, cp: int, tp: i
 
 
 def _worker(rank, world_size, scripts, model_dirs, cases):
-    """cases: (script name, model name, (dp_replicate, cp)) triples."""
-    return {(s, m, plan): run_case(scripts[s], model_dirs[m], *plan) for s, m, plan in cases}
+    """cases: (script name, model name, (dp_replicate, cp[, tp[, cp_mode]])) triples."""
+    return {
+        (s, m, plan): run_case(scripts[s], model_dirs[m], *plan, packed=s == "packing")
+        for s, m, plan in cases
+    }
 
 
 @pytest.fixture(scope="module")
 def cp_scripts(tmp_path_factory) -> dict[str, str]:
-    """The emitted CP script: plain loss, --tricks ac,lce, and with --tp 2 (loss parallel)."""
+    """The emitted CP script: plain loss, --tricks ac,lce, with --tp 2 (loss parallel), and with
+    --tricks packing --cp-mode ring."""
     from generator.render import render
     from generator.spec import Spec
 
     out = {}
-    for name, tricks, tp in (("plain", (), 1), ("ac_lce", ("ac", "lce"), 1), ("tp", (), 2)):
+    for name, tricks, tp in (
+        ("plain", (), 1), ("ac_lce", ("ac", "lce"), 1), ("tp", (), 2), ("packing", ("packing",), 1),
+    ):  # fmt: skip
         d = tmp_path_factory.mktemp(f"cp_{name}")
         model = "qwen3-0.6b" if tp > 1 else "smollm2-135m"  # heads divisible by tp
-        spec = Spec(algo="sft", model=model, gpus=4, cp=2, tp=tp, tricks=tricks, out=str(d))
+        mode = "ring" if "packing" in tricks else "allgather"
+        spec = Spec(model=model, gpus=4, cp=2, cp_mode=mode, tp=tp, tricks=tricks, out=str(d))
         (d / "train.py").write_text(render(spec))
         out[name] = str(d / "train.py")
     return out
@@ -150,8 +173,10 @@ def _check(results: dict, reference: dict) -> None:
 
 
 def test_cp2_equals_one_process(cp_scripts, tiny_dirs, reference):
-    """CP over 2 ranks (dp_shard=1): each rank holds 2 of the 4 chunks of every row."""
-    cases = [(s, m, (1, 2)) for s in ("plain", "ac_lce") for m in tiny_dirs]
+    """CP over 2 ranks (dp_shard=1): each rank holds 2 of the 4 chunks of every row; all-gather
+    and ring, and packed rows in the ring mode (compared with the unpacked one-process run)."""
+    cases = [(s, m, (1, 2, 1, mode)) for s in ("plain", "ac_lce") for m in tiny_dirs for mode in ("allgather", "ring")]  # fmt: skip
+    cases += [("packing", m, (1, 2, 1, "ring")) for m in tiny_dirs]
     results = spawn(_worker, 2, args=(cp_scripts, tiny_dirs, cases))
     for r in results:
         _check(r, reference)
@@ -161,13 +186,17 @@ def test_cp2_equals_one_process(cp_scripts, tiny_dirs, reference):
 
 def test_cp_with_fsdp_hsdp_tp_and_cp4_four_ranks_equal_one(cp_scripts, tiny_dirs, reference):
     """CP 2 x FSDP 2 (dp_shard=2, cp=2), HSDP x CP (dp_replicate=2, cp=2), CP 2 x TP 2 and CP 4,
-    on 4 ranks (a subset of the script x model pairs: 4 processes share 2 cores)."""
+    on 4 ranks (a subset of the script x model pairs: 4 processes share 2 cores); the ring mode
+    under CP 4, CP 2 x FSDP 2 with packed rows and CP 2 x TP 2."""
     cases = [
         ("plain", "llama_tied", (1, 2)),
         ("ac_lce", "qwen3_untied", (1, 2)),
         ("plain", "qwen3_untied", (2, 2)),
         ("tp", "qwen3_untied", (1, 2, 2)),  # CP 2 x TP 2 (dp_shard=1), q/k norm under SP
         ("plain", "llama_tied", (1, 4)),  # CP 4: 8 chunks, rank r holds r and 7 - r
+        ("ac_lce", "llama_tied", (1, 4, 1, "ring")),  # a ring of 4
+        ("packing", "qwen3_untied", (1, 2, 1, "ring")),  # 2 dp ranks of 2 packs, rings of 2
+        ("tp", "qwen3_untied", (1, 2, 2, "ring")),  # the ring over heads sharded by tp
     ]
     results = spawn(_worker, 4, args=(cp_scripts, tiny_dirs, cases))
     for r in results:
@@ -189,3 +218,21 @@ def test_script_validate_names_the_cp_numbers(monkeypatch):
         script.validate(script.Config(cp=3))
     with pytest.raises(ValueError, match="sample_max_new_tokens=8 with cp=2"):
         script.validate(script.Config(sample_max_new_tokens=8))
+    script.validate(script.Config(cp_mode="ring"))
+    with pytest.raises(ValueError) as e:
+        script.validate(script.Config(cp_mode="rings"))
+    assert "cp_mode='rings': choose 'allgather' or 'ring'" in str(e.value)
+
+
+def test_packed_script_validate_asks_for_the_ring(cp_scripts, monkeypatch):
+    """--tricks packing --cp-mode ring: its Config defaults to the ring; switching it to all-gather
+    is refused with the reason."""
+    from tests.helpers import import_script
+
+    script = import_script(Path(cp_scripts["packing"]), "cp_packing_validate")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert script.Config.cp_mode == "ring"
+    script.validate(script.Config(max_seq_len=32))
+    with pytest.raises(ValueError) as e:
+        script.validate(script.Config(max_seq_len=32, cp_mode="allgather"))
+    assert "cp_mode='allgather' with packing" in str(e.value) and "--cp_mode ring" in str(e.value)

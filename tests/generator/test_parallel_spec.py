@@ -30,7 +30,10 @@ pytestmark = pytest.mark.fast  # in `make test-fast` (tests/README.md)
         # context parallel: untested pairings are refused with the reason
         # under TP each chunk is split again over tp: qwen3's default max_seq_len 2048 % (2*3*2)
         (Spec(model="qwen3-0.6b", gpus=12, cp=3, tp=2), ["2*cp*tp=12", "choose --cp in [1, 2]"]),
-        (Spec(gpus=2, cp=2, tricks=("packing",)), ["--tricks packing with --cp 2", "document mask"]),
+        (Spec(gpus=2, cp=2, tricks=("packing",)), ["--tricks packing with --cp 2", "document mask", "add --cp-mode ring"]),
+        # --cp-mode: a known mode, and a ring needs cp ranks
+        (Spec(gpus=2, cp=2, cp_mode="rings"), ["--cp-mode 'rings': choose one of allgather, ring"]),
+        (Spec(cp_mode="ring"), ["--cp-mode ring with --cp 1", "no ring"]),
         (Spec(gpus=2, cp=2, tricks=("compile", "lce")), ["--tricks compile with --cp 2", "--tricks lce"]),
         (Spec(algo="lora", gpus=2, cp=2), ["--algo lora", "--cp 1"]),
         (Spec(model="qwen3-30b-a3b", gpus=2, cp=2), ["--cp 2 with --model qwen3-30b-a3b", "dense models"]),
@@ -61,12 +64,14 @@ def test_valid_plans_pass_and_command_prints_non_defaults():
     cp = Spec(gpus=2, cp=2, tricks=("ac", "lce"), out="o")
     hsdp_cp = Spec(gpus=8, cp=2, dp_replicate=2, out="o")
     tp_cp = Spec(model="qwen3-0.6b", gpus=8, cp=2, tp=2, out="o")
+    ring_packing = Spec(gpus=2, cp=2, cp_mode="ring", tricks=("packing", "ac"), out="o")
     for spec in (
         tp,
         hsdp,
         cp,
         hsdp_cp,
         tp_cp,
+        ring_packing,
         Spec(model="qwen3-0.6b", gpus=8, nodes=2, tp=8, dp_replicate=2),
         *hsdp_adapters,
     ):
@@ -74,6 +79,7 @@ def test_valid_plans_pass_and_command_prints_non_defaults():
     assert "--gpus 4 --tp 2 --out" in tp.command() and "--cp" not in tp.command()
     assert "--gpus 4 --dp-replicate 2 --out" in hsdp.command()
     assert "--gpus 2 --cp 2 --out" in cp.command()
+    assert "--gpus 2 --cp 2 --cp-mode ring --out" in ring_packing.command()
 
 
 def test_old_spec_json_without_parallel_fields_loads():

@@ -476,7 +476,7 @@ def test_regen_to_lora_then_dora_keeps_edits(tmp_path):
     [
         (
             "colour=red",
-            "unknown key 'colour'; valid keys: algo, dataset, dtype, gpus, model, nodes, tp, cp, dp_replicate, ep, engine_gpus, engine_tp, layout, peft, teacher, tricks",
+            "unknown key 'colour'; valid keys: algo, dataset, dtype, gpus, model, nodes, tp, cp, cp_mode, dp_replicate, ep, engine_gpus, engine_tp, layout, peft, teacher, tricks",
         ),
         ("out=elsewhere", "unknown key 'out'"),
         ("gpus", "expected key=value"),
