@@ -7,6 +7,7 @@ choices; no tracebacks.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import shlex
 from pathlib import Path
@@ -199,7 +200,17 @@ def cpu_offload_estimate(
         "estimate, not simulated: scaffold plan cannot simulate --tricks cpu-offload; "
         f"host memory ~{per_node:.0f} GiB per node for the offloaded shards{over}"
     )
-    return format_estimate(est, label, gib, note=note, fits=estimate_fits(est, gib) and host_fits)
+    gpu_fits = estimate_fits(est, gib)
+    if gpu_fits and not host_fits:  # the GPU share fits: name the host as what does not
+        nodes = math.ceil(per_node * spec.nodes / host_budget)  # the shards scale with 1 / world
+        return (
+            f"does NOT fit: host memory ~{per_node:.0f} GiB per node for the offloaded shards, "
+            f"over the {host_budget:.0f} GiB usable of {NODE_HOST_LABEL}; the GPU share fits "
+            f"{label} (~{est.peak / 2**30:.0f} GiB of {(1 - HEADROOM) * gib:.1f} usable per GPU; "
+            "estimate, not simulated: scaffold plan cannot simulate --tricks cpu-offload); over "
+            f"--nodes {nodes} the shards would fit the hosts"
+        )
+    return format_estimate(est, label, gib, note=note, fits=gpu_fits and host_fits)
 
 
 def _plan_summary(spec: Spec, gpu: tuple[str, float] | None, text: str) -> None:

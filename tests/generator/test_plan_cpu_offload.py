@@ -5,6 +5,7 @@ figure per node. Closed-form checks on Llama 3.3 70B over 8 GPUs (config only, n
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -135,11 +136,12 @@ def test_plan_prints_the_estimate_and_judges_the_host_memory(tmp_path):
     per_node = big.host * 8 / GIB
     assert per_node > 0.9 * 2e12 / GIB
     line = (
-        f"memory per GPU: does NOT fit on h100-80: ~{big.peak / GIB:.0f} GiB of 71.6 usable per "
-        "GPU (estimate, not simulated: scaffold plan cannot simulate --tricks cpu-offload; host "
-        f"memory ~{per_node:.0f} GiB per node for the offloaded shards, over the 1676 GiB usable "
-        "of a 2 TB node)"
+        f"memory per GPU: does NOT fit: host memory ~{per_node:.0f} GiB per node for the offloaded "
+        "shards, over the 1676 GiB usable of a 2 TB node; the GPU share fits h100-80 "
+        f"(~{big.peak / GIB:.0f} GiB of 71.6 usable per GPU; estimate, not simulated: scaffold plan "
+        "cannot simulate --tricks cpu-offload); over --nodes 4 the shards would fit the hosts"
     )
+    assert math.ceil(per_node / (0.9 * 2e12 / GIB)) == 4
     assert line in new.output
     planned = CliRunner().invoke(cli, ["plan", str(tmp_path / "r")])
     assert planned.exit_code == 0 and planned.output.strip() == line, planned.output
