@@ -20,6 +20,7 @@ from generator.features import ALGOS, PEFT_ALGOS, PEFT_METHODS, TRICKS, support_
 from generator.options import SPEC_OPTION_NAMES, spec_from_options, spec_options
 from generator.plan import GPU_MEMORY_GIB, parse_gpu_memory
 from generator.recipe import recipe_line
+from generator.regen import SETTABLE
 from generator.rundir import (
     BASE_FILE,
     LAUNCH_BASE_DIR,
@@ -483,9 +484,8 @@ def _echo_support_table(header: bool) -> None:
 
 
 _SET_HELP = (
-    "Change one option of the recorded spec (repeatable): algo, dataset, dtype, gpus, model, nodes, "
-    "tp, cp, dp_replicate, ep, engine_gpus, engine_tp, layout, peft, teacher, tricks (comma list; `tricks=` "
-    "for none). "
+    "Change one option of the recorded spec (repeatable): "
+    f"{', '.join(k for k in SETTABLE if k != 'tricks')}, tricks (comma list; `tricks=` for none). "
     "Validated like `scaffold new`."
 )
 

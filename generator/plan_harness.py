@@ -325,6 +325,8 @@ def describe_spec(spec: Spec) -> str:
     tricks = ",".join(spec.tricks) or "no tricks"
     degrees = (("tp", spec.tp), ("cp", spec.cp), ("dp_replicate", spec.dp_replicate))
     mesh = "".join(f", {name} {n}" for name, n in degrees if n > 1)
+    if spec.cp > 1:  # the two modes hold different K/V: say which one was planned
+        mesh = mesh.replace(f", cp {spec.cp}", f", cp {spec.cp} ({spec.cp_mode})", 1)
     if is_grpo(spec):
         ranks = trainer_gpus(spec) * spec.nodes
         engines = (

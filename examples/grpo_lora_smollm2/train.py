@@ -316,6 +316,13 @@ def validate(cfg: Config, reward_funcs: list | None = None) -> None:
         (cfg.overlong in OVERLONG, f"overlong={cfg.overlong!r}: choose one of {OVERLONG}"),
         (cfg.overlong != "shape" or 1 <= cfg.overlong_buffer <= cfg.max_new_tokens,
          f"overlong_buffer={cfg.overlong_buffer} with overlong='shape': must be in [1, max_new_tokens={cfg.max_new_tokens}]"),
+        # options that act only with another one: refused rather than silently ignored
+        (cfg.overlong == "shape" or cfg.overlong_buffer == Config.overlong_buffer,
+         f"overlong_buffer={cfg.overlong_buffer} applies to overlong='shape' only (overlong={cfg.overlong!r}); drop --overlong_buffer or pass --overlong shape"),
+        (cfg.dynamic_sampling or cfg.max_refill_rounds == Config.max_refill_rounds,
+         f"max_refill_rounds={cfg.max_refill_rounds} applies to dynamic_sampling only; drop it or pass --dynamic_sampling true"),
+        (cfg.advantage_baseline != "rloo" or cfg.num_generations >= 2,
+         f"advantage_baseline='rloo' with num_generations={cfg.num_generations}: the leave-one-out baseline needs another completion of the same prompt (use num_generations >= 2)"),
     ]  # fmt: skip
     errors += [message for holds, message in checks if not holds]
     errors += rollout_config_errors(cfg)  # engines, Ray, staleness, weight transfer

@@ -242,7 +242,7 @@ def test_validate_names_each_bad_option(grpo_script):
         (dict(loss_type="dr_grpo"), "loss_type='dr_grpo' with scale_rewards=True: Dr. GRPO does not divide"),
         (dict(advantage_baseline="mean"), "advantage_baseline='mean': choose one of ('group_mean', 'rloo')"),
         (dict(dynamic_sampling=True, num_generations=1), "dynamic_sampling with num_generations=1:"),
-        (dict(max_refill_rounds=-1), "max_refill_rounds=-1: must be >= 0"),
+        (dict(dynamic_sampling=True, max_refill_rounds=-1), "max_refill_rounds=-1: must be >= 0"),
         (dict(overlong="cut"), "overlong='cut': choose one of ('none', 'mask', 'shape')"),
         (dict(overlong="shape", overlong_buffer=0), "overlong_buffer=0 with overlong='shape': must be in [1, max_new_tokens=64]"),
     ]  # fmt: skip
@@ -433,3 +433,25 @@ def test_each_loss_type_raises_mean_reward(
     rewards = [m["reward"] for m in history]
     assert all(math.isfinite(m["loss"]) for m in history)
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.15, rewards
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            {"overlong": "mask", "overlong_buffer": 8},
+            "overlong_buffer=8 applies to overlong='shape' only",
+        ),
+        ({"max_refill_rounds": 3}, "max_refill_rounds=3 applies to dynamic_sampling only"),
+        (
+            {"advantage_baseline": "rloo", "num_generations": 1},
+            "the leave-one-out baseline needs another",
+        ),
+    ],
+)
+def test_options_that_act_only_with_another_are_refused(grpo_script, overrides, message):
+    """An option that only acts with another one is refused in one line rather than ignored."""
+    cfg = grpo_script.Config(engine="runtime", **overrides)
+    with pytest.raises(grpo_script.ConfigError, match=message):
+        grpo_script.validate(cfg)
