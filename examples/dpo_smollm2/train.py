@@ -15,7 +15,8 @@ Losses (--loss_type; each one's function in section 5 writes out its math and ci
 - kto: KTO (Ethayarajh et al. 2024), unpaired desirable / undesirable replies against the
   reference, around a reference point z_ref (the step's KL estimate on mismatched pairs).
 simpo and orpo build, load and precompute no reference model (only the policy is resident);
---ref_mode and --ref_device are refused with them. beta defaults to 2.0 for simpo (the SimPO
+--ref_mode and --ref_device set to other than their defaults are refused with them (the
+defaults cannot be told from not given, and are ignored). beta defaults to 2.0 for simpo (the SimPO
 paper's; torchtune's SimPOLoss), else 0.1 (TRL's); orpo has no beta (its weight is orpo_lambda).
 
 Launch:
