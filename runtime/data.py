@@ -328,9 +328,16 @@ def to_preference(row: dict, index: int, source: str) -> dict:
         raise ValueError(f"{where}: expected a dict (one row), got {_kind(row)}.")
     for key in ("chosen", "rejected"):
         if key not in row:
+            # TRL's unpaired rows (completion + label) read only by the DPO script's kto loss
+            unpaired = "completion" in row and "label" in row
             raise ValueError(
                 f"{where}: missing key `{key}` (found: {sorted(row)}); a preference row needs "
-                "`chosen` and `rejected` (plus `prompt`, `conversations` or `messages`)."
+                "`chosen` and `rejected` (plus `prompt`, `conversations` or `messages`)"
+                + (
+                    "; this row is an unpaired (KTO) one, which --loss_type kto reads."
+                    if unpaired
+                    else "."
+                )
             )
     prompt_key = next((k for k in PREFERENCE_PROMPT_KEYS if k in row), None)
     if prompt_key is None:  # TRL implicit prompt: two full conversations sharing a prefix
