@@ -352,11 +352,7 @@ def to_preference(row: dict, index: int, source: str) -> dict:
         chosen = _continuation(row["chosen"], "chosen", where)
         rejected = _continuation(row["rejected"], "rejected", where)
     for key, messages in (("chosen", chosen), ("rejected", rejected)):
-        if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
-            raise ValueError(
-                f"{where}: `{key}` has no non-empty assistant reply, so there is nothing to "
-                "compare; fill it in or drop the row."
-            )
+        _require_reply(messages, key, where, "compare")
     if not prompt:
         raise ValueError(f"{where}: the prompt (`{prompt_key or 'chosen'}`) is empty; add it.")
     return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
@@ -418,14 +414,20 @@ def to_unpaired(row: dict, index: int, source: str) -> list[dict]:
         )
     prompt = _turn(row[prompt_key], "user", prompt_key, where)
     completion = _continuation(row["completion"], "completion", where)
-    if not any(m["role"] == "assistant" and m["content"].strip() for m in completion):
-        raise ValueError(
-            f"{where}: `completion` has no non-empty assistant reply, so there is nothing to "
-            "train on; fill it in or drop the row."
-        )
+    _require_reply(completion, "completion", where, "train on")
     if not prompt:
         raise ValueError(f"{where}: the prompt (`{prompt_key}`) is empty; add it.")
     return [{"prompt": prompt, "completion": completion, "label": label}]
+
+
+def _require_reply(messages: list[dict], key: str, where: str, purpose: str) -> None:
+    """Raises ValueError (naming `where` and `key`) unless `messages` hold a non-empty assistant
+    reply: without one there is nothing to `purpose`."""
+    if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+        raise ValueError(
+            f"{where}: `{key}` has no non-empty assistant reply, so there is nothing to "
+            f"{purpose}; fill it in or drop the row."
+        )
 
 
 def _continuation(value: Any, key: str, where: str) -> list[dict]:

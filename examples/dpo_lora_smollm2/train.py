@@ -753,6 +753,26 @@ def tokenize_sequence(
     return {"input_ids": ids, "labels": labels + [IGNORE_INDEX]}
 
 
+def keep_supervised(
+    items: list[dict], keys: tuple[str, ...], noun: str, source, cfg: Config
+) -> list[dict]:
+    """The items (pairs, examples) whose sequences under `keys` each keep a supervised token after
+    truncation to max_seq_len; rank 0 says how many were dropped. Raises ValueError if none is left."""
+    kept = [x for x in items if all(any(t != IGNORE_INDEX for t in x[k]["labels"]) for k in keys)]
+    where = "in both replies" if len(keys) > 1 else f"in its {keys[0]}"
+    if not kept:
+        raise ValueError(
+            f"{source}: no {noun} keeps a supervised token {where} after truncation to "
+            f"max_seq_len={cfg.max_seq_len}; raise --max_seq_len"
+        )
+    if len(kept) < len(items) and int(os.environ.get("RANK", "0")) == 0:
+        print(
+            f"{source}: {len(items) - len(kept)} of {len(items)} {noun}s dropped: their prompt leaves no reply "
+            f"token within max_seq_len={cfg.max_seq_len} (raise --max_seq_len to keep them)"
+        )
+    return kept
+
+
 def build_datasets(cfg: Config, tokenizer: Tokenizer) -> tuple[list[dict], list[dict]]:
     """Load preference rows, apply the chat template, tokenize and mask; split off a validation set."""
     source = resolve_data_path(cfg.dataset)
@@ -764,21 +784,7 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer) -> tuple[list[dict], list[
         # "id" = row number in the file: logged per step as sample_ids, and the precomputed-cache key;
         # "prompt" = what the end-of-run sample asks
         pairs.append({"id": i, "prompt": pref["prompt"], "chosen": chosen, "rejected": rejected})
-
-    def supervised(seq: dict) -> bool:
-        return any(t != IGNORE_INDEX for t in seq["labels"])
-
-    kept = [p for p in pairs if supervised(p["chosen"]) and supervised(p["rejected"])]
-    if not kept:
-        raise ValueError(
-            f"{source}: no pair keeps a supervised token in both replies after truncation to "
-            f"max_seq_len={cfg.max_seq_len}; raise --max_seq_len"
-        )
-    if len(kept) < len(pairs) and int(os.environ.get("RANK", "0")) == 0:
-        print(
-            f"{source}: {len(pairs) - len(kept)} of {len(pairs)} pairs dropped: their prompt leaves no reply "
-            f"token within max_seq_len={cfg.max_seq_len} (raise --max_seq_len to keep them)"
-        )
+    kept = keep_supervised(pairs, ("chosen", "rejected"), "pair", source, cfg)
     return split_train_val(kept, cfg.val_fraction, cfg.seed)
 
 
@@ -813,17 +819,7 @@ def build_kto_datasets(cfg: Config, tokenizer: Tokenizer) -> tuple[list[dict], l
             "kl": tokenize_sequence(ex["prompt"], other, tokenizer, cfg.max_seq_len),
         })  # fmt: skip
     # the KL sequence shares the prompt, so it keeps a reply token whenever the completion does
-    kept = [ex for ex in examples if any(t != IGNORE_INDEX for t in ex["completion"]["labels"])]
-    if not kept:
-        raise ValueError(
-            f"{source}: no example keeps a supervised token in its completion after truncation to "
-            f"max_seq_len={cfg.max_seq_len}; raise --max_seq_len"
-        )
-    if len(kept) < len(examples) and int(os.environ.get("RANK", "0")) == 0:
-        print(
-            f"{source}: {len(examples) - len(kept)} of {len(examples)} examples dropped: their prompt leaves "
-            f"no reply token within max_seq_len={cfg.max_seq_len} (raise --max_seq_len to keep them)"
-        )
+    kept = keep_supervised(examples, ("completion",), "example", source, cfg)
     return split_train_val(kept, cfg.val_fraction, cfg.seed)
 
 
