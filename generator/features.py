@@ -74,6 +74,18 @@ ALGOS: dict[str, Algo] = {
             skeleton="grpo",
             dataset="chain_sum.jsonl",
         ),
+        # RM: Bradley-Terry reward model on the DPO data, its own small skeleton (a score head, no
+        # reference, an HF sequence-classification save). lr: TRL's full-parameter reward-model
+        # command (examples/scripts/reward_modeling.py, --learning_rate 1.0e-5); RewardConfig's
+        # own default, 1e-4, is the one of its LoRA command.
+        Algo(
+            "rm",
+            None,
+            "reward model (Bradley-Terry) on preference pairs; saved for transformers and GRPO",
+            lr=1e-5,
+            skeleton="rm",
+            dataset="dpo_en_demo.json",
+        ),
         # KD: a feature of the SFT skeleton (its loss slot: CE + KL to the teacher)
         Algo(
             "kd",
@@ -242,7 +254,21 @@ def _refusals() -> dict[tuple[str, str], str]:
     """(trick or plan, algorithm) -> why that algorithm does not take it. Absent: supported."""
     out = {}
     for name, algo in ALGOS.items():
-        if algo.skeleton != "sft":
+        if algo.skeleton == "rm":
+            for plan in ("--dp-replicate", "--tp", "--cp"):
+                out[plan, name] = (
+                    "not wired into the RM skeleton yet (the score head's placement and the "
+                    "pooled last token under this plan are untested); only FSDP over --gpus"
+                )
+            out["packing", name] = (
+                "not built for reward models yet: a packed row would need one scored position "
+                "per document and a per-document score gather"
+            )
+            out["lce", name] = (
+                "a reward model has no lm_head: its head is one [D] -> 1 projection of one "
+                "token per sequence, so there are no [B, S, V] logits to chunk"
+            )
+        elif algo.skeleton != "sft":
             extra = (
                 "precomputed log-probs" if algo.skeleton == "dpo" else "weight sync to the engines"
             )

@@ -81,7 +81,15 @@ from runtime.metrics import (
     step_line,
     transformer_flops_per_token,
 )
-from runtime.models.llama import CausalLM, KVCache, LlamaForCausalLM, ModelArgs, build_model
+from runtime.models.llama import (
+    CausalLM,
+    KVCache,
+    LlamaForCausalLM,
+    ModelArgs,
+    SequenceClassifier,
+    build_model,
+    build_sequence_classifier,
+)
 from runtime.models.moe import load_balancing_loss
 from runtime.offload import offload_activations
 from runtime.optim import (
@@ -125,6 +133,14 @@ from runtime.preference import (
     reference_logprobs,
 )
 from runtime.quiet import silence_known_noise
+from runtime.reward_model import (
+    RewardModelFunction,
+    load_reward_weights,
+    reward_model_config,
+    reward_pad_token_id,
+    save_reward_model,
+    score_index,
+)
 from runtime.rollout import (
     HFWeightSource,
     ReplayBuffer,
@@ -234,6 +250,14 @@ __all__ = [
     "build_mesh",
     "cast_frozen_params",
     "build_model",
+    "SequenceClassifier",
+    "build_sequence_classifier",
+    "RewardModelFunction",
+    "load_reward_weights",
+    "reward_model_config",
+    "reward_pad_token_id",
+    "save_reward_model",
+    "score_index",
     "check_tp_degree",
     "check_same_tokenizer",
     "check_vocab_fits",

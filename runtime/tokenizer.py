@@ -310,6 +310,19 @@ class Tokenizer:
         """Id of `pad_token`, falling back to `eos_token_id` when no pad token is set."""
         return self._special_ids.get("pad_token", self.eos_token_id)
 
+    def special_token(self, key: str) -> str | None:
+        """The string of special token `key` ("pad_token", "unk_token", ... as tokenizer_config.json
+        names them), or None when it is not set."""
+        return self._special_tokens.get(key)
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of `token` (a whole vocabulary entry, e.g. "<|endoftext|>"), or None."""
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary entry of `token_id` (special tokens as their strings), or None."""
+        return self._tok.id_to_token(token_id)
+
     @property
     def stop_token_ids(self) -> list[int]:
         """Ids that end generation: eos plus generation_config's eos ids, deduplicated, sorted."""

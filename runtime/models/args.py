@@ -26,6 +26,10 @@ HF_ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
 }
+# ... and the sequence-classification head over the same decoder (a reward model's, num_labels=1)
+HF_SEQUENCE_CLASSIFICATION_ARCHITECTURES = {
+    t: a.replace("ForCausalLM", "ForSequenceClassification") for t, a in HF_ARCHITECTURES.items()
+}
 _QK_NORM_TYPES = ("qwen3", "qwen3_moe")
 _QWEN3_DEFAULT_HEAD_DIM = 128  # Qwen3Config's default when config.json omits head_dim
 _HF_DEFAULT_ROUTER_AUX_LOSS_COEF = 0.001  # Qwen3MoeConfig's default
@@ -162,7 +166,8 @@ class ModelArgs:
         model_type = cfg.get("model_type")
         expected = HF_ARCHITECTURES.get(model_type)
         archs = cfg.get("architectures") or [expected]
-        if expected is None or expected not in archs:
+        scored = HF_SEQUENCE_CLASSIFICATION_ARCHITECTURES.get(model_type)
+        if expected is None or (expected not in archs and scored not in archs):
             supported = ", ".join(f"{t!r} / {a}" for t, a in HF_ARCHITECTURES.items())
             raise ValueError(
                 f"{source}: model_type={model_type!r}, architectures={archs} is not supported; "

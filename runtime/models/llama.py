@@ -42,11 +42,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from runtime.models.args import HF_ARCHITECTURES, ModelArgs
+from runtime.models.args import (
+    HF_ARCHITECTURES,
+    HF_SEQUENCE_CLASSIFICATION_ARCHITECTURES,
+    ModelArgs,
+)
 from runtime.models.moe import SparseMoeBlock
 
 __all__ = [  # ModelArgs and HF_ARCHITECTURES live in runtime.models.args, re-exported here
     "HF_ARCHITECTURES",
+    "HF_SEQUENCE_CLASSIFICATION_ARCHITECTURES",
     "CausalLM",
     "KVCache",
     "LlamaAttention",
@@ -57,8 +62,10 @@ __all__ = [  # ModelArgs and HF_ARCHITECTURES live in runtime.models.args, re-ex
     "LlamaRotaryEmbedding",
     "ModelArgs",
     "RMSNorm",
+    "SequenceClassifier",
     "apply_rotary_pos_emb",
     "build_model",
+    "build_sequence_classifier",
     "compute_rope_inv_freq",
     "rotate_half",
 ]
@@ -479,6 +486,60 @@ class CausalLM(nn.Module):
 LlamaForCausalLM = CausalLM  # the name emitted scripts and older code use
 
 
+class SequenceClassifier(nn.Module):
+    """Decoder plus a linear score head; module tree and state-dict keys identical to HF's
+    `*ForSequenceClassification` (`model.*`, `score.weight`; transformers' `GenericForSequenceClassification`).
+
+    A reward model is this with num_labels=1: the score of a sequence is the head applied to the
+    final-norm hidden state of one token per row (its last one; the caller picks it, as
+    transformers pools at the last token that is not `pad_token_id`).
+    """
+
+    def __init__(self, args: ModelArgs, num_labels: int = 1) -> None:
+        super().__init__()
+        self.args = args
+        self.model = LlamaModel(args)
+        self.score = nn.Linear(args.hidden_size, num_labels, bias=False)  # HF: no bias
+
+    def tie_weights(self) -> None:
+        """No output embedding to tie (the head is `score`); kept so plans that re-tie after
+        sharding may call it on either class."""
+
+    def init_rope(self, device=None) -> None:
+        """(Re)compute the RoPE `inv_freq` buffer, as `CausalLM.init_rope`."""
+        self.model.rotary_emb.reset_inv_freq(device)
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
+        """Random init for tests: N(0, std) linear/embedding weights, zero biases, unit norms."""
+        CausalLM.init_weights(self, std, generator)
+
+    def forward_hidden(self, input_ids, position_ids=None, attention_mask=None):
+        """Final-norm hidden states [B, S, D] (as `CausalLM.forward_hidden`)."""
+        return self.model(input_ids, position_ids, attention_mask)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        score_index: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Scores of one token per row.
+
+        Args:
+            input_ids: [B, S] int64 token ids.
+            score_index: [B] int64, the position scored in each row (its last real token).
+            position_ids, attention_mask: as `CausalLM.forward` (None: positions 0..S-1, causal).
+
+        Returns:
+            [B, num_labels] in the head's dtype; only the B pooled hidden states reach the head.
+        """
+        hidden = self.model(input_ids, position_ids, attention_mask)  # [B, S, D]
+        rows = torch.arange(input_ids.shape[0], device=hidden.device)
+        return self.score(hidden[rows, score_index])  # [B, D] -> [B, num_labels]
+
+
 class KVCache:
     """Preallocated per-layer key/value buffers `[B, Hkv, S_max, Dh]` for incremental decoding.
 
@@ -544,4 +605,19 @@ def build_model(
         # already built in `dtype`: no conversion (under FakeTensorMode, as `scaffold plan` runs
         # it, a no-op `.to` would still try to swap every fake parameter and fail)
         return model
+    return model.to(dtype=dtype)
+
+
+def build_sequence_classifier(
+    args: ModelArgs,
+    num_labels: int = 1,
+    device: str | torch.device = "meta",
+    dtype: torch.dtype = torch.float32,
+) -> SequenceClassifier:
+    """Construct a `SequenceClassifier` (decoder + `score` head) on `device` in `dtype`; on "meta"
+    as `build_model` (shard, `to_empty`, load, `init_rope`)."""
+    with torch.device(device):
+        model = SequenceClassifier(args, num_labels)
+    if all(t.dtype == dtype for t in model.parameters()):
+        return model  # as build_model: no no-op `.to` under FakeTensorMode
     return model.to(dtype=dtype)
