@@ -65,6 +65,7 @@ examples:
 	$(BIN)/scaffold new --algo sft --model smollm2-135m --tricks ac,lce,optim-in-bwd --out examples/sft_smollm2_memory --force
 	$(BIN)/scaffold new --algo dpo --model smollm2-135m --out examples/dpo_smollm2 --force
 	$(BIN)/scaffold new --algo dpo-lora --model smollm2-135m --out examples/dpo_lora_smollm2 --force
+	$(BIN)/scaffold new --algo rm --model smollm2-135m --out examples/rm_smollm2 --force
 	$(BIN)/scaffold new --algo kd --model smollm2-135m --out examples/kd_smollm2 --force
 	$(BIN)/scaffold new --algo grpo --model smollm2-135m --out examples/grpo_smollm2 --force
 	$(BIN)/scaffold new --algo grpo-lora --model smollm2-135m --out examples/grpo_lora_smollm2 --force
