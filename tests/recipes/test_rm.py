@@ -15,7 +15,7 @@ import torch
 
 from generator.assets import ensure_dataset
 from runtime import RewardModelFunction, Tokenizer, score_index
-from tests.helpers import import_script, read_metrics
+from tests.helpers import import_script, read_metrics, run_grpo
 
 REPO = Path(__file__).resolve().parents[2]
 RM = REPO / "examples" / "rm_smollm2" / "train.py"
@@ -116,7 +116,9 @@ def test_saved_model_scores_equal_in_transformers(rm_script, tiny_rm, short_pair
     assert hf_tokenizer.pad_token_id == config["pad_token_id"]
 
     tokenizer = Tokenizer.from_dir(tiny_rm)
-    cfg = rm_script.Config(model=str(tiny_rm), dataset=str(short_pairs), val_fraction=0.0, max_seq_len=192)
+    cfg = rm_script.Config(
+        model=str(tiny_rm), dataset=str(short_pairs), val_fraction=0.0, max_seq_len=192
+    )
     pairs, _ = rm_script.build_datasets(cfg, tokenizer)
     batch = rm_script.collate(pairs, config["pad_token_id"])
     # the script's model, loaded back from the saved reward model (its head included)
@@ -164,3 +166,50 @@ def test_real_smollm2_held_out_accuracy_rises_above_chance(rm_script, smollm2_di
     last = read_metrics(out)[-1]
     assert last["val_accuracy"] > 0.5, last
     assert last["val_loss"] < math.log(2), last
+
+
+def test_grpo_takes_the_saved_reward_model_as_a_reward(
+    tiny_rm, ray_session, even_model_dir, chain_sum_64, tmp_path, monkeypatch
+):
+    """GRPO with --reward_model: every rollout's reward_model value is the RM's score of its
+    (question, completion), computed here directly, and its total the weighted sum with the
+    script's other reward."""
+    grpo = import_script(REPO / "examples" / "grpo_smollm2" / "train.py", "grpo_with_rm")
+    seen = []
+    train_step = grpo.train_step
+
+    def recording_step(model, reference, optimizer, scheduler, rollouts, *args, **kwargs):
+        seen.extend(rollouts)
+        return train_step(model, reference, optimizer, scheduler, rollouts, *args, **kwargs)
+
+    monkeypatch.setattr(grpo, "train_step", recording_step)
+    history = run_grpo(
+        grpo, even_model_dir, chain_sum_64, tmp_path / "out", "--max_steps", "2",
+        "--reward_model", str(tiny_rm), "--reward_weights", "1.0,0.5",
+    )  # fmt: skip
+    assert len(history) == 2 and len(seen) == 2 * 2 * 4
+    cfg = grpo.Config(model=str(even_model_dir), dataset=str(chain_sum_64))
+    questions = {
+        tuple(ex["prompt_ids"]): ex["prompt"]
+        for ex in grpo.load_prompts(cfg, Tokenizer.from_dir(even_model_dir))
+    }
+    reward_model = RewardModelFunction(tiny_rm)
+    direct = reward_model.score(
+        [questions[tuple(r.prompt_ids)] for r in seen], [r.completion for r in seen]
+    )
+    got = [r.rewards["reward_model"] for r in seen]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(direct), atol=1e-5, rtol=1e-5)
+    assert len(set(got)) > 1  # distinct completions, distinct scores: not one constant
+    for r in seen:
+        want = r.rewards["even_token_reward"] + 0.5 * r.rewards["reward_model"]
+        assert abs(r.reward - want) < 1e-6
+
+
+def test_grpo_reward_weights_count_the_reward_model(tiny_rm):
+    grpo = import_script(REPO / "examples" / "grpo_smollm2" / "train.py", "grpo_with_rm_weights")
+    cfg = grpo.Config(reward_model=str(tiny_rm))  # the default reward_weights: 2 entries
+    with pytest.raises(
+        ValueError,
+        match=r"reward_weights has 2 entries for 3 reward functions \(the last: --reward_model\)",
+    ):
+        grpo.validate(cfg)
