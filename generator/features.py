@@ -273,7 +273,12 @@ def _refusals() -> dict[tuple[str, str], str]:
                 "precomputed log-probs" if algo.skeleton == "dpo" else "weight sync to the engines"
             )
             skeleton = algo.skeleton.upper()
-            for plan in ("--dp-replicate", "--tp", "--cp"):
+            # HSDP on GRPO: rank 0's rollouts are shared over the flattened "dp" (replicate x
+            # shard) ranks and the weight sync gathers whole tensors from any FSDP mesh
+            plans = (
+                ("--tp", "--cp") if algo.skeleton == "grpo" else ("--dp-replicate", "--tp", "--cp")
+            )
+            for plan in plans:
                 out[plan, name] = _PLAN_NOT_WIRED.format(skeleton=skeleton, extra=extra)
         if name != "sft":
             what = {"lora": "its adapters", "kd": "its teacher"}.get(algo.template or "", "")
