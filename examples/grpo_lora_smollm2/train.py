@@ -132,6 +132,7 @@ from runtime import (
     ConfigError,
     MetricsLogger,
     ModelArgs,
+    RewardModelFunction,
     Rollout,
     Tokenizer,
     adapter_param_names,
@@ -220,7 +221,8 @@ class Config:
     overlong_buffer: int = 16  # overlong="shape": penalty 0 -> -1 over the last tokens
     reward_weights: list[float] = field(
         default_factory=lambda: [1.0, 0.2]
-    )  # per REWARD_FUNCS entry
+    )  # per REWARD_FUNCS entry, then reward_model's
+    reward_model: str = ""  # a saved reward model (scaffold new --algo rm): one more reward, its score of (question, completion)
     # rollout (Ray)
     rollout: str = "async"  # "sync" | "async" | "off-policy" (see the docstring)
     max_staleness: int = 2  # off-policy: policy versions a trained sample may lag (sync 0, async 1)
@@ -304,7 +306,9 @@ def validate(cfg: Config, reward_funcs: list | None = None) -> None:
     """Check every field and combination at once, before any model, data or Ray work."""
     errors = common_config_errors(cfg)  # the fields every config has; a missing logger fails now
     positive = ("num_generations", "prompts_per_step", "max_new_tokens", "max_prompt_len")
-    num_funcs = len(reward_funcs or REWARD_FUNCS)
+    num_funcs = len(reward_funcs or REWARD_FUNCS) + bool(
+        cfg.reward_model
+    )  # the reward model's comes last
     checks = [  # (holds, message when it does not)
         *((getattr(cfg, n) >= 1, f"{n}={getattr(cfg, n)}: must be >= 1") for n in positive),
         (cfg.temperature > 0 and 0 < cfg.top_p <= 1 and cfg.top_k >= 0,
@@ -312,7 +316,7 @@ def validate(cfg: Config, reward_funcs: list | None = None) -> None:
         (0 <= cfg.clip_eps_low < 1 and cfg.clip_eps_high >= 0,
          f"clip_eps_low={cfg.clip_eps_low} must be in [0, 1), clip_eps_high={cfg.clip_eps_high} >= 0"),
         (cfg.kl_coef >= 0 and cfg.is_cap >= 0, f"kl_coef={cfg.kl_coef} and is_cap={cfg.is_cap} must be >= 0"),
-        (len(cfg.reward_weights) == num_funcs, f"reward_weights has {len(cfg.reward_weights)} entries for {num_funcs} reward functions"),
+        (len(cfg.reward_weights) == num_funcs, f"reward_weights has {len(cfg.reward_weights)} entries for {num_funcs} reward functions{' (the last: --reward_model)' if cfg.reward_model else ''}"),
         (cfg.loss_type in LOSS_TYPES, f"loss_type={cfg.loss_type!r}: choose one of {LOSS_TYPES}"),
         (cfg.loss_type != "dr_grpo" or not cfg.scale_rewards,
          "loss_type='dr_grpo' with scale_rewards=True: Dr. GRPO does not divide advantages by the group's std (pass --scale_rewards false)"),
@@ -921,6 +925,10 @@ def main(argv: list[str] | None = None, reward_funcs: list | None = None) -> lis
     cfg = parse_config(Config, argv)
     reward_funcs = reward_funcs or REWARD_FUNCS
     validate(cfg, reward_funcs)
+    if (
+        cfg.reward_model
+    ):  # a model-graded reward after the verifiable ones: each reward worker loads it once
+        reward_funcs = [*reward_funcs, RewardModelFunction(cfg.reward_model)]
     dist_info, mesh = setup_distributed(cfg)
     is_main, device = dist_info.is_main, dist_info.device
     dp_rank, dp_size, _ = data_parallel(mesh)
