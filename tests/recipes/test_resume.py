@@ -422,3 +422,37 @@ def test_two_ranks_resume_from_sharded_checkpoint(tiny_model_dir, small_dataset,
     ref, got = steps_logged(ref_out), steps_logged(out)
     assert [got[s]["loss"] for s in range(1, 7)] == [ref[s]["loss"] for s in range(1, 7)]
     assert_same_weights(ref_out, out)
+
+
+def test_reward_model_resumes_exactly(tiny_model_dir, short_pairs, tmp_path):
+    """Reward-model training (examples/rm_smollm2): killed after step 3, resumed from the step-2
+    checkpoint, its losses, accuracies, margins and sample order per step, the final reward model
+    (decoder and score head) and every optimizer state equal an uninterrupted run's. 4 pairs, 2
+    per step: 5 steps cross two epoch boundaries."""
+    script = REPO / "examples" / "rm_smollm2" / "train.py"
+    steps = 5
+    ref_out, out = tmp_path / "ref", tmp_path / "killed"
+
+    def rm_args(out_dir: Path) -> list[str]:
+        args = common_args(tiny_model_dir, short_pairs, out_dir, steps)
+        i = args.index("--sample_max_new_tokens")  # a scorer has no end-of-run sample
+        extra = ["--micro_batch_size", "1", "--gradient_accumulation_steps", "2",
+                 "--max_seq_len", "192"]  # fmt: skip
+        return [*args[:i], *args[i + 2 :], *extra]
+
+    run_reference(script, rm_args(ref_out))
+    args = rm_args(out)
+    assert_killed(run(script, args, kill=("after_step", 3)))
+    proc = run(script, args)
+    assert_ok(proc)
+    assert "step_000002" in proc.stdout
+    ref, got = steps_logged(ref_out), steps_logged(out)
+    keys = ("lr", "loss", "accuracy", "margin", "sample_ids")
+    for step in range(1, steps + 1):
+        assert [got[step][k] for k in keys] == [ref[step][k] for k in keys], step
+    assert ref[5]["loss"] != ref[1]["loss"]
+    assert_same_weights(ref_out, out)
+    assert "score.weight" in load_file(out / "model" / "model.safetensors")
+    assert_same_optimizer_state(
+        ref_out / "checkpoints/step_000005", out / "checkpoints/step_000005"
+    )
