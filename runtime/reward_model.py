@@ -185,17 +185,19 @@ class RewardModelFunction:
         self.path = str(Path(path).expanduser().resolve())
         config = read_hf_config(self.path)
         archs = config.get("architectures") or []
-        labels = len(config.get("id2label") or {}) or config.get("num_labels", 2)
-        if not set(archs) & set(HF_SEQUENCE_CLASSIFICATION_ARCHITECTURES.values()) or labels != 1:
+        where = f"reward_model={str(path)!r}: config.json"
+        if not set(archs) & set(HF_SEQUENCE_CLASSIFICATION_ARCHITECTURES.values()):
             raise ValueError(
-                f"reward_model={str(path)!r}: config.json has architectures {archs} with {labels} "
-                "labels; expected a reward model (a *ForSequenceClassification with one label, "
-                "as `scaffold new --algo rm` saves it)"
+                f"{where} has architectures {archs}, not a *ForSequenceClassification; expected a "
+                "reward model (the out_dir/model of `scaffold new --algo rm`)"
             )
+        labels = len(config.get("id2label") or {}) or config.get("num_labels", 2)
+        if labels != 1:
+            raise ValueError(f"{where} has {labels} labels; a reward model has one (a scalar score)")
         if config.get("pad_token_id") is None:
             raise ValueError(
-                f"reward_model={str(path)!r}: config.json has no pad_token_id; the score is taken "
-                "at the last token that is not padding, so set it"
+                f"{where} has no pad_token_id; the score is taken at the last token that is not "
+                "padding, so set it"
             )
         ModelArgs.from_hf_config(config, source=str(Path(self.path) / "config.json"))
 

@@ -32,6 +32,8 @@ SCRIPT_ARGS = (
     "--micro_batch_size", "2", "--eval_every_steps", "0", "--val_fraction", "0",
     "--sample_max_new_tokens", "0",
 )  # fmt: skip
+# the reward-model script has no end-of-run sample (a scorer does not generate)
+RM_ARGS = SCRIPT_ARGS[: SCRIPT_ARGS.index("--sample_max_new_tokens")]
 
 GOOD_ROWS = [{"instruction": f"Say the number {i}.", "output": f"{i}"} for i in range(8)]
 
@@ -521,6 +523,24 @@ CASES = [
     script("kto-completion-not-message", ["--loss_type", "kto", "--dataset", "{tmp}/kto.jsonl"],
            r"{tmp}/kto\.jsonl row 0: `completion` must be a string or a message list, got int",
            files={"kto.jsonl": jsonl([{**KTO_ROW, "completion": 7}])}, recipe="dpo_smollm2"),
+    # --- reward model ------------------------------------------------------------------------------
+    scaffold("new-rm-with-packing", ["new", "--algo", "rm", "--tricks", "packing", "--out", "{tmp}/o"],
+             r"not built for reward models yet", r"one scored position per document"),
+    script("rm-missing-rejected", ["--dataset", "{tmp}/pairs.json"],
+           r"{tmp}/pairs\.json row 1: missing key `rejected`", r"found: \['chosen', 'prompt'\]",
+           files={"pairs.json": json.dumps([PAIR, {"prompt": "Hi", "chosen": "Hello"}])},
+           recipe="rm_smollm2", script_args=RM_ARGS),
+    script("rm-margin-not-a-number", ["--dataset", "{tmp}/pairs.json"],
+           r"{tmp}/pairs\.json row 1: `margin` must be a finite number, got 'large'",
+           files={"pairs.json": json.dumps([{**PAIR, "margin": 1}, {**PAIR, "margin": "large"}])},
+           recipe="rm_smollm2", script_args=RM_ARGS),
+    script("rm-negative-centring", ["--center_rewards_coefficient", "-0.01"],
+           r"center_rewards_coefficient=-0\.01 must be a finite number >= 0",
+           recipe="rm_smollm2", script_args=RM_ARGS),
+    script("grpo-reward-model-is-a-causal-lm", ["--reward_model", "{model}", "--reward_weights", "1,0.2,1"],
+           r"reward_model='{model}': config\.json has architectures \['LlamaForCausalLM'\]",
+           r"not a \*ForSequenceClassification", r"scaffold new --algo rm",
+           recipe="grpo_smollm2", script_args=GRPO_ARGS),
     # --- GRPO ------------------------------------------------------------------------------------
     scaffold("new-grpo-hsdp-beyond-the-trainer",
              ["new", "--algo", "grpo", "--dp-replicate", "4", "--gpus", "4", "--engine-gpus", "2",
