@@ -235,7 +235,7 @@ def _plan_summary(spec: Spec, gpu: tuple[str, float] | None, text: str) -> None:
     answers = build_answers(spec)
     mbs, seq = answers["micro_batch_size"], answers["max_seq_len"]
     batch = f"micro-batch {mbs} x {seq} tokens"
-    if ALGOS[spec.algo].skeleton == "dpo":  # a pair is two sequences (chosen, rejected)
+    if ALGOS[spec.algo].skeleton in ("dpo", "rm"):  # a pair is two sequences (chosen, rejected)
         batch = f"micro-batch {mbs} pair(s) x 2 x {seq} tokens"
     if is_grpo(spec):  # the script's Config: its rollout lengths, not the model's max_seq_len
         mbs, seq, batch = None, None, "the script's rollouts"

@@ -42,6 +42,7 @@ from generator.plan_harness import (
     adapter_params,
     dpo_reference_mode,
     is_dpo,
+    is_rm,
     is_grpo,
     model_dims,
     trained_bytes,
@@ -167,6 +168,7 @@ def estimate(
     d = model_dims(model_config(spec))
     grpo = is_grpo(spec)
     dpo = is_dpo(spec)
+    rm = is_rm(spec)  # reward model: pairs, a [D] -> 1 head, no lm_head
     world = trainer_gpus(spec) * spec.nodes
     shard = world // spec.dp_replicate  # ranks one parameter is split over (TP's share included)
     mbs = micro_batch_size or cfg["micro_batch_size"]
@@ -176,7 +178,7 @@ def estimate(
     else:
         seq = max_seq_len or cfg["max_seq_len"]
     tokens = mbs * -(-seq // spec.tp) / spec.cp  # per rank: sequence parallel and cp split rows
-    if dpo:  # a pair is two sequences (chosen, rejected): 2P rows, or P packed rows of 2S
+    if dpo or rm:  # a pair is two sequences (chosen, rejected): 2P rows, or P packed rows of 2S
         tokens *= 2
     dtype = 4 if spec.dtype == "fp32" else 2
     tricks = set(spec.tricks)
@@ -214,7 +216,9 @@ def estimate(
     else:
         loss_tokens = tokens
     vocab = d["V"] / spec.tp
-    if "lce" in tricks:  # the chunked loss: lm_head's weight in fp32 (and its fp32 gradient
+    if rm:  # one score per sequence: no logits
+        loss = 0
+    elif "lce" in tricks:  # the chunked loss: lm_head's weight in fp32 (and its fp32 gradient
         # where it is trained), two chunks of 1/8 of the tokens' fp32 logits
         head = vocab * d["D"] * 4 * (1 if adapters else 2)
         loss = head + loss_tokens * vocab * 4 * 2 / 8

@@ -245,6 +245,12 @@ def is_grpo(spec: Spec) -> bool:
     return ALGOS[spec.algo].skeleton == "grpo"
 
 
+def is_rm(spec: Spec) -> bool:
+    """The spec renders the reward-model skeleton (pairs scored by a `score` head: `measure_step`
+    with `synthetic_rm_pairs`)."""
+    return ALGOS[spec.algo].skeleton == "rm"
+
+
 def is_dpo(spec: Spec) -> bool:
     """The spec renders the DPO skeleton (preference pairs, a reference: `measure_dpo_step`)."""
     return ALGOS[spec.algo].skeleton == "dpo"
@@ -709,15 +715,22 @@ def _simulated_build(script, fake: bool):
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    loader = script.load_hf_checkpoint
+    # the RM script loads through load_reward_weights (a causal LM's decoder under a new head)
+    loaders = {
+        name: getattr(script, name)
+        for name in ("load_hf_checkpoint", "load_reward_weights")
+        if hasattr(script, name)
+    }
     if fake:
-        script.load_hf_checkpoint = lambda *args, **kwargs: None
+        for name in loaders:
+            setattr(script, name, lambda *args, **kwargs: None)
     try:
         with FakeTensorMode() if fake else contextlib.nullcontext():
             with torch.compiler.set_stance("force_eager"), _compiled_torchao_step(fake):
                 yield
     finally:
-        script.load_hf_checkpoint = loader
+        for name, loader in loaders.items():
+            setattr(script, name, loader)
 
 
 @contextlib.contextmanager
@@ -797,10 +810,15 @@ def measure_step(
         # and of 2*cp*tp under context parallel (2*cp chunks per row)
         multiple = spec.tp * (2 * spec.cp if spec.cp > 1 else 1)
         padded_len = -(-max_seq_len // multiple) * multiple
-        batch = synthetic_batch(micro_batch_size, padded_len, packing)
-        logits = [0]
-        hook = model.lm_head.register_forward_hook(
-            lambda mod, args, out: logits.__setitem__(0, max(logits[0], out.nbytes))
+        rm = is_rm(spec)
+        if rm:  # micro_batch_size pairs: 2 x micro_batch_size sequences, one score each
+            batch = synthetic_rm_pairs(micro_batch_size, padded_len)
+        else:
+            batch = synthetic_batch(micro_batch_size, padded_len, packing)
+        logits = [0]  # a reward model has no lm_head: its [2P, 1] scores are nothing to count
+        head = model.score if rm else model.lm_head
+        hook = head.register_forward_hook(
+            lambda mod, args, out: logits.__setitem__(0, 0 if rm else max(logits[0], out.nbytes))
         )
         tracker = _peak_tracker(_num_layers(model_dir) if segments else None)
         optimizers = getattr(optimizer, "optimizers", optimizer)  # optimizer-in-backward
@@ -813,11 +831,12 @@ def measure_step(
             dp_group = mesh["dp_cp"].get_group()
             cp_args = (mesh["cp"].get_local_rank(), cfg.cp)
         with propagation, tracker, answers, _causal_bias_outside_modes(fake):
+            # the RM script reduces over every rank (FSDP only: no dp group or cp chunks to pass)
+            groups = () if rm else (dp_group, *cp_args)
             for _ in range(2):  # step 1 creates the optimizer state; step 2 holds it
                 script.train_step(
-                    model, optimizer, scheduler, [batch], cfg, dist_info.device, dp_group,
-                    *cp_args,
-                )  # fmt: skip
+                    model, optimizer, scheduler, [batch], cfg, dist_info.device, *groups
+                )
         hook.remove()
         categories, peak = _peak_rows(tracker)
     del model, optimizer, scheduler
@@ -861,6 +880,22 @@ def synthetic_pairs(pairs: int, max_seq_len: int, packing: bool, first_id: int =
         "sequence_ids": (torch.arange(P)[:, None] + P * halves).contiguous(),
         "num_tokens": torch.tensor(2 * P * S),
         "sample_ids": ids,
+    }
+
+
+def synthetic_rm_pairs(pairs: int, max_seq_len: int) -> dict:
+    """A collated reward-model micro-batch of `pairs` pairs in the layout of the RM script's
+    collate: input_ids [2P, S] int64 (no padding: every row scored at its last position,
+    score_index [2P]), margin [P] fp32, num_tokens, sample_ids [P]."""
+    import torch
+
+    P, S = pairs, max_seq_len
+    return {
+        "input_ids": torch.ones(2 * P, S, dtype=torch.long),
+        "score_index": torch.full((2 * P,), S - 1, dtype=torch.long),
+        "margin": torch.zeros(P),
+        "num_tokens": torch.tensor(2 * P * S),
+        "sample_ids": torch.arange(P),
     }
 
 

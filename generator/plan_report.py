@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import shlex
 
-from generator.plan_harness import GIB, PlanError, PlanResult, describe_spec
+from generator.plan_harness import GIB, PlanError, PlanResult, describe_spec, is_rm
 from generator.spec import Spec, engine_tp_choices, model_config
 
 # GPU name -> total memory in GiB as nvidia-smi reports it (MiB / 1024). --gpu-memory also takes
@@ -286,6 +286,12 @@ def format_result(result: PlanResult, gpu_label: str, gpu_gib: float) -> str:
             f"memory per rank: {describe_spec(r.spec)}; micro-batch {r.dpo['pairs']} pair(s) = "
             f"{r.dpo['sequences']} sequences (chosen + rejected) x {r.max_seq_len} tokens (every "
             f"position supervised); {_dpo_reference(r)}"
+        )
+    elif is_rm(r.spec):
+        head = (
+            f"memory per rank: {describe_spec(r.spec)}; micro-batch {r.micro_batch_size} pair(s) "
+            f"= {2 * r.micro_batch_size} sequences (chosen + rejected) x {r.max_seq_len} tokens, "
+            "one score each (no lm_head)"
         )
     else:
         head = (

@@ -193,7 +193,9 @@ class RewardModelFunction:
             )
         labels = len(config.get("id2label") or {}) or config.get("num_labels", 2)
         if labels != 1:
-            raise ValueError(f"{where} has {labels} labels; a reward model has one (a scalar score)")
+            raise ValueError(
+                f"{where} has {labels} labels; a reward model has one (a scalar score)"
+            )
         if config.get("pad_token_id") is None:
             raise ValueError(
                 f"{where} has no pad_token_id; the score is taken at the last token that is not "

@@ -889,3 +889,18 @@ def test_low_bit_state_simulation_holds_the_states_not_the_eager_step(tiny_real_
     numel = [p.numel() for p in model.parameters()]
     # the peak moves by the states' difference and at most the largest parameter's two buffers
     assert lowbit.peak <= plain.peak - (8 * sum(numel) - states) + 8 * max(numel)
+
+
+def test_rm_simulation_matches_real_step(process_group, tiny_model_dir, tmp_path):
+    """The reward model (a `score` head, no lm_head), 1 rank, 1 pair x 128 tokens, plain and with
+    ac: simulated = the same `train_step` calls on real tensors, and no logits at all."""
+    specs = [
+        Spec(algo="rm", model=str(tiny_model_dir), dataset="dpo_en_demo.json", tricks=tricks)
+        for tricks in ((), ("ac",))
+    ]
+    for i, sim in enumerate(simulate(specs, 1, 128)):
+        assert sim.logits == 0
+        (tmp_path / f"c{i}").mkdir()
+        (tmp_path / f"c{i}" / "train.py").write_text(render(sim.spec))
+        script = import_script(tmp_path / f"c{i}" / "train.py", f"plan_rm_real_{i}")
+        _assert_agrees(sim, measure_step(script, tiny_model_dir, 1, 128, sim.spec, fake=False))
