@@ -42,8 +42,8 @@ from generator.plan_harness import (
     adapter_params,
     dpo_reference_mode,
     is_dpo,
-    is_rm,
     is_grpo,
+    is_rm,
     model_dims,
     trained_bytes,
 )
