@@ -42,11 +42,13 @@ def _script(tmp: Path, algo: str, tricks: tuple) -> object:
 def _offline_two_steps(script, algo, tmp, model_dir, data) -> list[tuple[float, float]]:
     """(loss, grad_norm) of 2 steps of main(): 2 micro-batches per step, clipping on, fp32."""
     out = tmp / "out"
-    args = two_step_args(
-        out, model_dir, data, max_seq_len=192 if ALGOS[algo].skeleton == "dpo" else 64
-    )
-    if ALGOS[algo].skeleton == "dpo":  # 4 pairs: 2 steps of 2 micro-batches of 1 pair
+    pairs = ALGOS[algo].skeleton in ("dpo", "rm")
+    args = two_step_args(out, model_dir, data, max_seq_len=192 if pairs else 64)
+    if pairs:  # 4 pairs: 2 steps of 2 micro-batches of 1 pair
         args[args.index("--micro_batch_size") + 1] = "1"
+    if algo == "rm":  # a scorer has no end-of-run sample
+        i = args.index("--sample_max_new_tokens")
+        args = [*args[:i], *args[i + 2 :]]
     if algo == "kd":
         args += ["--teacher", str(model_dir), "--teacher_hf_repo_id", ""]
     if algo in ("lora", "qlora", "dpo-lora"):
@@ -69,7 +71,8 @@ def run(tmp_path_factory, tiny_model_dir, small_dataset, short_pairs):
             if ALGOS[algo].skeleton == "grpo":
                 cache[key] = grpo_two_steps(script, tiny_model_dir)
             else:
-                data = short_pairs if ALGOS[algo].skeleton == "dpo" else small_dataset
+                pairs = ALGOS[algo].skeleton in ("dpo", "rm")
+                data = short_pairs if pairs else small_dataset
                 cache[key] = _offline_two_steps(script, algo, tmp, tiny_model_dir, data)
         return cache[key]
 
@@ -106,6 +109,29 @@ def test_low_bit_stacks_match_their_optimizer_alone(algo, tricks, run):
     assert alone[1][0] == pytest.approx(plain[1][0], abs=2e-3)
 
 
+# the reward model refuses lce (no lm_head): the exact tricks and stacks without it
+RM_SETS = [("ac",), ("optim-in-bwd",), ("ac", "optim-in-bwd")]
+RM_STACKS = [("ac", "optim-in-bwd", low) for low in LOW_BIT]
+
+
+@pytest.mark.parametrize("tricks", RM_SETS, ids="+".join)
+def test_rm_exact_tricks_give_the_plain_losses_and_gradients(tricks, run):
+    """The reward model's 2 steps with ac and optim-in-bwd equal its plain script's (1e-5)."""
+    plain, got = run("rm", ()), run("rm", tricks)
+    assert plain[1][0] != plain[0][0]
+    assert _close(got, plain), (tricks, got, plain)
+
+
+@pytest.mark.parametrize("tricks", RM_STACKS, ids="+".join)
+def test_rm_low_bit_stacks_match_their_optimizer_alone(tricks, run):
+    """As `test_low_bit_stacks_match_their_optimizer_alone`, for the reward model."""
+    low = tricks[-1]
+    alone, plain, got = run("rm", (low,)), run("rm", ()), run("rm", tricks)
+    assert _close(got, alone), (tricks, got, alone)
+    assert alone[0] == pytest.approx(plain[0], abs=1e-5)
+    assert alone[1][0] == pytest.approx(plain[1][0], abs=2e-3)
+
+
 def test_every_pair_of_the_swept_tricks_runs_with_every_algorithm():
     """The sets above cover every pair of ac, lce, optim-in-bwd and a low-bit optimizer (the two
     low-bit ones refuse each other) for every algorithm here."""
@@ -117,7 +143,7 @@ def test_every_pair_of_the_swept_tricks_runs_with_every_algorithm():
                 assert any(a in s and b in s for s in sets), (a, b)
 
 
-@pytest.mark.parametrize("algo", ["kd", "dpo", "grpo"])
+@pytest.mark.parametrize("algo", ["kd", "dpo", "grpo", "rm"])
 def test_compile_gives_the_plain_losses(algo, tmp_path, tiny_model_dir, small_dataset, short_pairs):
     """Per-block torch.compile, once per skeleton family, in a fresh process (inductor's caches and
     config stay out of this one): the plain script's losses and gradient norms within 1e-5."""
@@ -136,7 +162,7 @@ def test_compile_gives_the_plain_losses(algo, tmp_path, tiny_model_dir, small_da
         ).format(
             repo=str(REPO), path=str(path), grpo=ALGOS[algo].skeleton == "grpo", algo=algo,
             tmp=str(tmp_path / ("t_" + "_".join(tricks))), model=str(tiny_model_dir),
-            data=str(short_pairs if algo == "dpo" else small_dataset),
+            data=str(short_pairs if algo in ("dpo", "rm") else small_dataset),
         )  # fmt: skip
         (tmp_path / ("t_" + "_".join(tricks))).mkdir()
         proc = subprocess.run(
