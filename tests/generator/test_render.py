@@ -299,19 +299,22 @@ def test_list_and_help():
     assert "0.13B" in listed.output  # smollm2-135m: 134.5 M parameters
     support = runner.invoke(cli, ["list", "support"]).output.splitlines()
     header = support[1].split()
-    assert header == ["sft", "lora", "qlora", "dpo", "dpo-lora", "grpo", "grpo-lora", "kd"]
+    assert header == ["sft", "lora", "qlora", "dpo", "dpo-lora", "grpo", "grpo-lora", "rm", "kd"]
     rows = {
         line.split()[0]: line.split()[1:]
         for line in support[2:]
         if not line.strip().startswith("no:")
     }
-    assert rows["lce"] == ["yes"] * 8 and rows["optim-in-bwd"] == ["yes"] * 8
+    # the reward model (column 7) has no lm_head (no lce) and no packed scoring yet
+    assert rows["lce"] == rows["packing"] == ["yes"] * 7 + ["no", "yes"]
+    assert rows["optim-in-bwd"] == ["yes"] * 9
     # every trick on every algorithm, but the precision recipes: on the full-parameter algorithms
     precision = ("bf16-sr", "cpu-offload")
-    assert all(rows[t] == ["yes"] * 8 for t in TRICKS if t not in precision)
-    assert rows["bf16-sr"] == ["yes", "no", "no", "yes", "no", "yes", "no", "yes"]
-    assert rows["cpu-offload"] == ["yes", "no", "no", "yes", "no", "yes", "no", "yes"]
-    assert rows["--tp"] == ["yes"] + ["no"] * 7
+    others = [t for t in TRICKS if t not in (*precision, "lce", "packing")]
+    assert all(rows[t] == ["yes"] * 9 for t in others)
+    assert rows["bf16-sr"] == ["yes", "no", "no", "yes", "no", "yes", "no", "yes", "yes"]
+    assert rows["cpu-offload"] == ["yes", "no", "no", "yes", "no", "yes", "no", "yes", "yes"]
+    assert rows["--tp"] == ["yes"] + ["no"] * 8
     assert any(
         line.strip().startswith("no: --tp with dpo, dpo-lora: not wired") for line in support
     )
