@@ -119,9 +119,7 @@ class Config:
     pad_to_max_seq_len: bool = False  # pad every batch to max_seq_len (fixed shapes for benchmarks)
     val_fraction: float = 0.05  # held-out share of the pairs for val_accuracy
     # reward-model loss (section 5)
-    center_rewards_coefficient: float = (
-        0.0  # weight of (r_chosen + r_rejected)^2 (TRL's; 0 = off, 0.01 recommended)
-    )
+    center_rewards_coefficient: float = 0.0  # (r_chosen + r_rejected)^2 weight; 0 = off, TRL: 0.01
     # optimization
     lr: float = 1e-05  # peak learning rate
     weight_decay: float = 0.0  # AdamW decoupled decay on matrices (not on norms/biases)
@@ -450,8 +448,16 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], cfg: Conf
 
 
 def step_figures(metrics: dict) -> str:
-    """What the printed step line adds after the loss: the pair accuracy and the reward margin."""
-    return f" | acc {metrics['accuracy']:.2f} | margin {metrics['margin']:.4f}"
+    """What the printed step line adds after the loss: the pair accuracy and the reward margin,
+    and the held-out accuracy when the step evaluated."""
+    figures = (
+        ("accuracy", "acc", ".2f"),
+        ("margin", "margin", ".4f"),
+        ("val_accuracy", "val_acc", ".2f"),
+    )
+    return "".join(
+        f" | {name} {metrics[key]:{fmt}}" for key, name, fmt in figures if key in metrics
+    )
 
 
 @torch.no_grad()
