@@ -154,7 +154,7 @@ def test_saved_model_scores_equal_in_transformers(rm_script, tiny_rm, short_pair
 @pytest.mark.slow
 def test_real_smollm2_held_out_accuracy_rises_above_chance(rm_script, smollm2_dir, tmp_path):
     """SmolLM2-135M on dpo_en_demo.json, fp32 on the CPU: 6 steps of 4 pairs lower the held-out
-    loss (18 pairs) below that of the untrained model (the same seeded head, evaluated first) and
+    loss (14 pairs) below that of the untrained model (the same seeded head, evaluated first) and
     end with held-out pair accuracy above 0.5."""
     data = ensure_dataset("dpo_en_demo.json")
     settings = dict(model=str(smollm2_dir), dataset=str(data), dtype="fp32", device="cpu",
@@ -178,7 +178,8 @@ def test_real_smollm2_held_out_accuracy_rises_above_chance(rm_script, smollm2_di
         "--lr", "2e-5", "--warmup_steps", "0", "--eval_every_steps", "0",
     ])  # fmt: skip
     after = read_metrics(out)[-1]
-    assert len(val_set) == 18
+    print(f"held out ({len(val_set)} pairs): before {before}, after 6 steps {after}")
+    assert len(val_set) >= 10  # 15% of the pairs that keep a reply token within 96 tokens
     assert after["val_loss"] < before["val_loss"], (before, after)
     assert after["val_accuracy"] > 0.5, (before, after)
 
