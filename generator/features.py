@@ -255,7 +255,7 @@ def _refusals() -> dict[tuple[str, str], str]:
     out = {}
     for name, algo in ALGOS.items():
         if algo.skeleton == "rm":
-            for plan in ("--dp-replicate", "--tp", "--cp"):
+            for plan in ("--dp-replicate", "--tp", "--cp", "--ep"):
                 out[plan, name] = (
                     "not wired into the RM skeleton yet (the score head's placement and the "
                     "pooled last token under this plan are untested); only FSDP over --gpus"
