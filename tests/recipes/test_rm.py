@@ -154,8 +154,8 @@ def test_saved_model_scores_equal_in_transformers(rm_script, tiny_rm, short_pair
 @pytest.mark.slow
 def test_real_smollm2_held_out_accuracy_rises_above_chance(rm_script, smollm2_dir, tmp_path):
     """SmolLM2-135M on dpo_en_demo.json, fp32 on the CPU: 6 steps of 4 pairs lower the held-out
-    loss (14 pairs) below that of the untrained model (the same seeded head, evaluated first) and
-    end with held-out pair accuracy above 0.5."""
+    loss (14 pairs) below that of the untrained model (the same seeded head, evaluated first),
+    keep its held-out accuracy and end above 0.5."""
     data = ensure_dataset("dpo_en_demo.json")
     settings = dict(model=str(smollm2_dir), dataset=str(data), dtype="fp32", device="cpu",
                     max_seq_len=96, val_fraction=0.15, micro_batch_size=4)  # fmt: skip
@@ -180,7 +180,10 @@ def test_real_smollm2_held_out_accuracy_rises_above_chance(rm_script, smollm2_di
     after = read_metrics(out)[-1]
     print(f"held out ({len(val_set)} pairs): before {before}, after 6 steps {after}")
     assert len(val_set) >= 10  # 15% of the pairs that keep a reply token within 96 tokens
+    # the seeded head already ranks most held-out pairs right (benchmarks/RESULTS.md): training
+    # must lower the held-out loss and keep the accuracy, which ends above chance
     assert after["val_loss"] < before["val_loss"], (before, after)
+    assert after["val_accuracy"] >= before["val_accuracy"], (before, after)
     assert after["val_accuracy"] > 0.5, (before, after)
 
 
