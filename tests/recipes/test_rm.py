@@ -1,8 +1,9 @@
 """The emitted reward-model script (examples/rm_smollm2): the Bradley-Terry loss with margin and
 centring against its closed form, the scored token against transformers' pooling rule, the saved
 checkpoint against `AutoModelForSequenceClassification` (equal scores, tiny random model), the
-saved RM as a reward function, and a short run on real preference data (SmolLM2-135M,
-dpo_en_demo.json) whose held-out pair accuracy rises above chance."""
+saved RM as a GRPO reward, and a short run on real preference data (SmolLM2-135M,
+dpo_en_demo.json) that lowers the held-out loss below the untrained model's, its held-out pair
+accuracy above chance."""
 
 from __future__ import annotations
 
