@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from runtime.checkpoint import TIED_KEYS, is_tied, tensors_to_save
+from runtime.checkpoint import TIED_KEYS, is_tied, tensors_to_save, trainer_only_names
 from runtime.dtensors import ComputedTensor, gather_for_save, reshard_fsdp
 from runtime.generate import generate_with_logprobs
 from runtime.grpo import collate_rollouts, completion_logprobs
@@ -497,7 +497,8 @@ def gather_hf_state_dict(
     model: nn.Module, dtype: torch.dtype | None = None, keep: bool = True
 ) -> dict[str, torch.Tensor]:
     """Full CPU tensors of every parameter, by HF name (a tied lm_head appears once, as the
-    embedding). A collective under FSDP2 / TP: every trainer rank must call it.
+    embedding; `trainer_only_names`, e.g. PPO's value head, are left out: the engines hold the
+    plain causal LM). A collective under FSDP2 / TP: every trainer rank must call it.
 
     Args:
         dtype: cast floating tensors to this (e.g. the engines' bf16); None = keep.
@@ -506,7 +507,10 @@ def gather_hf_state_dict(
             131 GiB of bf16 per rank otherwise).
     """
     out = {}
+    trainer_only = trainer_only_names(model)
     for name, p in model.named_parameters():
+        if name in trainer_only:
+            continue
         full = p.full_tensor() if hasattr(p, "full_tensor") else p  # all-gather: every rank
         if not keep:
             continue

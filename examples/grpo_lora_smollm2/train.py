@@ -75,7 +75,8 @@ max_refill_rounds extra batches per step (then dropped groups fill the rest; log
 dropped_groups, num_refills; `reward` is then the trained groups' mean, without the dropped
 all-right or all-wrong ones); it works in every rollout mode, as the pipeline filters the groups
 before any staleness-bounded step takes them (in sync mode a refill batch's unused groups are too
-old for the next step and dropped, as dropped_stale). --overlong mask leaves truncated completions
+old for the next step and dropped, as dropped_stale).
+--overlong mask leaves truncated completions
 (no stop token: they hit max_new_tokens) out of the loss and its token count; --overlong shape adds
 DAPO's soft overlong punishment (eq. 13) to the reward: 0 up to max_new_tokens - overlong_buffer
 tokens, then falling linearly to -1 at max_new_tokens.
@@ -212,7 +213,7 @@ class Config:
     max_prompt_len: int = 256  # tokens after the chat template; longer prompts are dropped
     # GRPO
     num_generations: int = 8  # G: completions per prompt (one group)
-    prompts_per_step: int = 8  # N: prompts per optimizer step (all ranks); N * G sequences
+    prompts_per_step: int = 8  # N: prompts per rollout batch (all ranks); N * G sequences
     max_new_tokens: int = 64  # completion length cap (tokens)
     temperature: float = 1.0  # sampling temperature; log-probs are taken under the same one
     top_p: float = 1.0  # nucleus sampling mass (1.0 = off)
@@ -323,6 +324,7 @@ def validate(cfg: Config, reward_funcs: list | None = None) -> None:
         (not cfg.dynamic_sampling or cfg.num_generations >= 2,
          f"dynamic_sampling with num_generations={cfg.num_generations}: a group of one completion never has reward variance, "
          "so every group would be dropped (use num_generations >= 2)"),
+        (cfg.max_refill_rounds >= 0, f"max_refill_rounds={cfg.max_refill_rounds}: must be >= 0"),
         (cfg.num_iterations >= 1, f"num_iterations={cfg.num_iterations}: must be >= 1"),
         # checkpoints only at rollout-batch boundaries (a resume never starts mid-batch)
         *((getattr(cfg, n) % max(cfg.num_iterations, 1) == 0,
@@ -332,7 +334,6 @@ def validate(cfg: Config, reward_funcs: list | None = None) -> None:
         (cfg.weight_sync_every_steps == 1 or cfg.weight_sync_every_steps % max(cfg.num_iterations, 1) == 0,
          f"weight_sync_every_steps={cfg.weight_sync_every_steps} with num_iterations={cfg.num_iterations}: must be 1 "
          "or a multiple of num_iterations (weights are pushed only after a rollout batch's last step)"),
-        (cfg.max_refill_rounds >= 0, f"max_refill_rounds={cfg.max_refill_rounds}: must be >= 0"),
         (cfg.overlong in OVERLONG, f"overlong={cfg.overlong!r}: choose one of {OVERLONG}"),
         (cfg.overlong != "shape" or 1 <= cfg.overlong_buffer <= cfg.max_new_tokens,
          f"overlong_buffer={cfg.overlong_buffer} with overlong='shape': must be in [1, max_new_tokens={cfg.max_new_tokens}]"),
@@ -920,18 +921,16 @@ def train_step(
     num_sequences = len(rollouts) if num_sequences is None else num_sequences
     micro_batches = split_micro_batches(rollouts, advantages, num_micro_batches, cfg)
     olds = old_logprobs or [None] * num_micro_batches
-    micro_batches = [
-        (mb, mb_advantages, old)
-        for (mb, mb_advantages), old in zip(micro_batches, olds, strict=True)
-    ]
+    micro_batches = [(*pair, old, None) for pair, old in zip(micro_batches, olds, strict=True)]
+    step_keys = ("loss",)  # already the step's (loss_weights)
+    token_keys = ("clip_frac", "kl", "is_weight")  # sums over the loss tokens
 
     def loss_fn(micro_batch: tuple) -> tuple[torch.Tensor, dict]:
-        mb, mb_advantages, old = micro_batch
+        mb, mb_advantages, old, mb_critic = micro_batch
         if not mb:  # this rank ran out: join the collectives with a zero gradient
-            zero = model(torch.zeros(1, 1, dtype=torch.long, device=device)).sum().mul(0)
-            return zero, {
-                k: torch.zeros((), device=device) for k in ("clip_frac", "kl", "is_weight")
-            }
+            dummy = torch.zeros(1, 1, dtype=torch.long, device=device)
+            zero = model(dummy).sum().mul(0)
+            return zero, {k: torch.zeros((), device=device) for k in (*step_keys[1:], *token_keys)}
         # already weighted for the whole step (loss_weights): the micro-batches' gradients add up
         return microbatch_loss(
             model, reference, mb, mb_advantages, cfg, device, num_tokens, num_sequences, old
@@ -940,17 +939,16 @@ def train_step(
     totals, grad_norm, lr = backward_and_step(
         model, optimizer, scheduler, micro_batches, loss_fn, cfg
     )
-    # the loss is already the step's; the other sums become means over its loss tokens here
-    sums = torch.stack([totals[k] for k in ("loss", "clip_frac", "kl", "is_weight")])
+    # the losses are already the step's; the other sums become means over its loss tokens here
+    keys = (*step_keys, *token_keys)
+    sums = torch.stack([totals[k] for k in keys])
     if dist.is_initialized():
         dist.all_reduce(sums)
-    means = (
-        sums / torch.tensor([1.0, num_tokens, num_tokens, num_tokens], device=sums.device)
-    ).tolist()
+    divisors = torch.tensor(
+        [1.0] * len(step_keys) + [float(num_tokens)] * len(token_keys), device=sums.device
+    )
     return dict(
-        zip(("loss", "clip_frac", "kl", "is_weight"), means, strict=True),
-        grad_norm=grad_norm.item(),
-        lr=lr,
+        zip(keys, (sums / divisors).tolist(), strict=True), grad_norm=grad_norm.item(), lr=lr
     )
 
 
