@@ -100,7 +100,7 @@ Differs from Shao et al. 2024 (DeepSeekMath, arXiv:2402.03300) / Hugging Face TR
   the number of those tokens (DAPO sec. 3.3), not a mean of per-sequence means (--loss_type grpo).
 - KL to the reference (kl_coef > 0) uses Schulman's k3 estimator, added to the loss per token;
   kl_coef = 0 (default, as DAPO) loads no reference model.
-- Groups whose rewards are all equal get advantage 0 (logged as frac_zero_std_groups; dropped
+- Groups whose rewards are all equal get advantage 0 (logged as frac_reward_zero_std; dropped
   and replaced with --dynamic_sampling).
 - Log-prob convention (sampler and trainer alike): the log-prob of a completion token is taken
   under the distribution that generated it, softmax(logits / temperature) restricted to the
@@ -276,6 +276,15 @@ class Config:
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "gspo", "cispo")  # the objectives (docstring, grpo_loss)
+# grpo_loss's per-token sums, logged as means over the loss tokens under TRL's GRPOTrainer names:
+# the share of tokens clipped below, above, either; the k3 KL; the truncated importance weight
+LOSS_METRICS = (
+    "clip_ratio/low_mean",
+    "clip_ratio/high_mean",
+    "clip_ratio/region_mean",
+    "kl",
+    "sampling/importance_sampling_ratio/mean",
+)
 OVERLONG = ("none", "mask", "shape")  # what happens to a completion that hit max_new_tokens
 KL_IN = ("reward", "loss")  # where PPO's KL to the reference goes (kl_in)
 
@@ -524,9 +533,11 @@ def grpo_loss(
             sequence ratio); None: each row is one sequence.
 
     Returns:
-        (scalar: the weighted sum; sums over the mask's tokens of clipped (0/1), kl, is_weight).
-        clipped: the clip zeroed the token's policy gradient (grpo, dapo, dr_grpo, gspo), or
-        changed its weight (cispo).
+        (scalar: the weighted sum; sums over the mask's tokens of LOSS_METRICS: clipped below
+        1 - clip_eps_low, clipped above 1 + clip_eps_high, either (0/1 each), kl, is_weight).
+        Clipped: the clip zeroed the token's policy gradient (grpo, dapo, dr_grpo, gspo), or
+        changed its weight (cispo). The names are TRL's GRPOTrainer's once divided by the
+        tokens (`train_step`).
 
     Reference:
         GRPO: arXiv:2402.03300 eq. 3 (k3 KL: Schulman 2020, http://joschu.net/blog/kl-approx.html);
@@ -556,21 +567,24 @@ def grpo_loss(
         is_weight = torch.exp(old_logprobs - sampler_logprobs).clamp(max=is_cap).detach()
     if loss_type == "cispo":  # REINFORCE, each token weighted by its clipped, detached ratio
         per_token = -is_weight * ratio.clamp(low, high).detach() * A * logprobs
-        clipped = (ratio < low) | (ratio > high)
+        low_clipped, high_clipped = ratio < low, ratio > high
     else:  # PPO's pessimistic clipped surrogate
         surrogate = torch.minimum(ratio * A, ratio.clamp(low, high) * A)
         per_token = -is_weight * surrogate
-        clipped = ((ratio < low) & (A < 0)) | ((ratio > high) & (A > 0))
+        low_clipped, high_clipped = (ratio < low) & (A < 0), (ratio > high) & (A > 0)
     kl = torch.zeros_like(ratio)
     if kl_coef > 0:
         delta = ref_logprobs - logprobs
         kl = torch.exp(delta) - delta - 1
         per_token = per_token + kl_coef * kl
-    sums = {
-        "clip_frac": (clipped & mask).sum().float(),
-        "kl": (kl.detach() * mask).sum(),
-        "is_weight": (is_weight * mask).sum(),
-    }
+    values = (
+        low_clipped & mask,
+        high_clipped & mask,
+        (low_clipped | high_clipped) & mask,
+        kl.detach() * mask,
+        is_weight * mask,
+    )
+    sums = {name: v.sum().float() for name, v in zip(LOSS_METRICS, values, strict=True)}
     return (per_token * (mask if weights is None else weights)).sum(), sums
 
 
@@ -1084,10 +1098,10 @@ def train_step(
             `advantages` above is then unused).
 
     Returns:
-        loss (the step's, as its loss_type normalises it), clip_frac, kl, is_weight (means over
-        the loss tokens), grad_norm, lr; PPO: loss/policy_avg and loss/value_avg (the
-        loss's two terms, before vf_coef), val/clipfrac_avg (the share of loss tokens whose
-        clipped value term was the larger).
+        loss (the step's, as its loss_type normalises it), the LOSS_METRICS (means over
+        the loss tokens), grad_norm, lr; PPO also loss/policy_avg and loss/value_avg
+        (the loss's two terms, before vf_coef) and val/clipfrac_avg (the share of loss tokens
+        whose clipped value term was the larger), TRL PPOTrainer's names.
     """
     num_sequences = len(rollouts) if num_sequences is None else num_sequences
     micro_batches = split_micro_batches(rollouts, advantages, num_micro_batches, cfg)
@@ -1096,7 +1110,7 @@ def train_step(
         (*pair, old, c) for pair, old, c in zip(micro_batches, olds, critic, strict=True)
     ]
     step_keys = ("loss", "loss/policy_avg", "loss/value_avg")  # already the step's (loss_weights)
-    token_keys = ("clip_frac", "kl", "is_weight", "val/clipfrac_avg")  # sums over the loss tokens
+    token_keys = (*LOSS_METRICS, "val/clipfrac_avg")  # sums over the loss tokens
 
     def loss_fn(micro_batch: tuple) -> tuple[torch.Tensor, dict]:
         mb, mb_advantages, old, mb_critic = micro_batch
@@ -1245,8 +1259,8 @@ def main(argv: list[str] | None = None, reward_funcs: list | None = None) -> lis
             logger.log({k: v for k, v in metrics.items() if k != "policy_versions"}, step)
             progress.write(
                 f"step {step:5d} | reward {metrics['reward']:.3f} | loss {metrics['loss']:.4f} | value loss "
-                f"{metrics['loss/value_avg']:.4f} | expl. var {metrics['val/explained_variance']:.2f} | clip {metrics['clip_frac']:.3f} | "
-                f"stale <= {metrics['staleness_max']} | len {metrics['completion_len']:.1f} | {metrics['samples_per_s']:.1f} samples/s"
+                f"{metrics['loss/value_avg']:.4f} | expl. var {metrics['val/explained_variance']:.2f} | clip {metrics['clip_ratio/region_mean']:.3f} | "
+                f"stale <= {metrics['staleness_max']} | len {metrics['completions/mean_length']:.1f} | {metrics['samples_per_s']:.1f} samples/s"
             )
         if cfg.save_every_steps and (step % cfg.save_every_steps == 0 or step == cfg.max_steps):
             config = dataclasses.asdict(cfg)

@@ -14,7 +14,13 @@ import torch
 from tests.helpers import grpo_fixed_rollouts, import_script, run_grpo
 
 REPO = Path(__file__).resolve().parents[2]
-KEYS = ("reward", "loss", "grad_norm", "clip_frac", "is_weight")
+KEYS = (
+    "reward",
+    "loss",
+    "grad_norm",
+    "clip_ratio/region_mean",
+    "sampling/importance_sampling_ratio/mean",
+)
 
 
 @pytest.fixture(scope="module")
@@ -59,20 +65,23 @@ def two_iterations(script, model_dir: Path, loss_type: str, use_old: bool = True
 
 def test_second_iteration_clips_as_the_closed_form_says(grpo_script, even_model_dir):
     """pi_old is the policy before the batch's first step; at the second step the ratio
-    r = pi / pi_old has moved, and the logged clip fraction equals the share of completion tokens
-    with (r > 1 + 0.28 and A > 0) or (r < 1 - 0.2 and A < 0), computed here from a fresh pass."""
+    r = pi / pi_old has moved, and the logged clip ratios equal the shares of completion tokens
+    with r < 1 - 0.2 and A < 0 (low), r > 1 + 0.28 and A > 0 (high) and either (region),
+    computed here from a fresh pass."""
     metrics, split, old, before = two_iterations(grpo_script, even_model_dir, "dapo")
-    assert metrics[0]["clip_frac"] == 0.0  # the first step's ratio is 1 in value
-    clipped, tokens = 0, 0
+    assert metrics[0]["clip_ratio/region_mean"] == 0.0  # the first step's ratio is 1 in value
+    low, high, tokens = 0, 0, 0
     for (mb, adv), o, new in zip(split, old, before, strict=True):
         x = grpo_script.microbatch_inputs(mb, adv, grpo_script.Config(), torch.device("cpu"))
         mask = x["labels"] != -100
         r = torch.exp(new - o)
         A = adv[:, None].expand_as(r)
-        clipped += int((((r > 1.28) & (A > 0)) | ((r < 0.8) & (A < 0)))[mask].sum())
+        low += int(((r < 0.8) & (A < 0))[mask].sum())
+        high += int(((r > 1.28) & (A > 0))[mask].sum())
         tokens += int(mask.sum())
-    assert clipped > 0  # lr 1e-2 moves the tiny policy past the clip range on some tokens
-    assert metrics[1]["clip_frac"] == pytest.approx(clipped / tokens, abs=1e-7)
+    assert low + high > 0  # lr 1e-2 moves the tiny policy past the clip range on some tokens
+    got = [metrics[1][f"clip_ratio/{k}_mean"] for k in ("low", "high", "region")]
+    assert got == pytest.approx([low / tokens, high / tokens, (low + high) / tokens], abs=1e-7)
 
 
 def test_first_iteration_is_the_one_iteration_step_and_gspo_leaves_grpo(
@@ -87,7 +96,9 @@ def test_first_iteration_is_the_one_iteration_step_and_gspo_leaves_grpo(
     for key in ("loss", "grad_norm"):
         assert grpo[0][key] == pytest.approx(one[0][key], rel=1e-6, abs=1e-7), key
         assert gspo[0][key] == pytest.approx(grpo[0][key], rel=1e-5, abs=1e-7), key
-    assert one[1]["clip_frac"] == 0.0  # without pi_old every step is its own batch: ratio 1
+    assert (
+        one[1]["clip_ratio/region_mean"] == 0.0
+    )  # without pi_old every step is its own batch: ratio 1
     assert abs(gspo[1]["grad_norm"] - grpo[1]["grad_norm"]) > 1e-4 * grpo[1]["grad_norm"]
 
 
@@ -108,7 +119,9 @@ def test_two_iterations_resume_between_batches_replays_the_run(
     straight, first, resumed = run("a", 4), run("b", 2), run("b", 4)
     assert [m["policy_versions"] for m in straight] == [[0] * 8, [0] * 8, [1] * 8, [1] * 8]
     assert straight[0]["reward"] == straight[1]["reward"]  # one batch, two steps
-    assert straight[0]["clip_frac"] == 0.0 and straight[1]["clip_frac"] > 0
+    assert (
+        straight[0]["clip_ratio/region_mean"] == 0.0 and straight[1]["clip_ratio/region_mean"] > 0
+    )
     assert (len(first), len(resumed)) == (2, 2)
     assert [[m[k] for k in KEYS] for m in straight] == [
         [m[k] for k in KEYS] for m in first + resumed

@@ -16,7 +16,14 @@ from runtime.rollout import Rollout
 from tests.helpers import import_script, run_grpo, safetensors_keys
 
 REPO = Path(__file__).resolve().parents[2]
-KEYS = ("reward", "loss", "loss/value_avg", "grad_norm", "clip_frac", "val/explained_variance")
+KEYS = (
+    "reward",
+    "loss",
+    "loss/value_avg",
+    "grad_norm",
+    "clip_ratio/region_mean",
+    "val/explained_variance",
+)
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +152,8 @@ def test_policy_loss_with_token_advantages_equals_closed_form(ppo):
     clip = [min(max(r, 0.8), 1.2) for r in ratios]
     want = [-min(r * a, c * a) for r, c, a in zip(ratios, clip, [1.0, -2.0, 0.5], strict=True)]
     assert loss.item() == pytest.approx(sum(want) / 3, abs=1e-6)
-    assert sums["clip_frac"].item() == 2  # token 0 (r > 1.2, A > 0), token 1 (r < 0.8, A < 0)
+    # token 0 clipped above (r > 1.2, A > 0), token 1 below (r < 0.8, A < 0)
+    assert [sums[f"clip_ratio/{k}_mean"].item() for k in ("low", "high", "region")] == [1, 1, 2]
 
 
 def fixed_rollouts() -> list:
