@@ -207,8 +207,8 @@ LONG_PROMPT = "Please read this long question carefully before answering it. " *
 
 CASES = [
     # --- scaffold new / regen / diff: options, specs, models -------------------------------------
-    scaffold("new-unknown-algo", ["new", "--algo", "ppo", "--out", "{tmp}/o"],
-             r"unknown algorithm 'ppo'", r"valid: sft"),
+    scaffold("new-unknown-algo", ["new", "--algo", "reinforce", "--out", "{tmp}/o"],
+             r"unknown algorithm 'reinforce'", r"valid: sft"),
     scaffold("new-unknown-model", ["new", "--model", "gpt-5", "--out", "{tmp}/o"],
              r"unknown model 'gpt-5'", r"smollm2-135m", r"qwen3-8b", r"config\.json"),
     scaffold("new-unknown-trick", ["new", "--tricks", "ac,flash", "--out", "{tmp}/o"],
@@ -582,6 +582,17 @@ CASES = [
     script("grpo-max-steps-mid-batch", ["--num_iterations", "2"],
            r"max_steps=1 with num_iterations=2: must be a multiple of it",
            r"checkpoints fall between batches", recipe="grpo_smollm2", script_args=GRPO_ARGS),
+    script("ppo-unknown-kl-in", ["--kl_in", "loss_and_reward"],
+           r"kl_in='loss_and_reward': choose one of \('reward', 'loss'\)",
+           recipe="ppo_smollm2", script_args=GRPO_ARGS),
+    script("ppo-lam-out-of-range", ["--lam", "1.5"],
+           r"gamma=1\.0 and lam=1\.5 must be in \[0, 1\]", recipe="ppo_smollm2", script_args=GRPO_ARGS),
+    script("ppo-negative-cliprange-value", ["--cliprange_value", "0"],
+           r"cliprange_value=0\.0 > 0", recipe="ppo_smollm2", script_args=GRPO_ARGS),
+    scaffold("new-ppo-with-lce", ["new", "--algo", "ppo", "--tricks", "lce", "--out", "{tmp}/o"],
+             r"ppo", r"lce", r"the value head reads the same final hidden states"),
+    scaffold("new-ppo-colocated", ["new", "--algo", "ppo", "--layout", "colocated", "--out", "{tmp}/o"],
+             r"--layout colocated with --algo ppo: not built yet", r"use --layout split"),
     script("grpo-collective-transfer-on-cluster-without-vllm",
            ["--engine", "vllm", "--ray_address", "auto"],
            r"engine='vllm' but vllm is not installed in this Python",

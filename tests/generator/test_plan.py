@@ -877,3 +877,14 @@ def test_low_bit_state_simulation_holds_the_states_not_the_eager_step(tiny_real_
     numel = [p.numel() for p in model.parameters()]
     # the peak moves by the states' difference and at most the largest parameter's two buffers
     assert lowbit.peak <= plain.peak - (8 * sum(numel) - states) + 8 * max(numel)
+
+
+def test_ppo_trainer_simulation_matches_real_step(process_group, tiny_real_vocab_dir, tmp_path):
+    """--algo ppo (the GRPO skeleton with a value head, kl_coef 0.05 from its Config: a frozen
+    reference): the simulation runs main()'s no-grad pass (`ppo_targets`: log-probs, values and
+    the reference's log-probs, GAE) and then `train_step` with the critic's targets, and its
+    peak and rows match the same calls on real tensors."""
+    spec = _grpo_spec(tiny_real_vocab_dir, gpus=2, engine_gpus=1, algo="ppo")
+    (sim,) = simulate([spec], GRPO_MBS, GRPO_SEQ)
+    assert sim.rollout["kl_coef"] == 0.05 and sim.rollout["num_generations"] == 1
+    _assert_agrees(sim, _measure_real_grpo(spec, tiny_real_vocab_dir, tmp_path / "ppo"))
