@@ -292,9 +292,9 @@ def check_simulable(
         )
     if kl_coef is not None and (not is_grpo(spec) or not kl_coef >= 0):
         raise PlanError(
-            f"--kl-coef {kl_coef}: a GRPO option (> 0 adds the KL reference: a frozen model for "
-            "grpo, a no-grad forward with the adapters off for grpo-lora; 0 has none); give it "
-            "with --algo grpo or grpo-lora, as a number >= 0"
+            f"--kl-coef {kl_coef}: a GRPO-skeleton option (> 0 adds the KL reference: a frozen "
+            "model for grpo and ppo, a no-grad forward with the adapters off for grpo-lora; 0 has "
+            "none); give it with --algo grpo, grpo-lora or ppo, as a number >= 0"
         )
     blocked = [t for t in spec.tricks if t in UNSIMULATED_TRICKS]
     if blocked:

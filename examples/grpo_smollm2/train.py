@@ -14,7 +14,7 @@ GPU, --engine vllm is vLLM on engine_tensor_parallel_size GPUs per engine, its t
 GPU layout: the trainer and the engines share the GPU(s) (a local Ray gets all of them when none
 is left after the trainer's); on larger nodes give the engines their own (`scaffold new --engine-gpus`).
 
-Weight sync (--weight_transfer) after every optimizer step:
+Weight sync (--weight_transfer) after every rollout batch's last optimizer step:
 - collective ("auto" with vllm, unless the engines share the trainer's GPUs): rank 0 and every
   engine worker form one process group (vLLM's weight-transfer engine: NCCL on CUDA, gloo on
   CPU); the trainer ranks gather one full tensor at a time, rank 0 broadcasts it, each engine

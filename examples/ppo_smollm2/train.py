@@ -16,7 +16,7 @@ GPU, --engine vllm is vLLM on engine_tensor_parallel_size GPUs per engine, its t
 GPU layout: the trainer and the engines share the GPU(s) (a local Ray gets all of them when none
 is left after the trainer's); on larger nodes give the engines their own (`scaffold new --engine-gpus`).
 
-Weight sync (--weight_transfer) after every optimizer step:
+Weight sync (--weight_transfer) after every rollout batch's last optimizer step:
 - collective ("auto" with vllm, unless the engines share the trainer's GPUs): rank 0 and every
   engine worker form one process group (vLLM's weight-transfer engine: NCCL on CUDA, gloo on
   CPU); the trainer ranks gather one full tensor at a time, rank 0 broadcasts it, each engine
@@ -47,8 +47,7 @@ changes the gradient:
 - grpo: the same token loss, weight 1 / (M |o_i|): a mean over each sequence's tokens, then over
   the sequences (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300 eq. 3); a long completion's
   tokens weigh less.
-- dr_grpo: the same token loss, weight 1 / (M L), a constant, and advantages not divided by the
-  group's std (requires --scale_rewards false) (Liu et al. 2025, "Understanding R1-Zero-Like
+- dr_grpo: the same token loss, weight 1 / (M L), a constant (Liu et al. 2025, "Understanding R1-Zero-Like
   Training", arXiv:2503.20783): no length or difficulty bias.
 - gspo: the sequence's ratio s_i = exp(mean_t log(pi / pi_old)) in place of r, clipped per
   sequence, in the GSPO-token form sg(s_i) pi / sg(pi) (s_i in value, the gradient through each
@@ -89,19 +88,20 @@ PPO pays one extra forward per batch (GRPO skips it there).
 DAPO's soft overlong punishment (eq. 13) to the reward: 0 up to max_new_tokens - overlong_buffer
 tokens, then falling linearly to -1 at max_new_tokens.
 
-Differs from Shao et al. 2024 (DeepSeekMath, arXiv:2402.03300) / Hugging Face TRL's GRPOTrainer:
-- The clipping ratio is taken against the trainer's own log-probs before the batch's first
-  step (decoupled PPO, Hilton et al. 2021, arXiv:2110.00641), never the sampler's (TRL does the
-  same when num_iterations > 1); the sampler's log-probs enter through a truncated importance weight
-  min(pi_old / pi_sampler, is_cap) (TIS, Yao et al. 2025), which corrects stale (async,
-  off-policy) samples and engine/trainer numeric mismatch.
-- Clipping is asymmetric, [1 - clip_eps_low, 1 + clip_eps_high] (DAPO, arXiv:2503.14476, sec. 3.1),
-  and the default loss is token-level: the sum over every completion token of the step divided by
-  the number of those tokens (DAPO sec. 3.3), not a mean of per-sequence means (--loss_type grpo).
-- KL to the reference (kl_coef > 0) uses Schulman's k3 estimator, added to the loss per token;
-  kl_coef = 0 (default, as DAPO) loads no reference model.
-- Groups whose rewards are all equal get advantage 0 (logged as frac_reward_zero_std; dropped
-  and replaced with --dynamic_sampling).
+Differs from Hugging Face TRL's PPOTrainer:
+- The critic is a value head on the policy (one forward gives log-probs and values; the head is
+  trained with the policy's optimizer and checkpointed beside it, never sent to the engines or
+  written into the HF save); TRL trains a separate value model.
+- Rollouts come from separate engines (--rollout sync / async / off-policy): the ratio is taken
+  against pi_old from the trainer's own no-grad pass (decoupled PPO, Hilton et al. 2021,
+  arXiv:2110.00641), and the sampler's log-probs enter through a truncated importance weight
+  min(pi_old / pi_sampler, is_cap) (TIS, Yao et al. 2025) for stale samples and engine/trainer
+  numeric mismatch. TRL generates with the policy itself.
+- Clipping may be asymmetric, [1 - clip_eps_low, 1 + clip_eps_high] (TRL's cliprange = both at
+  0.2, the defaults here); the loss normaliser is --loss_type's (dapo, the default: the mean over
+  the step's tokens, as TRL's masked_mean).
+- The score comes from the reward functions (verifiable rewards), not a reward model;
+  TRL's missing_eos_penalty is not offered (--overlong shape shapes lengths instead).
 - Log-prob convention (sampler and trainer alike): the log-prob of a completion token is taken
   under the distribution that generated it, softmax(logits / temperature) restricted to the
   top-k / top-p support and renormalised over it (vLLM's logprobs_mode="processed_logprobs";

@@ -454,7 +454,7 @@ def test_cli_plan_and_new_print_the_grpo_engines(tiny_real_vocab_dir, tmp_path):
     # a completion needs a token past the prompt; kl_coef is a GRPO option
     result = CliRunner().invoke(cli, ["plan", *model, "--max-seq-len", "256"])
     assert result.exit_code != 0 and "give more than 256" in result.output
-    with pytest.raises(PlanError, match="--kl-coef 0.1: a GRPO option"):
+    with pytest.raises(PlanError, match="--kl-coef 0.1: a GRPO-skeleton option"):
         check_simulable(Spec(model=str(tiny_real_vocab_dir)), 1, 128, kl_coef=0.1)
 
 
