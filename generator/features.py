@@ -258,7 +258,12 @@ def _refusals() -> dict[tuple[str, str], str]:
                 "precomputed log-probs" if algo.skeleton == "dpo" else "weight sync to the engines"
             )
             skeleton = algo.skeleton.upper()
-            for plan in ("--dp-replicate", "--tp", "--cp"):
+            # HSDP on GRPO: rank 0's rollouts are shared over the flattened "dp" (replicate x
+            # shard) ranks and the weight sync gathers whole tensors from any FSDP mesh
+            plans = (
+                ("--tp", "--cp") if algo.skeleton == "grpo" else ("--dp-replicate", "--tp", "--cp")
+            )
+            for plan in plans:
                 out[plan, name] = _PLAN_NOT_WIRED.format(skeleton=skeleton, extra=extra)
         if name != "sft":
             what = {"lora": "its adapters", "kd": "its teacher"}.get(algo.template or "", "")
@@ -280,6 +285,11 @@ def _refusals() -> dict[tuple[str, str], str]:
             out["packing", name] = (
                 "not built yet: GAE runs over each completion's tokens in a row of its own; packed "
                 "rows (several completions per row) are untested there"
+            )
+            out["--dp-replicate", name] = (
+                "not tested with ppo yet: HSDP is wired and tested on grpo and grpo-lora; ppo's "
+                "advantage whitening and explained variance all-reduce over every data-parallel "
+                "rank, which HSDP keeps, but no PPO run under it has been checked"
             )
         if algo.template == "lora":
             out["bf16-sr", name] = _BF16_SR_ADAPTERS

@@ -45,7 +45,9 @@ pytestmark = pytest.mark.fast  # in `make test-fast` (tests/README.md)
         (Spec(algo="dpo", model="qwen3-0.6b", gpus=2, tp=2, dataset="dpo_en_demo.json"), ["--algo dpo with --tp 2", "not wired into the DPO skeleton yet", "only the SFT skeleton takes it", "use --tp 1 (FSDP over all GPUs)"]),
         (Spec(algo="lora", model="qwen3-0.6b", gpus=2, tp=2), ["--algo lora with --tp 2", "built and tested on full-parameter SFT only", "use --tp 1 (FSDP over all GPUs, or HSDP with --dp-replicate)"]),
         (Spec(algo="dpo", gpus=4, dp_replicate=2, dataset="dpo_en_demo.json"), ["--algo dpo with --dp-replicate 2", "only the SFT skeleton takes it", "use --dp-replicate 1"]),
-        (Spec(algo="grpo", gpus=4, engine_gpus=0, dp_replicate=2, dataset="chain_sum.jsonl"), ["--algo grpo with --dp-replicate 2"]),
+        # GRPO's mesh is the trainer's ranks: the GPUs its engines leave
+        (Spec(algo="grpo", gpus=4, engine_gpus=2, dp_replicate=4, dataset="chain_sum.jsonl"), ["(--gpus 4 - --engine-gpus 2) x --nodes 1 = 2 trainer processes", "not divisible by dp_replicate*cp*tp = 4*1*1", "one of [1, 2]"]),
+        (Spec(algo="grpo", gpus=4, engine_gpus=0, tp=2, dataset="chain_sum.jsonl"), ["--algo grpo with --tp 2", "not wired into the GRPO skeleton yet", "or HSDP with --dp-replicate"]),
         # compile of DTensor blocks is not tested here
         (Spec(model="qwen3-0.6b", gpus=2, tp=2, tricks=("compile",)), ["--tricks compile with --tp 2"]),
     ],
@@ -61,6 +63,10 @@ def test_valid_plans_pass_and_command_prints_non_defaults():
     tp = Spec(model="qwen3-0.6b", gpus=4, tp=2, out="o")
     hsdp = Spec(gpus=4, dp_replicate=2, out="o")
     hsdp_adapters = [Spec(algo=a, gpus=4, dp_replicate=2, out="o") for a in ("lora", "qlora", "kd")]
+    hsdp_adapters += [
+        Spec(algo=a, gpus=g, engine_gpus=e, dp_replicate=2, dataset="chain_sum.jsonl", out="o")
+        for a, g, e in (("grpo", 4, 0), ("grpo-lora", 6, 2))
+    ]
     cp = Spec(gpus=2, cp=2, tricks=("ac", "lce"), out="o")
     hsdp_cp = Spec(gpus=8, cp=2, dp_replicate=2, out="o")
     tp_cp = Spec(model="qwen3-0.6b", gpus=8, cp=2, tp=2, out="o")
