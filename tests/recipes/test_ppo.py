@@ -256,6 +256,36 @@ def test_short_run_raises_mean_reward(ppo, ray_session, even_model_dir, chain_su
     assert sum(value_losses[-3:]) < 0.6 * sum(value_losses[:3]), value_losses
 
 
+@pytest.mark.parametrize(
+    "rollout, extra, bound",
+    [
+        ("async", (), 1),
+        # weights pushed every 3rd step only: batches older than 2 versions appear and are dropped
+        ("off-policy", ("--max_staleness", "2", "--weight_sync_every_steps", "3"), 2),
+    ],
+)
+def test_async_and_off_policy_keep_their_staleness_bound(
+    ppo, ray_session, even_model_dir, chain_sum_64, tmp_path, rollout, extra, bound
+):
+    """PPO on the GRPO pipeline's other modes: no trained sample older than the mode's bound,
+    generation really ran ahead, the importance weight to the sampler moves off 1 on the steps
+    that train stale samples (pi_old is the trainer's pass, not the sampler) and every loss is
+    finite."""
+    history = run_grpo(
+        ppo, even_model_dir, chain_sum_64, tmp_path, "--rollout", rollout, "--max_steps", "5",
+        "--num_generations", "1", "--prompts_per_step", "8", "--kl_coef", "0", *extra,
+    )  # fmt: skip
+    staleness = [s - 1 - v for s, m in enumerate(history, start=1) for v in m["policy_versions"]]
+    assert 1 <= max(staleness) <= bound and min(staleness) >= 0
+    assert all(math.isfinite(m["loss"]) and math.isfinite(m["loss/value_avg"]) for m in history)
+    weights = [
+        m["sampling/importance_sampling_ratio/mean"] for m in history if m["staleness_max"] >= 1
+    ]
+    assert any(abs(w - 1) > 1e-4 for w in weights), weights
+    if rollout == "off-policy":  # the 3-step-old batches at step 4 were dropped, not trained on
+        assert sum(m["dropped_stale"] for m in history) > 0
+
+
 def test_resume_between_batches_replays_the_run(
     ppo, ray_session, even_model_dir, chain_sum_64, tmp_path
 ):
