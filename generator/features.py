@@ -273,10 +273,12 @@ def _refusals() -> dict[tuple[str, str], str]:
                         f"the TP and CP plans are built and tested on full-parameter SFT only; "
                         f"{name} with {what} under them is not built yet"
                     )
-            out["--ep", name] = (
-                "expert parallel is built and tested on full-parameter SFT only; adapters on "
-                "experts and a reference or teacher MoE under EP are not built yet"
-            )
+            if algo.template == "lora":  # the full-parameter ones (dpo, kd, grpo) take EP
+                out["--ep", name] = (
+                    "expert parallel is built for the full-parameter algorithms (sft, dpo, kd, "
+                    "grpo); frozen experts under EP beside adapters (their merged export and "
+                    "weight sync) are not built yet"
+                )
         if name == "ppo":
             out["lce", name] = (
                 "not built yet: the value head reads the same final hidden states as lm_head, and "
@@ -290,6 +292,10 @@ def _refusals() -> dict[tuple[str, str], str]:
                 "not tested with ppo yet: HSDP is wired and tested on grpo and grpo-lora; ppo's "
                 "advantage whitening and explained variance all-reduce over every data-parallel "
                 "rank, which HSDP keeps, but no PPO run under it has been checked"
+            )
+            out["--ep", name] = (
+                "not tested with ppo yet: EP is built and tested on sft, dpo, kd and grpo; no PPO "
+                "run (the value head beside expert-parallel blocks) has been checked"
             )
         if algo.template == "lora":
             out["bf16-sr", name] = _BF16_SR_ADAPTERS

@@ -82,6 +82,8 @@ def all_reduce_expert_grads(model: nn.Module) -> None:
         if not isinstance(block, SparseMoeBlock) or group is None:
             continue
         params = [p for p in block.experts.parameters() if p.requires_grad]
+        if not params:  # frozen experts: nothing to sum
+            continue
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)

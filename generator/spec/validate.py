@@ -415,7 +415,9 @@ def _validate_ep(spec: Spec) -> None:
     """--ep: MoE model, experts divisible by ep, ep dividing the ranks (EP x FSDP: experts
     sharded over groups of ep ranks and replicated over world / ep; the other parameters
     FSDP-sharded over every rank), no other parallel dim."""
-    world = spec.gpus * spec.nodes
+    # GRPO's experts live on the trainer's ranks: the GPUs its engines leave
+    per_node = trainer_gpus(spec) if spec.algo in ROLLOUT_ALGOS else spec.gpus
+    world = per_node * spec.nodes
     if spec.ep < 1:
         raise SpecError(f"--ep {spec.ep} must be >= 1 (1 = no expert parallelism)")
     why = refusal("--ep", spec.algo)
@@ -446,8 +448,13 @@ def _validate_ep(spec: Spec) -> None:
     if world % spec.ep:
         valid = [d for d in range(1, world + 1) if world % d == 0]
         raise SpecError(
-            f"--ep {spec.ep} must divide the number of ranks, --gpus {spec.gpus} x --nodes "
-            f"{spec.nodes} = {world}: the experts are sharded over groups of ep ranks and "
+            f"--ep {spec.ep} must divide the number of {'trainer ' * (per_node != spec.gpus)}ranks, "
+            + (
+                f"(--gpus {spec.gpus} - --engine-gpus {spec.engine_gpus})"
+                if per_node != spec.gpus
+                else f"--gpus {spec.gpus}"
+            )
+            + f" x --nodes {spec.nodes} = {world}: the experts are sharded over groups of ep ranks and "
             f"replicated over world / ep, the other parameters FSDP-sharded over all; choose "
             f"--ep among {valid}"
         )

@@ -255,3 +255,102 @@ def test_emitted_script_with_ep_matches_one_process(
     assert a.keys() == b.keys() and any(".mlp.experts.3." in k for k in a)
     for key in a:
         torch.testing.assert_close(b[key], a[key], atol=1e-5, rtol=1e-4, msg=key)
+
+
+EP_GRPO_DRIVER = """
+import sys
+sys.path.insert(0, {repo!r})
+from tests.helpers import even_token_reward, import_script
+
+
+if __name__ == "__main__":
+    script = import_script({script!r}, "grpo_ep_driver")
+    script.main(sys.argv[1:], reward_funcs=[even_token_reward])
+"""
+
+
+@pytest.mark.parametrize("algo", ["dpo", "kd", "grpo"])
+def test_dpo_kd_and_grpo_with_ep_match_one_process(
+    algo, small_tokenizer_dir, small_dataset, chain_sum_64, tmp_path
+):
+    """--ep 2 on 2 gloo ranks for the other full-parameter algorithms: DPO (its separate
+    reference built by the same parallelize, experts sharded too), KD (an EP student, the MoE
+    teacher whole on each rank) and GRPO (the weight sync broadcasts each expert from its rank to
+    the engine, which holds the whole model): the per-step losses and gradient norms (and GRPO's
+    rewards: the engine sampled from the same weights) equal the same script on 1 process."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from generator.render import render
+    from generator.spec import Spec
+    from runtime import ModelArgs, build_model, copy_tokenizer_files, save_hf_checkpoint
+    from tests.helpers import REPO
+
+    args = ModelArgs(**{**MOE, "vocab_size": SMALL_VOCAB}, max_position_embeddings=4096)
+    model = build_model(args, device="cpu")
+    model.init_weights(generator=torch.Generator().manual_seed(0))
+    model_dir = tmp_path / "tiny_moe"
+    save_hf_checkpoint(model, model_dir, args.to_hf_config())
+    copy_tokenizer_files(small_tokenizer_dir, model_dir)
+    layout = {"engine_gpus": 0} if algo == "grpo" else {}
+    spec = Spec(algo=algo, model=str(model_dir), gpus=2, ep=2, out=str(tmp_path), **layout)
+    script = tmp_path / "train.py"
+    script.write_text(render(spec))
+    common = [
+        "--model",
+        str(model_dir),
+        "--device",
+        "cpu",
+        "--dtype",
+        "fp32",
+        "--warmup_steps",
+        "0",
+    ]
+    if algo == "grpo":
+        driver = tmp_path / "driver.py"
+        driver.write_text(EP_GRPO_DRIVER.format(repo=str(REPO), script=str(script)))
+        entry = driver
+        argv = [
+            *common, "--dataset", str(chain_sum_64), "--rollout", "sync", "--engine", "runtime",
+            "--num_generations", "4", "--prompts_per_step", "2", "--max_new_tokens", "6",
+            "--micro_batch_size", "2", "--lr", "1e-2", "--max_steps", "3", "--reward_weights",
+            "1.0", "--save_final_model", "false", "--ray_num_cpus", "2", "--num_engines", "1",
+        ]  # fmt: skip
+        one_extra, two_extra = ["--ep", "1"], []
+    else:
+        pairs = tmp_path / "pairs.json"
+        pairs.write_text(json.dumps([
+            {"prompt": f"Count to {i}.", "chosen": " ".join(map(str, range(1, i + 2))), "rejected": "No."}
+            for i in range(8)
+        ]))  # fmt: skip
+        data = pairs if algo == "dpo" else small_dataset
+        extra = ["--ref_mode", "separate"] if algo == "dpo" else ["--teacher", str(model_dir)]
+        entry = script
+        argv = [
+            *common, "--dataset", str(data), "--max_steps", "2", "--lr", "1e-3",
+            "--max_seq_len", "64", "--val_fraction", "0", "--eval_every_steps", "0",
+            "--sample_max_new_tokens", "0", *extra,
+        ]  # fmt: skip
+        one_extra, two_extra = ["--ep", "1", "--micro_batch_size", "4"], ["--micro_batch_size", "2"]
+
+    def run(nproc: int, out: Path, extra: list[str]) -> list[dict]:
+        launcher = [sys.executable]
+        if nproc > 1:
+            launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+        proc = subprocess.run(
+            [*launcher, str(entry), *argv, *extra, "--out_dir", str(out)],
+            env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+            timeout=600, cwd=tmp_path,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        return [r for r in rows if "loss" in r]
+
+    one, two = run(1, tmp_path / "one", one_extra), run(2, tmp_path / "ep2", two_extra)
+    assert [r["step"] for r in two] == [r["step"] for r in one] and len(one) >= 2
+    keys = ("loss", "grad_norm") + (("reward",) if algo == "grpo" else ())
+    for a, b in zip(one, two, strict=True):
+        for key in keys:
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)

@@ -276,7 +276,7 @@ def test_new_writes_spec_and_base_and_refuses_overwrite(tmp_path):
         ),
         (
             ["--model", "qwen3-30b-a3b", "--ep", "2", "--gpus", "2", "--algo", "lora"],
-            "--algo lora with --ep 2: expert parallel is built and tested on full-parameter SFT only",
+            "--algo lora with --ep 2: expert parallel is built for the full-parameter algorithms",
         ),
         (
             ["--model", "qwen3-30b-a3b", "--ep", "2", "--gpus", "2", "--tricks", "optim-in-bwd"],
