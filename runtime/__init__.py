@@ -181,6 +181,7 @@ from runtime.train_state import (
     resume_training,
     save_train_state,
 )
+from runtime.value_head import add_value_head, init_value_head, token_values
 
 # no module above imports torchao at import time, so this still runs before torchao's first import
 silence_known_noise()
@@ -247,6 +248,7 @@ __all__ = [
     "adapter_param_names",
     "adapters_disabled",
     "add_lora",
+    "add_value_head",
     "all_reduce_sum",
     "apply_context_parallel",
     "build_mesh",
@@ -280,6 +282,7 @@ __all__ = [
     "generate",
     "init_distributed",
     "init_lora",
+    "init_value_head",
     "is_adapter_param",
     "linear_cross_entropy",
     "llama_block_tp_plan",
@@ -327,6 +330,7 @@ __all__ = [
     "to_preference",
     "to_unpaired",
     "token_logprobs",
+    "token_values",
     "transformer_flops_per_token",
     "truncate_logits",
     "vocab_parallel_cross_entropy_sum",
