@@ -188,13 +188,14 @@ def test_real_smollm2_held_out_accuracy_rises_above_chance(rm_script, smollm2_di
     assert after["val_accuracy"] > 0.5, (before, after)
 
 
+@pytest.mark.parametrize("recipe", ["grpo_smollm2", "ppo_smollm2"])
 def test_grpo_takes_the_saved_reward_model_as_a_reward(
-    tiny_rm, ray_session, even_model_dir, chain_sum_64, tmp_path, monkeypatch
+    recipe, tiny_rm, ray_session, even_model_dir, chain_sum_64, tmp_path, monkeypatch
 ):
-    """GRPO with --reward_model: every rollout's reward_model value is the RM's score of its
-    (question, completion), computed here directly, and its total the weighted sum with the
-    script's other reward."""
-    grpo = import_script(REPO / "examples" / "grpo_smollm2" / "train.py", "grpo_with_rm")
+    """GRPO and PPO (the GRPO skeleton) with --reward_model: every rollout's reward_model value
+    is the RM's score of its (question, completion), computed here directly, and its total the
+    weighted sum with the script's other reward."""
+    grpo = import_script(REPO / "examples" / recipe / "train.py", f"{recipe}_with_rm")
     seen = []
     train_step = grpo.train_step
 
