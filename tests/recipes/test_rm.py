@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -75,6 +76,25 @@ def test_score_index_is_the_last_token_that_is_not_padding():
         [0, 0, 0, 0, 0, 0],  # padding only: 0, as transformers' argmax gives
     ])  # fmt: skip
     assert score_index(ids, pad).tolist() == [3, 5, 3, 0]
+
+
+@pytest.mark.fast
+def test_pad_token_the_template_writes_is_refused_without_an_unk(
+    rm_script, small_tokenizer_dir, tmp_path
+):
+    """With pad = <|im_end|> (the template's end of turn) and no unk token, no padding token can
+    be told from a row's last token: one error naming the file and what to set."""
+    shutil.copytree(small_tokenizer_dir, tmp_path / "tok")
+    config_path = tmp_path / "tok" / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config.pop("unk_token")
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"pad_token \('<\|im_end\|>'\) and unk_token \(None\)"):
+        rm_script.reward_pad_token_id(Tokenizer.from_dir(tmp_path / "tok"))
+    config["pad_token"] = "<|endoftext|>"  # never written by the template: taken as it is
+    config_path.write_text(json.dumps(config))
+    tokenizer = Tokenizer.from_dir(tmp_path / "tok")
+    assert rm_script.reward_pad_token_id(tokenizer) == tokenizer.token_to_id("<|endoftext|>")
 
 
 def test_collate_scores_the_last_real_token_and_reads_margins(
