@@ -247,7 +247,10 @@ def _refusals() -> dict[tuple[str, str], str]:
                 "precomputed log-probs" if algo.skeleton == "dpo" else "weight sync to the engines"
             )
             skeleton = algo.skeleton.upper()
-            for plan in ("--dp-replicate", "--tp", "--cp"):
+            # HSDP changes only the FSDP mesh (the DPO skeleton's counts and its reference's
+            # precomputed table are all-reduced over the world, which is dp under HSDP)
+            plans = ("--tp", "--cp") if algo.skeleton == "dpo" else ("--dp-replicate", "--tp", "--cp")
+            for plan in plans:
                 out[plan, name] = _PLAN_NOT_WIRED.format(skeleton=skeleton, extra=extra)
         if name != "sft":
             what = {"lora": "its adapters", "kd": "its teacher"}.get(algo.template or "", "")

@@ -40,11 +40,11 @@ pytestmark = pytest.mark.fast  # in `make test-fast` (tests/README.md)
         # degrees >= 1
         (Spec(dp_replicate=0), ["--dp-replicate 0: must be >= 1"]),
         (Spec(tp=0), ["--tp 0: must be >= 1"]),
-        # TP / CP are wired into full-parameter SFT only, HSDP into the SFT skeleton (sft, lora, qlora,
-        # kd): the support table's reasons (generator.features.refusal)
-        (Spec(algo="dpo", model="qwen3-0.6b", gpus=2, tp=2, dataset="dpo_en_demo.json"), ["--algo dpo with --tp 2", "not wired into the DPO skeleton yet", "only the SFT skeleton takes it", "use --tp 1 (FSDP over all GPUs)"]),
+        # TP / CP are wired into full-parameter SFT only, HSDP into the SFT and DPO skeletons: the
+        # support table's reasons (generator.features.refusal)
+        (Spec(algo="dpo", model="qwen3-0.6b", gpus=2, tp=2, dataset="dpo_en_demo.json"), ["--algo dpo with --tp 2", "not wired into the DPO skeleton yet", "only the SFT skeleton takes it", "use --tp 1 (FSDP over all GPUs, or HSDP with --dp-replicate)"]),
         (Spec(algo="lora", model="qwen3-0.6b", gpus=2, tp=2), ["--algo lora with --tp 2", "built and tested on full-parameter SFT only", "use --tp 1 (FSDP over all GPUs, or HSDP with --dp-replicate)"]),
-        (Spec(algo="dpo", gpus=4, dp_replicate=2, dataset="dpo_en_demo.json"), ["--algo dpo with --dp-replicate 2", "only the SFT skeleton takes it", "use --dp-replicate 1"]),
+        (Spec(algo="dpo", gpus=4, cp=2, dataset="dpo_en_demo.json"), ["--algo dpo with --cp 2", "not wired into the DPO skeleton yet", "use --cp 1 (FSDP over all GPUs, or HSDP with --dp-replicate)"]),
         (Spec(algo="grpo", gpus=4, engine_gpus=0, dp_replicate=2, dataset="chain_sum.jsonl"), ["--algo grpo with --dp-replicate 2"]),
         # compile of DTensor blocks is not tested here
         (Spec(model="qwen3-0.6b", gpus=2, tp=2, tricks=("compile",)), ["--tricks compile with --tp 2"]),
@@ -61,6 +61,10 @@ def test_valid_plans_pass_and_command_prints_non_defaults():
     tp = Spec(model="qwen3-0.6b", gpus=4, tp=2, out="o")
     hsdp = Spec(gpus=4, dp_replicate=2, out="o")
     hsdp_adapters = [Spec(algo=a, gpus=4, dp_replicate=2, out="o") for a in ("lora", "qlora", "kd")]
+    hsdp_dpo = [
+        Spec(algo=a, gpus=4, dp_replicate=2, dataset="dpo_en_demo.json", out="o")
+        for a in ("dpo", "dpo-lora")
+    ]
     cp = Spec(gpus=2, cp=2, tricks=("ac", "lce"), out="o")
     hsdp_cp = Spec(gpus=8, cp=2, dp_replicate=2, out="o")
     tp_cp = Spec(model="qwen3-0.6b", gpus=8, cp=2, tp=2, out="o")
@@ -74,6 +78,7 @@ def test_valid_plans_pass_and_command_prints_non_defaults():
         ring_packing,
         Spec(model="qwen3-0.6b", gpus=8, nodes=2, tp=8, dp_replicate=2),
         *hsdp_adapters,
+        *hsdp_dpo,
     ):
         validate_spec(spec)
     assert "--gpus 4 --tp 2 --out" in tp.command() and "--cp" not in tp.command()
