@@ -111,7 +111,9 @@ def dpo_scripts(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def one_process(dpo_scripts, tiny_model_dir, pairs_path) -> dict:
-    (ref,) = spawn(_worker, 1, args=(dpo_scripts, str(tiny_model_dir), pairs_path, [{"dp_replicate": 1}]))
+    (ref,) = spawn(
+        _worker, 1, args=(dpo_scripts, str(tiny_model_dir), pairs_path, [{"dp_replicate": 1}])
+    )
     return {(algo, ref_mode): r for (algo, ref_mode, _), r in ref.items()}
 
 
