@@ -249,8 +249,10 @@ def _refusals() -> dict[tuple[str, str], str]:
             skeleton = algo.skeleton.upper()
             # HSDP changes only the FSDP mesh (the DPO skeleton's counts and its reference's
             # precomputed table are all-reduced over the world, which is dp under HSDP)
-            plans = (
-                ("--tp", "--cp") if algo.skeleton == "dpo" else ("--dp-replicate", "--tp", "--cp")
+            # TP on dpo: the sharded reference, the vocab-parallel log-probs and the counts over
+            # mesh["dp"] are wired and tested; dpo-lora's adapters under TP are not
+            plans = {"dpo": ("--cp",), "dpo-lora": ("--tp", "--cp")}.get(
+                name, ("--dp-replicate", "--tp", "--cp")
             )
             for plan in plans:
                 out[plan, name] = _PLAN_NOT_WIRED.format(skeleton=skeleton, extra=extra)

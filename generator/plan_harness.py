@@ -921,7 +921,10 @@ def measure_dpo_step(
         )
     P, S, packing = cfg.micro_batch_size, cfg.max_seq_len, "packing" in spec.tricks
     dist_info, mesh = script.setup_distributed(cfg)
-    dp_rank, dp_size, _ = data_parallel(mesh)
+    dp_rank, dp_size, dp_group = data_parallel(mesh)
+    # under TP the counts and the table reduce over mesh["dp"] only (None = the world otherwise,
+    # which also serves scripts rendered before train_step took a dp_group)
+    group = (dp_group,) if spec.tp > 1 else ()
     device = dist_info.device
     stages = ref_mode == "precomputed"
     with _simulated_build(script, fake):
@@ -955,7 +958,7 @@ def measure_dpo_step(
                     return synthetic_pairs(len(rows), S, packing, rows[0]["id"])
 
                 ref_cache = precompute_reference_logprobs(
-                    model, examples, logprob_fn, collate, P, dp_rank, dp_size, device
+                    model, examples, logprob_fn, collate, P, dp_rank, dp_size, device, *group
                 )
                 tracker.start_stage(TRAINING_STEP)
             batch = synthetic_pairs(P, S, packing)
@@ -963,7 +966,7 @@ def measure_dpo_step(
                 batch["desirable"] = torch.arange(P) % 2 == 0
             for _ in range(2):  # step 1 creates the optimizer state; step 2 holds it
                 script.train_step(
-                    model, reference, ref_cache, optimizer, scheduler, [batch], cfg, device
+                    model, reference, ref_cache, optimizer, scheduler, [batch], cfg, device, *group
                 )
         hook.remove()
         categories, peak = _peak_rows(tracker)

@@ -69,6 +69,7 @@ from runtime.loss import (
     cross_entropy_sum,
     kd_kl_sum,
     linear_cross_entropy,
+    target_logprobs,
     token_logprobs,
     vocab_parallel_cross_entropy_sum,
 )
@@ -300,6 +301,7 @@ __all__ = [
     "to_messages",
     "to_preference",
     "to_unpaired",
+    "target_logprobs",
     "token_logprobs",
     "transformer_flops_per_token",
     "truncate_logits",

@@ -95,6 +95,13 @@ _TP_REFUSED_TRICKS = {
     "bf16-sr": "bf16 weights with the stochastic-rounding AdamW are tested under FSDP only",
     "cpu-offload": "FSDP2 CPU offload of tensor-parallel shards is not tested here",
 }
+# ... and on the DPO skeleton, whose log-probs are per token, not one summed cross-entropy
+_DPO_TP_REFUSED_TRICKS = {
+    "lce": "not built yet for DPO: the chunked per-token log-probs (runtime.token_logprobs) have "
+    "no vocab-parallel path (the SFT loss, linear_cross_entropy, has one)",
+    "packing": "not built yet for DPO: packed preference rows (collate_preference_packs) are not "
+    "padded to a multiple of tp for sequence parallel",
+}
 
 
 def model_config(spec: Spec) -> dict:
@@ -160,10 +167,13 @@ def _validate_parallel(spec: Spec) -> None:
     if spec.cp > 1:
         _validate_cp(spec, world)
     if spec.tp > 1:
-        refused = [t for t in spec.tricks if t in _TP_REFUSED_TRICKS]
+        table = dict(_TP_REFUSED_TRICKS)
+        if ALGOS[spec.algo].skeleton == "dpo":
+            table.update(_DPO_TP_REFUSED_TRICKS)
+        refused = [t for t in spec.tricks if t in table]
         if refused:
             raise SpecError(
-                f"--tricks {refused[0]} with --tp {spec.tp}: {_TP_REFUSED_TRICKS[refused[0]]}; "
+                f"--tricks {refused[0]} with --tp {spec.tp}: {table[refused[0]]}; "
                 f"drop it ({_tricks_flag(t for t in spec.tricks if t not in refused)}) "
                 "or use --tp 1"
             )

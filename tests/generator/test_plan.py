@@ -687,14 +687,20 @@ def test_dpo_two_rank_simulation_matches_two_gloo_ranks(tiny_real_vocab_dir, tmp
 
 def test_dpo_parallel_plan_simulations_match_four_gloo_ranks(tiny_real_vocab_dir, tmp_path):
     """dpo under HSDP 2 x 2 with its separate reference (sharded over the 2-D mesh like the
-    policy): the simulated rank is within the tolerance of every real gloo rank."""
+    policy), and under TP 2 x FSDP 2 precomputed (the reference pass and the step with
+    vocab-sharded logits): the simulated rank is within the tolerance of every real gloo rank."""
     m = tiny_real_vocab_dir
-    cases = [(_dpo_spec(m, gpus=4, dp_replicate=2), "separate")]
+    cases = [
+        (_dpo_spec(m, gpus=4, dp_replicate=2), "separate"),
+        (_dpo_spec(m, gpus=4, tp=2), "precomputed"),
+    ]
     for i, (spec, ref_mode) in enumerate(cases):
         (sim,) = simulate([spec], DPO_MBS, DPO_SEQ, config={"ref_mode": ref_mode})
         args = (json.dumps(asdict(spec)), str(m), str(tmp_path / f"c{i}"), ref_mode)
         for rank_result in spawn(_real_dpo_rank, world_size=4, args=args):
             _assert_agrees(sim, rank_result)
+            if ref_mode == "precomputed":
+                _assert_stages_agree(sim, rank_result)
 
 
 def test_reference_free_losses_plan_no_reference(tiny_real_vocab_dir):
