@@ -226,6 +226,27 @@ _PLAN_NOT_WIRED = (
 )
 
 
+# What the DPO and SFT skeletons' algorithms do not take yet, and why (HSDP and TP are built for
+# all of them but qlora's TP and kd's; see each reason).
+_DPO_CP = (
+    "not wired into the DPO skeleton yet: a pair's chosen and rejected log-prob sums would be "
+    "reduced over the cp ranks' chunks and the precomputed pass sharded the same way, which is "
+    "not built or tested; only the SFT skeleton takes it"
+)
+_NF4_TP = (
+    "torchao 0.18's NF4Tensor splits only along dim 0 (aten.split on another dim raises "
+    "NotImplementedError), and the rowwise TP plan of o_proj and down_proj shards their weight "
+    "along dim 1; use --algo lora (a bf16 base takes TP) or FSDP/HSDP for qlora"
+)
+_KD_PLANS = (
+    "the TP and CP plans are built and tested on the student only; the teacher (a whole frozen "
+    "model per rank) under them is not built yet"
+)
+_ADAPTERS_CP = (
+    "CP is built and tested on full-parameter SFT only; LoRA adapters under it are not built yet"
+)
+
+
 # Why not for adapters: a technical reason, nothing to gain.
 _BF16_SR_ADAPTERS = (
     "the trained parameters are the adapters (under 1% of the weights), so their fp32 master "
@@ -242,28 +263,21 @@ def _refusals() -> dict[tuple[str, str], str]:
     """(trick or plan, algorithm) -> why that algorithm does not take it. Absent: supported."""
     out = {}
     for name, algo in ALGOS.items():
-        if algo.skeleton != "sft":
-            extra = (
-                "precomputed log-probs" if algo.skeleton == "dpo" else "weight sync to the engines"
-            )
-            skeleton = algo.skeleton.upper()
-            # HSDP changes only the FSDP mesh (the DPO skeleton's counts and its reference's
-            # precomputed table are all-reduced over the world, which is dp under HSDP)
-            # TP on dpo: the sharded reference, the vocab-parallel log-probs and the counts over
-            # mesh["dp"] are wired and tested; dpo-lora's adapters under TP are not
-            plans = {"dpo": ("--cp",), "dpo-lora": ("--tp", "--cp")}.get(
-                name, ("--dp-replicate", "--tp", "--cp")
-            )
-            for plan in plans:
-                out[plan, name] = _PLAN_NOT_WIRED.format(skeleton=skeleton, extra=extra)
+        if algo.skeleton == "grpo":
+            for plan in ("--dp-replicate", "--tp", "--cp"):
+                out[plan, name] = _PLAN_NOT_WIRED.format(
+                    skeleton="GRPO", extra="weight sync to the engines"
+                )
+        if algo.skeleton == "dpo":
+            out["--cp", name] = _DPO_CP
+        if name == "qlora":
+            out["--tp", name] = _NF4_TP
+        if name == "kd":
+            for plan in ("--tp", "--cp"):
+                out[plan, name] = _KD_PLANS
+        if name in ("lora", "qlora"):
+            out["--cp", name] = _ADAPTERS_CP
         if name != "sft":
-            what = {"lora": "its adapters", "kd": "its teacher"}.get(algo.template or "", "")
-            if algo.skeleton == "sft":  # lora, qlora, kd: the SFT skeleton, plans beyond FSDP/HSDP
-                for plan in ("--tp", "--cp"):
-                    out[plan, name] = (
-                        f"the TP and CP plans are built and tested on full-parameter SFT only; "
-                        f"{name} with {what} under them is not built yet"
-                    )
             out["--ep", name] = (
                 "expert parallel is built and tested on full-parameter SFT only; adapters on "
                 "experts and a reference or teacher MoE under EP are not built yet"

@@ -167,6 +167,12 @@ def _validate_parallel(spec: Spec) -> None:
     if spec.cp > 1:
         _validate_cp(spec, world)
     if spec.tp > 1:
+        if spec.peft == "dora":
+            raise SpecError(
+                f"--peft dora with --tp {spec.tp}: DoRA's magnitude divides each output row by the "
+                "norm of W + s B A over its inputs, which the rowwise plan of o_proj and down_proj "
+                "splits over the tp ranks (not built); use --peft lora or --tp 1"
+            )
         table = dict(_TP_REFUSED_TRICKS)
         if ALGOS[spec.algo].skeleton == "dpo":
             table.update(_DPO_TP_REFUSED_TRICKS)

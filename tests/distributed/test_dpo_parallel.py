@@ -57,6 +57,19 @@ def run_case(script_path: str, model_dir: str, data: str, ref_mode: str, plan: d
     if plan.get("tp", 1) > 1:  # vocab-sharded over tp (loss parallel), whatever FSDP adds on dp
         w = model.lm_head.weight
         assert w.placements[w.device_mesh.mesh_dim_names.index("tp")].is_shard(0), w.placements
+        attn = model.model.layers[0].self_attn
+        if hasattr(attn.q_proj, "lora_A"):  # adapters sharded with their base
+            for param, shard_dim in [
+                (attn.q_proj.weight, 0), (attn.q_proj.lora_A.weight, None),
+                (attn.q_proj.lora_B.weight, 0), (attn.o_proj.weight, 1),
+                (attn.o_proj.lora_A.weight, 1), (attn.o_proj.lora_B.weight, None),
+            ]:  # fmt: skip
+                tp_placement = param.placements[param.device_mesh.mesh_dim_names.index("tp")]
+                assert (
+                    tp_placement.is_replicate()
+                    if shard_dim is None
+                    else tp_placement.is_shard(shard_dim)
+                ), tp_placement
     reference, table = None, None
     if ref_mode == "separate":
         reference = script.build_reference(cfg, Path(model_dir), mesh, dist_info.device)
@@ -108,14 +121,16 @@ def pairs_path(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def dpo_scripts(tmp_path_factory) -> dict[str, str]:
-    """The emitted dpo script of a TP 2 spec (its Config takes tp and dp_replicate: every plan
-    here runs it) and dpo-lora's of an HSDP spec."""
+    """The emitted dpo and dpo-lora scripts of a TP 2 spec (their Config takes tp and
+    dp_replicate: every plan here runs them)."""
     from generator.render import render
     from generator.spec import Spec
 
     specs = {
         "dpo": Spec(algo="dpo", model="qwen3-0.6b", gpus=4, tp=2, dataset="dpo_en_demo.json"),
-        "dpo-lora": Spec(algo="dpo-lora", gpus=4, dp_replicate=2, dataset="dpo_en_demo.json"),
+        "dpo-lora": Spec(
+            algo="dpo-lora", model="qwen3-0.6b", gpus=4, tp=2, dataset="dpo_en_demo.json"
+        ),
     }
     out = {}
     for algo, spec in specs.items():
@@ -127,8 +142,7 @@ def dpo_scripts(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def one_process(dpo_scripts, tiny_model_dir, pairs_path) -> dict:
-    plan = {"dpo": {**ONE, "tp": 1}, "dpo-lora": ONE}
-    cases = [(algo, ref_mode, plan[algo]) for algo, ref_mode in CASES]
+    cases = [(algo, ref_mode, {**ONE, "tp": 1}) for algo, ref_mode in CASES]
     (ref,) = spawn(_worker, 1, args=(dpo_scripts, str(tiny_model_dir), pairs_path, cases))
     return {(algo, ref_mode): r for (algo, ref_mode, _), r in ref.items()}
 
@@ -164,14 +178,14 @@ def test_hsdp_and_tp_fsdp_four_ranks_equal_one(
     reference under the same TP plan, the log-probs from vocab-sharded logits, the table and the
     pair count over the 2 dp ranks only."""
     cases = [(algo, ref_mode, HSDP) for algo, ref_mode in CASES]
-    cases += [("dpo", ref_mode, TP) for ref_mode in ("separate", "precomputed")]  # TP 2 x FSDP 2
+    cases += [(algo, ref_mode, TP) for algo, ref_mode in CASES]  # TP 2 x FSDP 2
     for r in spawn(_worker, 4, args=(dpo_scripts, str(tiny_model_dir), pairs_path, cases)):
         _check(r, one_process)
 
 
 def test_tp_two_ranks_equal_one(dpo_scripts, tiny_model_dir, pairs_path, one_process):
     """TP 2 alone (dp 1): both tp ranks read the same pairs; lm_head's logits vocab-sharded."""
-    cases = [("dpo", ref_mode, TP) for ref_mode in ("separate", "precomputed")]
+    cases = [(algo, ref_mode, TP) for algo, ref_mode in CASES]
     for r in spawn(_worker, 2, args=(dpo_scripts, str(tiny_model_dir), pairs_path, cases)):
         _check(r, one_process)
 

@@ -42,11 +42,13 @@ pytestmark = pytest.mark.fast  # in `make test-fast` (tests/README.md)
         (Spec(tp=0), ["--tp 0: must be >= 1"]),
         # TP / CP are wired into full-parameter SFT only, HSDP into the SFT and DPO skeletons: the
         # support table's reasons (generator.features.refusal)
-        (Spec(algo="dpo-lora", model="qwen3-0.6b", gpus=2, tp=2, dataset="dpo_en_demo.json"), ["--algo dpo-lora with --tp 2", "use --tp 1 (FSDP over all GPUs, or HSDP with --dp-replicate)"]),
+        (Spec(algo="dpo-lora", gpus=2, cp=2, dataset="dpo_en_demo.json"), ["--algo dpo-lora with --cp 2", "not wired into the DPO skeleton yet", "use --cp 1 (FSDP over all GPUs, or HSDP with --dp-replicate)"]),
         # dpo under TP: the chunked per-token log-probs and packed pairs are not built for it
         (Spec(algo="dpo", model="qwen3-0.6b", gpus=2, tp=2, tricks=("lce",), dataset="dpo_en_demo.json"), ["--tricks lce with --tp 2", "runtime.token_logprobs", "or use --tp 1"]),
         (Spec(algo="dpo", model="qwen3-0.6b", gpus=2, tp=2, tricks=("packing", "ac"), dataset="dpo_en_demo.json"), ["--tricks packing with --tp 2", "collate_preference_packs", "drop it (--tricks ac)"]),
-        (Spec(algo="lora", model="qwen3-0.6b", gpus=2, tp=2), ["--algo lora with --tp 2", "built and tested on full-parameter SFT only", "use --tp 1 (FSDP over all GPUs, or HSDP with --dp-replicate)"]),
+        (Spec(algo="qlora", model="qwen3-0.6b", gpus=2, tp=2), ["--algo qlora with --tp 2", "NF4Tensor splits only along dim 0", "use --tp 1 (FSDP over all GPUs, or HSDP with --dp-replicate)"]),
+        (Spec(algo="lora", model="qwen3-0.6b", gpus=2, tp=2, peft="dora"), ["--peft dora with --tp 2", "use --peft lora or --tp 1"]),
+        (Spec(algo="kd", model="qwen3-0.6b", gpus=2, tp=2), ["--algo kd with --tp 2", "the teacher"]),
         (Spec(algo="dpo", gpus=4, cp=2, dataset="dpo_en_demo.json"), ["--algo dpo with --cp 2", "not wired into the DPO skeleton yet", "use --cp 1 (FSDP over all GPUs, or HSDP with --dp-replicate)"]),
         (Spec(algo="grpo", gpus=4, engine_gpus=0, dp_replicate=2, dataset="chain_sum.jsonl"), ["--algo grpo with --dp-replicate 2"]),
         # compile of DTensor blocks is not tested here
@@ -69,6 +71,9 @@ def test_valid_plans_pass_and_command_prints_non_defaults():
         for a in ("dpo", "dpo-lora")
     ]
     tp_dpo = Spec(algo="dpo", model="qwen3-0.6b", gpus=4, tp=2, tricks=("ac",), out="o")
+    tp_adapters = [
+        Spec(algo=a, model="qwen3-0.6b", gpus=2, tp=2, out="o") for a in ("lora", "dpo-lora")
+    ]
     cp = Spec(gpus=2, cp=2, tricks=("ac", "lce"), out="o")
     hsdp_cp = Spec(gpus=8, cp=2, dp_replicate=2, out="o")
     tp_cp = Spec(model="qwen3-0.6b", gpus=8, cp=2, tp=2, out="o")
@@ -84,6 +89,7 @@ def test_valid_plans_pass_and_command_prints_non_defaults():
         *hsdp_adapters,
         *hsdp_dpo,
         tp_dpo,
+        *tp_adapters,
     ):
         validate_spec(spec)
     assert "--gpus 4 --tp 2 --out" in tp.command() and "--cp" not in tp.command()

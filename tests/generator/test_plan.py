@@ -685,14 +685,22 @@ def test_dpo_two_rank_simulation_matches_two_gloo_ranks(tiny_real_vocab_dir, tmp
                 _assert_stages_agree(sim, rank_result)
 
 
-def test_dpo_parallel_plan_simulations_match_four_gloo_ranks(tiny_real_vocab_dir, tmp_path):
-    """dpo under HSDP 2 x 2 with its separate reference (sharded over the 2-D mesh like the
-    policy), and under TP 2 x FSDP 2 precomputed (the reference pass and the step with
-    vocab-sharded logits): the simulated rank is within the tolerance of every real gloo rank."""
+def test_dpo_and_adapter_plan_simulations_match_four_gloo_ranks(tiny_real_vocab_dir, tmp_path):
+    """The plans these algorithms took last: dpo under HSDP 2 x 2 with its separate reference
+    (sharded over the 2-D mesh like the policy) and under TP 2 x FSDP 2 precomputed (the
+    reference pass and the step with vocab-sharded logits); dpo-lora (adapters-off) and lora
+    under TP 2 x FSDP 2 (adapters sharded with their base): the simulated rank is within the
+    tolerance of every real gloo rank."""
     m = tiny_real_vocab_dir
+    lora = Spec(algo="lora", model=str(m), gpus=4, tp=2)
+    (sim,) = simulate([lora], 2, 128)
+    args = (json.dumps(asdict(lora)), str(m), 2, 128, str(tmp_path / "lora"))
+    for rank_result in spawn(_real_rank, world_size=4, args=args):
+        _assert_agrees(sim, rank_result)
     cases = [
         (_dpo_spec(m, gpus=4, dp_replicate=2), "separate"),
         (_dpo_spec(m, gpus=4, tp=2), "precomputed"),
+        (_dpo_spec(m, algo="dpo-lora", gpus=4, tp=2), "adapters-off"),
     ]
     for i, (spec, ref_mode) in enumerate(cases):
         (sim,) = simulate([spec], DPO_MBS, DPO_SEQ, config={"ref_mode": ref_mode})

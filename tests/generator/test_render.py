@@ -242,8 +242,8 @@ def test_new_writes_spec_and_base_and_refuses_overwrite(tmp_path):
         (["--gpus", "0"], "--gpus 0 and --nodes 1 must both be >= 1"),
         (["--peft", "dora"], "--peft dora needs an adapter algorithm (--algo lora or qlora or"),
         (
-            ["--algo", "dpo", "--gpus", "2", "--tp", "2"],
-            "--algo dpo with --tp 2: not wired into the DPO",
+            ["--algo", "dpo", "--gpus", "2", "--cp", "2"],
+            "--algo dpo with --cp 2: not wired into the DPO",
         ),
         (
             ["--algo", "kd", "--tp", "2", "--gpus", "2"],
@@ -311,9 +311,11 @@ def test_list_and_help():
     assert all(rows[t] == ["yes"] * 8 for t in TRICKS if t not in precision)
     assert rows["bf16-sr"] == ["yes", "no", "no", "yes", "no", "yes", "no", "yes"]
     assert rows["cpu-offload"] == ["yes", "no", "no", "yes", "no", "yes", "no", "yes"]
-    assert rows["--tp"] == ["yes"] + ["no"] * 7
+    # TP: the SFT and DPO skeletons, full parameters and LoRA; not qlora (NF4), grpo, kd (teacher)
+    assert rows["--tp"] == ["yes", "yes", "no", "yes", "yes", "no", "no", "no"]
+    assert rows["--dp-replicate"] == ["yes"] * 5 + ["no", "no", "yes"]
     assert any(
-        line.strip().startswith("no: --tp with dpo, dpo-lora: not wired") for line in support
+        line.strip().startswith("no: --cp with dpo, dpo-lora: not wired") for line in support
     )
     helped = runner.invoke(cli, ["new", "--help"])
     assert helped.exit_code == 0 and "--model" in helped.output and "--tricks" in helped.output
