@@ -185,18 +185,18 @@ def summarize_variant(name: str, runs: list[list[dict]], a) -> dict:
         return hits[0] if hits else None
 
     rows = [m for h in runs for m in h]
-    tokens = [m["completion_len"] * a.prompts_per_step * a.num_generations for m in rows]
+    tokens = [m["completions/mean_length"] * a.prompts_per_step * a.num_generations for m in rows]
     return {
         "variant": name,
         "first3": mean([mean([m["reward"] for m in h[:3]]) for h in runs]),
         "last5": mean([mean([m["reward"] for m in h[-5:]]) for h in runs]),
         "last5_per_seed": [mean([m["reward"] for m in h[-5:]]) for h in runs],
         "steps_to_0.9": [steps_to(h, 0.9) for h in runs],
-        "len_first3": mean([mean([m["completion_len"] for m in h[:3]]) for h in runs]),
-        "len_last5": mean([mean([m["completion_len"] for m in h[-5:]]) for h in runs]),
+        "len_first3": mean([mean([m["completions/mean_length"] for m in h[:3]]) for h in runs]),
+        "len_last5": mean([mean([m["completions/mean_length"] for m in h[-5:]]) for h in runs]),
         # the first step (engine warm-up, first weight sync) is left out of the rate
         "tokens_per_s": sum(tokens[1:]) / sum(m["step_time_s"] for m in rows[1:]),
-        "clip_frac": mean([m["clip_frac"] for m in rows]),
+        "clip_frac": mean([m["clip_ratio/region_mean"] for m in rows]),
         "train_s": mean([m["train_s"] for m in rows]),
     }
 

@@ -1,22 +1,30 @@
 """`scaffold plot`: training curves from a run's metrics.jsonl.
 
-One panel per quantity the run logged (the rows decide, not the algorithm's name), so each
-algorithm's figure shows what its skeleton logs:
+The rows decide what is drawn, not the algorithm's name: every numeric key a run logged is
+drawn, except the bookkeeping in `BOOKKEEPING` (counters, timings, memory). Keys that belong
+together share a panel (`PANELS`, in this order: the loss, the algorithm's own curves, then the
+schedule, throughput and gradient norm); any other key gets a panel of its own, between the
+algorithm's panels and the schedule, in the order the run first logged it. So each algorithm's
+figure shows what its skeleton logs, under the names TRL uses:
 
 - SFT, LoRA, QLoRA, KD (`templates/recipes/sft.py.jinja`, `partials/loop.jinja`): loss with
   val_loss, lr, tokens_per_s, grad_norm.
-- DPO (`templates/recipes/dpo.py.jinja`, TRL's names): loss with val_loss, rewards/accuracies with
-  val_rewards/accuracies, rewards/margins, rewards/chosen with rewards/rejected, lr, tokens_per_s,
-  grad_norm.
+- DPO and its loss types (`templates/recipes/dpo.py.jinja`): loss with val_loss,
+  rewards/accuracies with val_rewards/accuracies, rewards/margins, rewards/chosen with
+  rewards/rejected, logps/chosen with logps/rejected, ORPO's nll_loss, log_odds_ratio and
+  log_odds_chosen, lr, tokens_per_s, grad_norm.
 - GRPO (`templates/recipes/grpo.py.jinja`): loss, reward with each reward function's
-  rewards/<name>, kl, clip_frac, completion_len, lr, samples_per_s, grad_norm.
+  rewards/<name>/mean, kl, clip_ratio/low_mean, /high_mean and /region_mean,
+  completions/mean_length with /min_length and /max_length, reward_std, frac_reward_zero_std,
+  completions/clipped_ratio, sampling/importance_sampling_ratio/mean, DAPO's dropped_groups
+  with num_refills, lr, samples_per_s, grad_norm.
 
-Noisy training curves are drawn faint, with a smoothed line over them: TensorBoard's exponential
-moving average with Adam-style debiasing (`ema`), so the first points are not pulled toward 0
-and a short run's trend is visible at once. Validation values are drawn as points, unsmoothed
-(they are already means over the whole validation set). Steps are integers on every axis. The
-figure's title is the command that started the run, from `run.json` beside metrics.jsonl, when
-the run wrote one.
+A validation key `val_<key>` is drawn as points in `<key>`'s panel. Noisy training curves are
+drawn faint, with a smoothed line over them: TensorBoard's exponential moving average with
+Adam-style debiasing (`ema`), so the first points are not pulled toward 0 and a short run's
+trend is visible at once. Validation values are drawn as points, unsmoothed (they are already
+means over the whole validation set). Steps are integers on every axis. The figure's title is
+the command that started the run, from `run.json` beside metrics.jsonl, when the run wrote one.
 """
 
 from __future__ import annotations
@@ -50,21 +58,32 @@ class Panel:
     points: tuple[str, ...] = ()
 
 
+# The panels of keys drawn together, in figure order; None marks where the panels of the keys
+# no entry names go (after the algorithm's curves, before the schedule and throughput)
 PANELS = [
-    Panel(("loss", "val_loss"), points=("val_loss",)),
-    Panel(("reward",)),  # GRPO; its reward functions' rewards/<name> are added (`panels`)
-    Panel(("rewards/accuracies", "val_rewards/accuracies"), points=("val_rewards/accuracies",)),
+    Panel(("loss",)),
+    Panel(("reward",)),  # GRPO; its reward functions' rewards/<name>/mean are added (`panels`)
+    Panel(("rewards/accuracies",)),
     Panel(("rewards/margins",)),
     Panel(("rewards/chosen", "rewards/rejected")),
+    Panel(("logps/chosen", "logps/rejected")),
     Panel(("kl",)),
-    Panel(("clip_frac",)),
-    Panel(("completion_len",)),
+    Panel(("clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean")),
+    Panel(("completions/mean_length", "completions/min_length", "completions/max_length")),
+    Panel(("dropped_groups", "num_refills")),
+    None,
     Panel(("lr",), smooth=False),  # the schedule: exact, nothing to smooth
     Panel(("tokens_per_s",), smooth=False),
     Panel(("samples_per_s",), smooth=False),
     Panel(("grad_norm",)),
 ]
-DPO_REWARDS = {"rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins"}
+# Logged to read, not to draw: step counters, sizes, timings, memory, rollout bookkeeping
+BOOKKEEPING = {
+    "step", "epoch", "num_tokens", "num_supervised", "num_pairs", "num_examples", "step_time_s", "peak_mem_mib", "train_s",
+    "rollout_wait_s", "weight_sync_s", "staleness_max", "dropped_stale", "count/chosen",
+    "count/rejected",
+}  # fmt: skip
+VAL = "val_"  # a validation key's prefix: drawn as points in its training key's panel
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -107,21 +126,40 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+def _drawn(key: str) -> bool:
+    """A key `panels` draws: not bookkeeping, not a reward function's spread (rewards/<name>/std,
+    read beside its mean in metrics.jsonl), not a validation key (drawn with its training key)."""
+    spread = key.startswith("rewards/") and key.endswith("/std")
+    return key not in BOOKKEEPING and not spread and not key.startswith(VAL)
+
+
 def panels(rows: list[dict]) -> list[Panel]:
-    """The PANELS these rows log at least one value of, with GRPO's per-function rewards
-    (rewards/<name>, when `reward` is logged) added to its reward panel."""
-    logged = {k for r in rows for k, v in r.items() if _is_number(v)}
+    """The panels of the numeric keys these rows log (`PANELS`' that log at least one key, then
+    one per key no entry names), with GRPO's per-function rewards (rewards/<name>/mean) added to
+    its reward panel and each `val_<key>` as points beside its key."""
+    logged = {}  # key -> None, in the order first logged
+    for row in rows:
+        logged.update((k, None) for k, v in row.items() if _is_number(v))
+    named = {k for panel in PANELS if panel for k in panel.keys}
+    function_means = tuple(k for k in logged if k.startswith("rewards/") and k.endswith("/mean"))
+    named.update(function_means)
+    own = [Panel((k,)) for k in logged if k not in named and _drawn(k)]
+    # a validation key without its training key (nothing to sit beside): points of its own
+    own += [
+        Panel((k,), points=(k,))
+        for k in logged
+        if k.startswith(VAL) and k[len(VAL) :] not in logged
+    ]
     out = []
     for panel in PANELS:
-        keys = panel.keys
-        if keys == ("reward",):
-            keys += tuple(
-                sorted(k for k in logged if k.startswith("rewards/")) if "reward" in logged else ()
+        for p in own if panel is None else [panel]:
+            keys = p.keys + (tuple(sorted(function_means)) if p.keys == ("reward",) else ())
+            keys = tuple(k for k in keys if k in logged)
+            points = p.points + tuple(
+                VAL + k for k in keys if VAL + k in logged and VAL + k not in keys
             )
-            keys = tuple(k for k in keys if k not in DPO_REWARDS)
-        keys = tuple(k for k in keys if k in logged)
-        if keys:
-            out.append(Panel(keys, panel.smooth, tuple(k for k in panel.points if k in keys)))
+            if keys:
+                out.append(Panel(keys + points[len(p.points) :], p.smooth, points))
     return out
 
 

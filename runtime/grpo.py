@@ -52,7 +52,7 @@ def group_advantages(
         baseline: "group_mean" or "rloo".
 
     Returns:
-        (advantages [M] fp32, frac_zero_std_groups: the share of groups whose rewards are all
+        (advantages [M] fp32, frac_reward_zero_std (TRL's name): the share of groups whose rewards are all
         equal). Such a group (and any group of size 1) gets advantage exactly 0, never NaN: it
         carries no learning signal.
 

@@ -346,17 +346,23 @@ def share_rollouts(
 
 
 def rollout_stats(groups: list[list[Rollout]], version: int) -> dict:
-    """Bookkeeping of a step's N * G rollouts (the advantages and mean reward are the script's):
-    rewards/<function name> (each reward function's mean), completion_len (mean tokens),
-    staleness_max (versions the oldest lags `version`, the policy being trained) and
-    policy_versions (each completion's, in order)."""
+    """Bookkeeping of a step's N * G rollouts (the advantages and mean reward are the script's),
+    under TRL's GRPOTrainer names: rewards/<function name>/mean and /std (each reward function's
+    mean and population std over the completions), completions/mean_length, /min_length and
+    /max_length (completion tokens); and staleness_max (versions the oldest lags `version`, the
+    policy being trained) and policy_versions (each completion's, in order)."""
     flat = [r for g in groups for r in g]
+    lengths = [len(r.completion_ids) for r in flat]
+    per_function = {}
+    for name in flat[0].rewards:
+        values = torch.tensor([float(r.rewards[name]) for r in flat], dtype=torch.float64)
+        per_function[f"rewards/{name}/mean"] = values.mean().item()
+        per_function[f"rewards/{name}/std"] = values.std(correction=0).item()
     return {
-        **{
-            f"rewards/{name}": sum(r.rewards[name] for r in flat) / len(flat)
-            for name in flat[0].rewards
-        },
-        "completion_len": sum(len(r.completion_ids) for r in flat) / len(flat),
+        **per_function,
+        "completions/mean_length": sum(lengths) / len(lengths),
+        "completions/min_length": min(lengths),
+        "completions/max_length": max(lengths),
         "staleness_max": max(version - r.policy_version for r in flat),
         "policy_versions": [r.policy_version for r in flat],
     }

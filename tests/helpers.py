@@ -395,7 +395,7 @@ def grpo_fixed_rollouts():
 def grpo_two_steps(
     script, model_dir: Path, dtype: str = "fp32", synced: dict | None = None
 ) -> list[tuple[float, ...]]:
-    """(loss, grad_norm, kl, is_weight, clip_frac) of 2 GRPO train_steps on the same 8 fixed
+    """(loss, grad_norm, kl, importance weight, clip ratio) of 2 GRPO train_steps on the same 8 fixed
     rollouts, 2 micro-batches of 4 each, kl_coef 0.1 (the reference's log-probs too), clipping on,
     in `dtype` (no Ray: the step only). Under several data-parallel ranks each trains its share
     (rank r: rollouts r, r + size, ...) in micro-batches of 4, as the script's main() splits them.
@@ -425,7 +425,15 @@ def grpo_two_steps(
     out = []
     for _ in range(2):
         m = script.train_step(model, reference, optimizer, scheduler, rollouts, advantages, num_tokens, num_micro, cfg, device)  # fmt: skip
-        out.append((m["loss"], m["grad_norm"], m["kl"], m["is_weight"], m["clip_frac"]))
+        out.append(
+            (
+                m["loss"],
+                m["grad_norm"],
+                m["kl"],
+                m["sampling/importance_sampling_ratio/mean"],
+                m["clip_ratio/region_mean"],
+            )
+        )
     if synced is not None:
         from runtime.rollout import HFWeightSource, gather_hf_state_dict
 

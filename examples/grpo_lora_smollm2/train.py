@@ -85,7 +85,7 @@ Differs from Shao et al. 2024 (DeepSeekMath, arXiv:2402.03300) / Hugging Face TR
 - The engines hold a plain model: every weight sync sends the merged weights W + lora_scale * B A
   (DoRA: rescaled per row) under the base checkpoint's HF names, gathered by all trainer ranks
   and kept on rank 0 only; the sampler's log-probs are those of that merged model.
-- Groups whose rewards are all equal get advantage 0 (logged as frac_zero_std_groups; dropped
+- Groups whose rewards are all equal get advantage 0 (logged as frac_reward_zero_std; dropped
   and replaced with --dynamic_sampling).
 - Log-prob convention (sampler and trainer alike): the log-prob of a completion token is taken
   under the distribution that generated it, softmax(logits / temperature) restricted to the
@@ -288,6 +288,15 @@ class Config:
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "gspo", "cispo")  # the objectives (docstring, grpo_loss)
+# grpo_loss's per-token sums, logged as means over the loss tokens under TRL's GRPOTrainer names:
+# the share of tokens clipped below, above, either; the k3 KL; the truncated importance weight
+LOSS_METRICS = (
+    "clip_ratio/low_mean",
+    "clip_ratio/high_mean",
+    "clip_ratio/region_mean",
+    "kl",
+    "sampling/importance_sampling_ratio/mean",
+)
 OVERLONG = ("none", "mask", "shape")  # what happens to a completion that hit max_new_tokens
 
 
@@ -545,9 +554,11 @@ def grpo_loss(
             sequence ratio); None: each row is one sequence.
 
     Returns:
-        (scalar: the weighted sum; sums over the mask's tokens of clipped (0/1), kl, is_weight).
-        clipped: the clip zeroed the token's policy gradient (grpo, dapo, dr_grpo, gspo), or
-        changed its weight (cispo).
+        (scalar: the weighted sum; sums over the mask's tokens of LOSS_METRICS: clipped below
+        1 - clip_eps_low, clipped above 1 + clip_eps_high, either (0/1 each), kl, is_weight).
+        Clipped: the clip zeroed the token's policy gradient (grpo, dapo, dr_grpo, gspo), or
+        changed its weight (cispo). The names are TRL's GRPOTrainer's once divided by the
+        tokens (`train_step`).
 
     Reference:
         GRPO: arXiv:2402.03300 eq. 3 (k3 KL: Schulman 2020, http://joschu.net/blog/kl-approx.html);
@@ -577,21 +588,24 @@ def grpo_loss(
         is_weight = torch.exp(old_logprobs - sampler_logprobs).clamp(max=is_cap).detach()
     if loss_type == "cispo":  # REINFORCE, each token weighted by its clipped, detached ratio
         per_token = -is_weight * ratio.clamp(low, high).detach() * A * logprobs
-        clipped = (ratio < low) | (ratio > high)
+        low_clipped, high_clipped = ratio < low, ratio > high
     else:  # PPO's pessimistic clipped surrogate
         surrogate = torch.minimum(ratio * A, ratio.clamp(low, high) * A)
         per_token = -is_weight * surrogate
-        clipped = ((ratio < low) & (A < 0)) | ((ratio > high) & (A > 0))
+        low_clipped, high_clipped = (ratio < low) & (A < 0), (ratio > high) & (A > 0)
     kl = torch.zeros_like(ratio)
     if kl_coef > 0:
         delta = ref_logprobs - logprobs
         kl = torch.exp(delta) - delta - 1
         per_token = per_token + kl_coef * kl
-    sums = {
-        "clip_frac": (clipped & mask).sum().float(),
-        "kl": (kl.detach() * mask).sum(),
-        "is_weight": (is_weight * mask).sum(),
-    }
+    values = (
+        low_clipped & mask,
+        high_clipped & mask,
+        (low_clipped | high_clipped) & mask,
+        kl.detach() * mask,
+        is_weight * mask,
+    )
+    sums = {name: v.sum().float() for name, v in zip(LOSS_METRICS, values, strict=True)}
     return (per_token * (mask if weights is None else weights)).sum(), sums
 
 
@@ -712,18 +726,23 @@ def rewards_differ(group: list, cfg: Config) -> bool:
 
 def rollout_metrics(groups: list, cfg: Config, version: int) -> tuple[torch.Tensor, dict]:
     """Advantages [N*G] of the step's groups (each total reward relative to its group:
-    `group_advantages` with scale_rewards and advantage_baseline), their mean reward (the reward
-    functions', without the overlong penalty), frac_zero_std_groups, the share of truncated
-    completions (completions/clipped_ratio, TRL's name), under overlong="shape" the mean penalty
+    `group_advantages` with scale_rewards and advantage_baseline) and, under TRL's GRPOTrainer
+    names, their mean reward (the reward functions', without the overlong penalty), reward_std
+    (the mean over groups of the group's std), frac_reward_zero_std, the share of truncated
+    completions (completions/clipped_ratio), under overlong="shape" the mean penalty
     (rewards/overlong_penalty), and the runtime's bookkeeping (`rollout_stats`)."""
     flat = [r for g in groups for r in g]  # [N*G], group by group
     rewards = torch.tensor([total_reward(r, cfg) for r in flat])
     advantages, frac_zero_std = group_advantages(
         rewards, cfg.num_generations, scale=cfg.scale_rewards, baseline=cfg.advantage_baseline
     )
+    scores = torch.tensor([r.reward for r in flat])  # [N*G] fp32
+    G = cfg.num_generations
     metrics = {
-        "reward": torch.tensor([r.reward for r in flat]).mean().item(),
-        "frac_zero_std_groups": frac_zero_std,
+        "reward": scores.mean().item(),
+        # a group of one has no spread: 0, not torch.std's NaN
+        "reward_std": scores.view(-1, G).std(dim=1).mean().item() if G > 1 else 0.0,
+        "frac_reward_zero_std": frac_zero_std,
         "completions/clipped_ratio": sum(r.truncated for r in flat) / len(flat),
         **rollout_stats(groups, version),
     }
@@ -840,7 +859,7 @@ def train_step(
             normaliser; None: len(rollouts) (one process).
 
     Returns:
-        loss (the step's, as its loss_type normalises it), clip_frac, kl, is_weight (means over
+        loss (the step's, as its loss_type normalises it), the LOSS_METRICS (means over
         the loss tokens), grad_norm, lr.
     """
     size = cfg.micro_batch_size
@@ -854,9 +873,7 @@ def train_step(
         mb, mb_advantages = micro_batch
         if not mb:  # this rank ran out: join the collectives with a zero gradient
             zero = model(torch.zeros(1, 1, dtype=torch.long, device=device)).sum().mul(0)
-            return zero, {
-                k: torch.zeros((), device=device) for k in ("clip_frac", "kl", "is_weight")
-            }
+            return zero, {k: torch.zeros((), device=device) for k in LOSS_METRICS}
         # already weighted for the whole step (loss_weights): the micro-batches' gradients add up
         return microbatch_loss(
             model, reference, mb, mb_advantages, cfg, device, num_tokens, num_sequences
@@ -866,17 +883,13 @@ def train_step(
         model, optimizer, scheduler, micro_batches, loss_fn, cfg
     )
     # the loss is already the step's; the other sums become means over its loss tokens here
-    sums = torch.stack([totals[k] for k in ("loss", "clip_frac", "kl", "is_weight")])
+    sums = torch.stack([totals[k] for k in ("loss", *LOSS_METRICS)])
     if dist.is_initialized():
         dist.all_reduce(sums)
     means = (
-        sums / torch.tensor([1.0, num_tokens, num_tokens, num_tokens], device=sums.device)
+        sums / torch.tensor([1.0] + [num_tokens] * len(LOSS_METRICS), device=sums.device)
     ).tolist()
-    return dict(
-        zip(("loss", "clip_frac", "kl", "is_weight"), means, strict=True),
-        grad_norm=grad_norm.item(),
-        lr=lr,
-    )
+    return dict(zip(("loss", *LOSS_METRICS), means, strict=True), grad_norm=grad_norm.item(), lr=lr)
 
 
 def save(
@@ -992,8 +1005,8 @@ def main(argv: list[str] | None = None, reward_funcs: list | None = None) -> lis
             logger.log({k: v for k, v in metrics.items() if k != "policy_versions"}, step)
             progress.write(
                 f"step {step:5d} | reward {metrics['reward']:.3f} | loss {metrics['loss']:.4f} | zero-std groups "
-                f"{metrics['frac_zero_std_groups']:.2f} | clip {metrics['clip_frac']:.3f} | kl {metrics['kl']:.4f} | "
-                f"stale <= {metrics['staleness_max']} | len {metrics['completion_len']:.1f} | {metrics['samples_per_s']:.1f} samples/s"
+                f"{metrics['frac_reward_zero_std']:.2f} | clip {metrics['clip_ratio/region_mean']:.3f} | kl {metrics['kl']:.4f} | "
+                f"stale <= {metrics['staleness_max']} | len {metrics['completions/mean_length']:.1f} | {metrics['samples_per_s']:.1f} samples/s"
             )
         if cfg.save_every_steps and (step % cfg.save_every_steps == 0 or step == cfg.max_steps):
             config = dataclasses.asdict(cfg)

@@ -53,13 +53,30 @@ def _dpo_row(step: int) -> dict:
     return row
 
 
+def _orpo_row(step: int) -> dict:
+    """DPO's skeleton under --loss_type orpo: the pair metrics plus TRL's ORPO terms."""
+    row = _dpo_row(step)
+    return row | {"nll_loss": 1.5, "log_odds_ratio": -0.6, "log_odds_chosen": 0.1 * step}
+
+
 def _grpo_row(step: int, last: int) -> dict:
-    """What the GRPO skeleton's main logs: rollout_metrics (the script's two reward functions),
-    train_step, the weight sync (not after the last step) and the timings; no validation."""
-    row = {"step": step, "reward": 0.1 * step, "rewards/math_answer_reward": 0.1 * step}
-    row |= {"rewards/format_reward": 0.5, "frac_zero_std_groups": 0.25, "completion_len": 40.0}
-    row |= {"staleness_max": 0, "loss": 0.01, "clip_frac": 0.0, "kl": 0.0, "is_weight": 1.0}
-    row |= {"grad_norm": 0.3, "lr": 1e-6, "dropped_stale": 0, "rollout_wait_s": 5.0, "train_s": 2.0}
+    """What the GRPO skeleton's main logs (TRL's names): rollout_metrics (the script's two reward
+    functions), train_step, the weight sync (not after the last step) and the timings; no
+    validation."""
+    row = {"step": step, "reward": 0.1 * step, "reward_std": 0.2, "frac_reward_zero_std": 0.25}
+    row |= {"completions/clipped_ratio": 0.1}
+    row |= {"rewards/math_answer_reward/mean": 0.1 * step, "rewards/math_answer_reward/std": 0.3}
+    row |= {"rewards/format_reward/mean": 0.5, "rewards/format_reward/std": 0.5}
+    row |= {"completions/mean_length": 40.0, "completions/min_length": 3}
+    row |= {"completions/max_length": 64, "staleness_max": 0, "loss": 0.01}
+    row |= {"clip_ratio/low_mean": 0.0, "clip_ratio/high_mean": 0.0}
+    row |= {
+        "clip_ratio/region_mean": 0.0,
+        "kl": 0.0,
+        "sampling/importance_sampling_ratio/mean": 1.0,
+    }
+    row |= {"grad_norm": 0.3, "lr": 1e-6, "dropped_stale": 0, "dropped_groups": 0, "num_refills": 0}
+    row |= {"rollout_wait_s": 5.0, "train_s": 2.0}
     row |= {"step_time_s": 8.0, "samples_per_s": 8.0, "peak_mem_mib": 2000.0}
     return row | ({"weight_sync_s": 1.0} if step < last else {})
 
@@ -76,6 +93,23 @@ ALGOS = {
             "rewards/accuracies / val_rewards/accuracies",
             "rewards/margins",
             "rewards/chosen / rewards/rejected",
+            "logps/chosen / logps/rejected",
+            "lr",
+            "tokens_per_s",
+            "grad_norm",
+        ],
+    ),
+    "orpo": (
+        [_orpo_row(s) for s in range(1, 9)],
+        [
+            "loss / val_loss",
+            "rewards/accuracies / val_rewards/accuracies",
+            "rewards/margins",
+            "rewards/chosen / rewards/rejected",
+            "logps/chosen / logps/rejected",
+            "nll_loss",
+            "log_odds_ratio",
+            "log_odds_chosen",
             "lr",
             "tokens_per_s",
             "grad_norm",
@@ -85,10 +119,15 @@ ALGOS = {
         [_grpo_row(s, 3) for s in range(1, 4)],
         [
             "loss",
-            "reward / rewards/format_reward / rewards/math_answer_reward",
+            "reward / rewards/format_reward/mean / rewards/math_answer_reward/mean",
             "kl",
-            "clip_frac",
-            "completion_len",
+            "clip_ratio/region_mean / clip_ratio/low_mean / clip_ratio/high_mean",
+            "completions/mean_length / completions/min_length / completions/max_length",
+            "dropped_groups / num_refills",
+            "reward_std",
+            "frac_reward_zero_std",
+            "completions/clipped_ratio",
+            "sampling/importance_sampling_ratio/mean",
             "lr",
             "samples_per_s",
             "grad_norm",
@@ -109,8 +148,8 @@ def test_each_algorithm_draws_what_it_logs_with_integer_steps(algo):
             ax.get_title(),
             ticks,
         )
-    if algo == "grpo":  # 8 panels: two full rows of four, no empty cell left
-        assert len(fig.axes) == 8 and fig.axes[4].get_subplotspec().rowspan.start == 1
+    if algo == "grpo":  # 13 panels: three full rows of four, one on the fourth, no empty cell
+        assert len(fig.axes) == 13 and fig.axes[4].get_subplotspec().rowspan.start == 1
 
 
 @pytest.mark.parametrize("algo", list(ALGOS))
@@ -193,3 +232,26 @@ def test_a_relogged_step_is_drawn_with_its_last_value():
     drawn = {panel.keys: points for panel, points in curves(rows).items()}
     assert list(drawn) == [("loss",), ("rewards/accuracies",), ("rewards/margins",)]
     assert drawn[("loss",)]["loss"] == [(1, 0.69), (2, 0.65), (3, 0.60)]
+
+
+def test_a_key_no_panel_names_is_drawn_alone_and_bookkeeping_is_not():
+    """Any numeric key gets a panel (a new algorithm's metrics need no entry here), in the order
+    first logged, before the schedule; its val_ key sits beside it as points; a validation key
+    without its training key is drawn alone; counters, timings and reward spreads are not."""
+    rows = [
+        {"step": 1, "loss": 1.0, "lr": 1e-5, "value_loss": 0.5, "accuracy": 0.4, "num_tokens": 9},
+        {
+            "step": 2,
+            "loss": 0.9,
+            "lr": 1e-5,
+            "value_loss": 0.4,
+            "accuracy": 0.6,
+            "val_accuracy": 0.5,
+        },
+        {"step": 3, "loss": 0.8, "val_only": 0.3, "rewards/f/std": 0.1, "peak_mem_mib": 1.0},
+    ]
+    drawn = list(curves(rows))
+    assert [p.keys for p in drawn] == [
+        ("loss",), ("value_loss",), ("accuracy", "val_accuracy"), ("val_only",), ("lr",),
+    ]  # fmt: skip
+    assert [p.points for p in drawn] == [(), (), ("val_accuracy",), ("val_only",), ()]

@@ -69,9 +69,12 @@ def test_grpo_loss_equals_closed_form(grpo_script):
             kl += k3
             clipped += (r > 1 + hi and A > 0) or (r < 1 - lo and A < 0)
     assert loss.item() == pytest.approx(want, rel=1e-5)
-    assert sums["clip_frac"].item() == clipped == 2  # 1.5 with A > 0 (high), 0.5 with A < 0 (low)
+    assert sums["clip_ratio/region_mean"].item() == clipped == 2  # 1.5 with A > 0, 0.5 with A < 0
+    assert sums["clip_ratio/high_mean"].item() == 1 and sums["clip_ratio/low_mean"].item() == 1
     assert sums["kl"].item() == pytest.approx(kl, rel=1e-5)
-    assert sums["is_weight"].item() == pytest.approx(2.0 + 0.5 + 1.0 + 1.0 + 1.0)
+    assert sums["sampling/importance_sampling_ratio/mean"].item() == pytest.approx(
+        2.0 + 0.5 + 1.0 + 1.0 + 1.0
+    )
     # clipped tokens pass no policy gradient, only the KL's
     loss.backward()
     kl_grad = [kl_coef * -(math.exp(d) - 1) for d in (deltas[0][0], deltas[1][1])]
@@ -80,7 +83,10 @@ def test_grpo_loss_equals_closed_form(grpo_script):
     assert logprobs.grad[1, 2].item() == 0.0  # masked
     # is_cap = 0 turns the importance weight off; kl_coef = 0 needs no reference
     loss0, sums0 = grpo_script.grpo_loss(logprobs, old, sampler, advantages, mask, lo, hi, 0.0)
-    assert sums0["is_weight"].item() == mask.sum().item() and sums0["kl"].item() == 0.0
+    assert (
+        sums0["sampling/importance_sampling_ratio/mean"].item() == mask.sum().item()
+        and sums0["kl"].item() == 0.0
+    )
 
 
 def test_reward_functions(grpo_script):
@@ -148,8 +154,12 @@ def test_rollout_progress_is_printed_before_the_first_step(
     assert len(lines) == len(patterns), lines
     assert all(re.fullmatch(p, line) for p, line in zip(patterns, lines, strict=True)), lines
     fig = make_figure(read_metrics(tmp_path / "metrics.jsonl"))
-    assert [ax.get_title() for ax in fig.axes] == [
-        "loss", "reward / rewards/even_token_reward", "kl", "clip_frac", "completion_len", "lr",
+    assert [ax.get_title().replace("\n", " ") for ax in fig.axes] == [
+        "loss", "reward / rewards/even_token_reward/mean", "kl",
+        "clip_ratio/region_mean / clip_ratio/low_mean / clip_ratio/high_mean",
+        "completions/mean_length / completions/min_length / completions/max_length",
+        "dropped_groups / num_refills", "reward_std", "frac_reward_zero_std",
+        "completions/clipped_ratio", "sampling/importance_sampling_ratio/mean", "lr",
         "samples_per_s", "grad_norm",
     ]  # fmt: skip
 
@@ -260,7 +270,9 @@ def test_importance_weight_is_one_under_top_p_and_top_k(
         grpo_script, even_model_dir, chain_sum_64, tmp_path, "--rollout", "sync", "--max_steps",
         "2", "--lr", "1e-12", *flags,
     )  # fmt: skip
-    assert [m["is_weight"] for m in history] == pytest.approx([1.0, 1.0], abs=1e-3)
+    assert [m["sampling/importance_sampling_ratio/mean"] for m in history] == pytest.approx(
+        [1.0, 1.0], abs=1e-3
+    )
 
 
 def test_weight_transfer_option_is_checked_alone(grpo_script):
@@ -396,7 +408,13 @@ def test_bf16_sr_resume_replays_the_run(ray_session, even_model_dir, chain_sum_6
 
     (tmp_path / "train.py").write_text(render(Spec(algo="grpo", tricks=("bf16-sr",), out="o")))
     script = import_script(tmp_path / "train.py", "grpo_bf16_sr_train")
-    keys = ("reward", "loss", "grad_norm", "clip_frac", "is_weight")
+    keys = (
+        "reward",
+        "loss",
+        "grad_norm",
+        "clip_ratio/region_mean",
+        "sampling/importance_sampling_ratio/mean",
+    )
 
     def run(out: str, steps: int) -> list[dict]:
         return run_grpo(

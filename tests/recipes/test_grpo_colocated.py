@@ -18,7 +18,13 @@ from runtime import ModelArgs, build_model, load_hf_checkpoint, read_hf_config
 from tests.helpers import import_script, run_grpo
 
 REPO = Path(__file__).resolve().parents[2]
-KEYS = ("reward", "loss", "grad_norm", "clip_frac", "is_weight")
+KEYS = (
+    "reward",
+    "loss",
+    "grad_norm",
+    "clip_ratio/region_mean",
+    "sampling/importance_sampling_ratio/mean",
+)
 
 
 @pytest.fixture(scope="module")

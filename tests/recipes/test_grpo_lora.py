@@ -246,7 +246,7 @@ def test_sync_resume_replays_the_uninterrupted_run(
 
     straight, first, resumed = run("a", 4), run("b", 2), run("b", 4)
     assert len(first) == len(resumed) == 2
-    keys = ("reward", "loss", "grad_norm", "completion_len")
+    keys = ("reward", "loss", "grad_norm", "completions/mean_length")
     for a, b in zip(straight, first + resumed, strict=True):
         assert [a[k] for k in keys] == [b[k] for k in keys]
     assert straight[2]["loss"] != straight[0]["loss"]  # the policy and its samples did change

@@ -116,10 +116,17 @@ def test_each_loss_type_equals_its_closed_form(grpo_script, loss_type):
         # cispo: every ratio outside [0.8, 1.28] (1.5, 0.5, 0.7)
         "grpo": 2, "dapo": 2, "dr_grpo": 2, "gspo": 1, "cispo": 3,
     }[loss_type]  # fmt: skip
-    assert sums["clip_frac"].item() == clipped
+    assert sums["clip_ratio/region_mean"].item() == clipped
+    low = {"grpo": 1, "dapo": 1, "dr_grpo": 1, "gspo": clipped, "cispo": 2}[
+        loss_type
+    ]  # 0.5 (and 0.7)
+    assert sums["clip_ratio/low_mean"].item() == low
+    assert sums["clip_ratio/high_mean"].item() == clipped - low
     kl = sum(math.exp(d) - d - 1 for row in DELTAS for d in row)
     assert sums["kl"].item() == pytest.approx(kl, rel=1e-5)
-    assert sums["is_weight"].item() == pytest.approx(2.0 + 0.5 + 1.0 + 1.0 + 1.0 + 1.5)
+    assert sums["sampling/importance_sampling_ratio/mean"].item() == pytest.approx(
+        2.0 + 0.5 + 1.0 + 1.0 + 1.0 + 1.5
+    )
 
 
 def test_gspo_token_form_equals_the_sequence_form(grpo_script):
@@ -210,7 +217,7 @@ def test_advantage_options_equal_closed_forms(grpo_script):
         assert adv[4:].tolist() == [0.0] * 4 and frac_zero == 0.5
         cfg = s.Config(num_generations=4, scale_rewards=scale, advantage_baseline=baseline)
         script_adv, metrics = s.rollout_metrics(groups, cfg, version=0)
-        assert torch.equal(script_adv, adv) and metrics["frac_zero_std_groups"] == 0.5
+        assert torch.equal(script_adv, adv) and metrics["frac_reward_zero_std"] == 0.5
     with pytest.raises(ValueError, match="baseline='loo'"):
         group_advantages(torch.tensor(rewards), 4, baseline="loo")
 
@@ -404,7 +411,7 @@ def test_dynamic_sampling_drops_and_counts_zero_variance_groups(
     )  # fmt: skip
     for m in history:
         # 1 batch + 2 refills of 2 groups: 6 rejected, 2 of them fill the step
-        assert (m["num_refills"], m["dropped_groups"], m["frac_zero_std_groups"]) == (2, 4, 1.0)
+        assert (m["num_refills"], m["dropped_groups"], m["frac_reward_zero_std"]) == (2, 4, 1.0)
         assert m["grad_norm"] == 0.0 and m["loss"] == 0.0
     assert history[1]["dropped_stale"] == 0  # sync: nothing of step 1's batches was left over
 

@@ -95,8 +95,8 @@ def _preference_or_rl_steps(
 ):
     """2 bf16 steps of `algo` with `tricks`: DPO's main() on 4 short pairs (a separate reference
     unless `extra` flags say otherwise; (loss, grad_norm) per step), GRPO's train_step on the
-    fixed rollouts with a KL reference (`grpo_two_steps`: loss, grad_norm, kl, is_weight,
-    clip_frac). weights: if given, filled with the trained weights as they leave the trainer:
+    fixed rollouts with a KL reference (`grpo_two_steps`: loss, grad_norm, kl, importance
+    weight, clip ratio). weights: if given, filled with the trained weights as they leave the trainer:
     DPO's saved HF model ({"saved": {HF name: tensor}}), GRPO's weight sync (`grpo_two_steps`).
     shards: if given, gets the offload_policy (or None) of every `fully_shard` call, policy's and
     reference's."""

@@ -49,7 +49,7 @@ if __name__ == "__main__":  # vLLM spawns its engine core: the script must be im
 
     script.grpo_loss = recording
     history = script.main(sys.argv[3:], reward_funcs=[even_token_reward])
-    keep = ("reward", "loss", "grad_norm", "policy_versions", "is_weight")
+    keep = ("reward", "loss", "grad_norm", "policy_versions", "sampling/importance_sampling_ratio/mean")
     rows = [{k: m[k] for k in keep} for m in history]
     Path(sys.argv[2]).write_text(json.dumps({"history": rows, "gaps": gaps}))
 """
