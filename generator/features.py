@@ -222,17 +222,12 @@ PLANS = {
 # has not been built and tested there (their reference, rollouts and weight sync under TP/CP).
 _PLAN_NOT_WIRED = (
     "not wired into the {skeleton} skeleton yet (its reference model, token counts and "
-    "{extra} under this plan are untested); only the SFT skeleton takes it"
+    "{extra} under this plan are untested); the SFT and DPO skeletons take it"
 )
 
 
-# What the DPO and SFT skeletons' algorithms do not take yet, and why (HSDP and TP are built for
-# all of them but qlora's TP and kd's; see each reason).
-_DPO_CP = (
-    "not wired into the DPO skeleton yet: a pair's chosen and rejected log-prob sums would be "
-    "reduced over the cp ranks' chunks and the precomputed pass sharded the same way, which is "
-    "not built or tested; only the SFT skeleton takes it"
-)
+# What the SFT and DPO skeletons' algorithms do not take yet, and why (HSDP is built for all of
+# them, TP and CP for all but qlora and kd).
 _NF4_TP = (
     "torchao 0.18's NF4Tensor splits only along dim 0 (aten.split on another dim raises "
     "NotImplementedError), and the rowwise TP plan of o_proj and down_proj shards their weight "
@@ -243,7 +238,8 @@ _KD_PLANS = (
     "model per rank) under them is not built yet"
 )
 _ADAPTERS_CP = (
-    "CP is built and tested on full-parameter SFT only; LoRA adapters under it are not built yet"
+    "CP is built and tested for sft, lora, dpo and dpo-lora; an NF4 base under the dp_shard x cp "
+    "FSDP mesh is not tested yet"
 )
 
 
@@ -268,14 +264,12 @@ def _refusals() -> dict[tuple[str, str], str]:
                 out[plan, name] = _PLAN_NOT_WIRED.format(
                     skeleton="GRPO", extra="weight sync to the engines"
                 )
-        if algo.skeleton == "dpo":
-            out["--cp", name] = _DPO_CP
         if name == "qlora":
             out["--tp", name] = _NF4_TP
         if name == "kd":
             for plan in ("--tp", "--cp"):
                 out[plan, name] = _KD_PLANS
-        if name in ("lora", "qlora"):
+        if name == "qlora":
             out["--cp", name] = _ADAPTERS_CP
         if name != "sft":
             out["--ep", name] = (

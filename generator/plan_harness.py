@@ -922,9 +922,9 @@ def measure_dpo_step(
     P, S, packing = cfg.micro_batch_size, cfg.max_seq_len, "packing" in spec.tricks
     dist_info, mesh = script.setup_distributed(cfg)
     dp_rank, dp_size, dp_group = data_parallel(mesh)
-    # under TP the counts and the table reduce over mesh["dp"] only (None = the world otherwise,
-    # which also serves scripts rendered before train_step took a dp_group)
-    group = (dp_group,) if spec.tp > 1 else ()
+    # under TP and CP the counts and the table reduce over mesh["dp"] only (None = the world
+    # otherwise, which also serves scripts rendered before train_step took a dp_group)
+    group = (dp_group,) if spec.tp > 1 or spec.cp > 1 else ()
     device = dist_info.device
     stages = ref_mode == "precomputed"
     with _simulated_build(script, fake):

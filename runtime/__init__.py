@@ -19,6 +19,8 @@ from runtime.config_checks import common_config_errors, config_notes, run_summar
 from runtime.context_parallel import (
     apply_context_parallel,
     context_parallel_chunks,
+    context_parallel_group,
+    context_parallel_sum,
     shard_for_context_parallel,
 )
 from runtime.data import (
@@ -239,6 +241,8 @@ __all__ = [
     "check_same_tokenizer",
     "check_vocab_fits",
     "context_parallel_chunks",
+    "context_parallel_group",
+    "context_parallel_sum",
     "checkpoint_dtype",
     "copy_tokenizer_files",
     "cosine_schedule_with_warmup",

@@ -365,12 +365,24 @@ _CP_REFUSED_TRICKS = {
 }
 
 
+# ... and on the DPO skeleton, whose sequence sums are completed over the cp ranks
+_DPO_CP_REFUSED_TRICKS = {
+    "packing": "not built yet for DPO: a packed row's sequence_ids would need sharding with its "
+    "tokens (runtime.CP_SEQUENCE_KEYS) and the sums over documents split across the cp ranks",
+    "lce": "not built yet for DPO: the chunked per-token log-probs (runtime.token_logprobs) are "
+    "not tested on the cp ranks' chunks",
+}
+
+
 def _validate_cp(spec: Spec, world: int) -> None:
-    """--cp: SFT's dense models; rows split into 2*cp equal chunks (times tp under TP)."""
-    refused = [t for t in spec.tricks if t in _CP_REFUSED_TRICKS]
+    """--cp: dense models; rows split into 2*cp equal chunks (times tp under TP)."""
+    table = dict(_CP_REFUSED_TRICKS)
+    if ALGOS[spec.algo].skeleton == "dpo":
+        table.update(_DPO_CP_REFUSED_TRICKS)
+    refused = [t for t in spec.tricks if t in table]
     if refused:
         raise SpecError(
-            f"--tricks {refused[0]} with --cp {spec.cp}: {_CP_REFUSED_TRICKS[refused[0]]}; drop "
+            f"--tricks {refused[0]} with --cp {spec.cp}: {table[refused[0]]}; drop "
             f"it ({_tricks_flag(t for t in spec.tricks if t not in refused)}) or use --cp 1"
         )
     if "packing" in spec.tricks and spec.cp_mode != "ring":

@@ -1,6 +1,7 @@
-"""LoRA SFT (`--algo lora`) under tensor parallel over gloo equals one process: TP 2 and TP 2 x
-FSDP 2, with the adapters sharded consistently with their base (colwise base: lora_A replicated,
-lora_B colwise; rowwise base: lora_A rowwise, lora_B replicated).
+"""LoRA SFT (`--algo lora`) under tensor and context parallel over gloo equals one process: TP 2
+and TP 2 x FSDP 2, with the adapters sharded consistently with their base (colwise base: lora_A
+replicated, lora_B colwise; rowwise base: lora_A rowwise, lora_B replicated), and CP 2 (the
+adapters act per token).
 
 The emitted script's own `setup_distributed`, `setup_model` (adapters, the TP plan, FSDP, HF
 load, adapter init) and `train_step` run 2 AdamW steps (the script's optimizer: the adapters'
@@ -36,15 +37,21 @@ def _train(rank, world_size, script_path, model_dir, out_dir, plan):
     script.validate(cfg)
     dist_info, mesh = script.setup_distributed(cfg)
     dp_rank, dp_size, dp_group = data_parallel(mesh)
+    cp_args = ()
+    if cfg.cp > 1:  # counts and the loss over dp x cp; this rank's place in mesh["cp"]
+        cp_args = (mesh["cp"].get_local_rank(), cfg.cp)
+        dp_group = mesh["dp_cp"].get_group()
     model = script.setup_model(cfg, Path(model_dir), mesh, dist_info.device)
     assert all(p.requires_grad == ("lora_" in n) for n, p in model.named_parameters())
     optimizer, scheduler = script.build_optimizer(cfg, model)
     rows = odd_length_rows(512)[:4][dp_rank::dp_size]
-    micro_batches = [script.collate([r], pad_token_id=0, pad_to_multiple_of=cfg.tp) for r in rows]
+    micro_batches = [
+        script.collate([r], pad_token_id=0, pad_to_multiple_of=cfg.tp * 2 * cfg.cp) for r in rows
+    ]
     losses, norms = [], []
     for _ in range(2):
         m = script.train_step(
-            model, optimizer, scheduler, micro_batches, cfg, dist_info.device, dp_group
+            model, optimizer, scheduler, micro_batches, cfg, dist_info.device, dp_group, *cp_args
         )
         losses.append(m["loss"])
         norms.append(m["grad_norm"])
@@ -57,19 +64,24 @@ def _train(rank, world_size, script_path, model_dir, out_dir, plan):
 
 @pytest.fixture(scope="module")
 def lora_tp_script(tmp_path_factory) -> str:
-    """The emitted lora script of a TP 2 spec (its Config takes tp and dp_replicate)."""
+    """The emitted lora script of a TP 2 x CP 2 spec (its Config takes tp, cp and dp_replicate)."""
     from generator.render import render
     from generator.spec import Spec
 
     d = tmp_path_factory.mktemp("lora_tp")
-    (d / "train.py").write_text(render(Spec(algo="lora", model="qwen3-0.6b", gpus=4, tp=2)))
+    (d / "train.py").write_text(render(Spec(algo="lora", model="qwen3-0.6b", gpus=4, tp=2, cp=2)))
     return str(d / "train.py")
 
 
-def test_lora_tp_and_tp_fsdp_equal_one_process(lora_tp_script, tiny_model_dir, tmp_path):
-    """TP 2 (2 ranks) and TP 2 x FSDP 2 (4 ranks): losses, grad norms, the saved adapter and the
-    merged model equal 1 process's."""
-    runs = {"one": (1, {"tp": 1}), "tp2": (2, {"tp": 2}), "tp2_fsdp2": (4, {"tp": 2})}
+def test_lora_tp_tp_fsdp_and_cp_equal_one_process(lora_tp_script, tiny_model_dir, tmp_path):
+    """TP 2 (2 ranks), TP 2 x FSDP 2 (4 ranks) and CP 2 (2 ranks, K/V all-gathered): losses, grad
+    norms, the saved adapter and the merged model equal 1 process's."""
+    runs = {
+        "one": (1, {"tp": 1, "cp": 1}),
+        "tp2": (2, {"tp": 2, "cp": 1}),
+        "tp2_fsdp2": (4, {"tp": 2, "cp": 1}),
+        "cp2": (2, {"tp": 1, "cp": 2}),
+    }
     results = {}
     for name, (world, plan) in runs.items():
         args = (lora_tp_script, str(tiny_model_dir), str(tmp_path / name), plan)
@@ -79,7 +91,7 @@ def test_lora_tp_and_tp_fsdp_equal_one_process(lora_tp_script, tiny_model_dir, t
     adapter = load_file(tmp_path / "one" / "adapter_model.safetensors")
     merged = load_file(tmp_path / "one" / "merged" / "model.safetensors")
     assert any(v.abs().max() > 1e-4 for k, v in adapter.items() if "lora_B" in k), "B trained"
-    for name in ("tp2", "tp2_fsdp2"):
+    for name in ("tp2", "tp2_fsdp2", "cp2"):
         for losses, norms in results[name]:
             torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0, msg=name)
             torch.testing.assert_close(norms, ref_norms, rtol=1e-4, atol=0, msg=name)

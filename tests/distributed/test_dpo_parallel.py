@@ -1,5 +1,7 @@
 """Parallel plans of the emitted DPO scripts (dpo, dpo-lora) over gloo equal one process: HSDP 2x2
-(dp_replicate=2, dp_shard=2), TP 2 (sequence parallel, vocab-sharded log-probs) and TP 2 x FSDP 2.
+(dp_replicate=2, dp_shard=2), TP 2 (sequence parallel, vocab-sharded log-probs), TP 2 x FSDP 2,
+CP 2 (both cp modes; every row longer than one rank's chunk, so each sequence's log-prob is a sum
+over both cp ranks) and CP 2 x FSDP 2.
 
 Each case runs the script's own `setup_distributed`, `setup_model`, reference (a sharded separate
 copy, the precomputed table, or the adapters-off base) and `train_step` for 2 SGD steps on the
@@ -25,8 +27,10 @@ STEPS = 2
 # (script, ref_mode): the reference each skeleton has; precomputed covers the table's all-reduce
 CASES = [("dpo", "separate"), ("dpo", "precomputed"), ("dpo-lora", "adapters-off")]
 ONE = {"dp_replicate": 1}  # the 1-process plan (the scripts' Config defaults are the spec's)
-HSDP = {"dp_replicate": 2}
-TP = {"dp_replicate": 1, "tp": 2}
+HSDP = {"dp_replicate": 2, "tp": 1, "cp": 1}
+TP = {"dp_replicate": 1, "tp": 2, "cp": 1}
+CP = {"dp_replicate": 1, "tp": 1, "cp": 2, "cp_mode": "allgather"}
+RING = {"dp_replicate": 1, "tp": 1, "cp": 2, "cp_mode": "ring"}
 
 
 def run_case(script_path: str, model_dir: str, data: str, ref_mode: str, plan: dict) -> dict:
@@ -49,10 +53,14 @@ def run_case(script_path: str, model_dir: str, data: str, ref_mode: str, plan: d
     tokenizer = Tokenizer.from_dir(model_dir)
     pairs = script.build_datasets(cfg, tokenizer)[0][:4]  # the same global batch everywhere
     collate = functools.partial(script.collate, pad_token_id=tokenizer.pad_token_id)
-    # sequence parallel splits S over tp: rows padded to a multiple of it, as the script's main pads
-    micro_batches = [
-        collate([p], pad_to_multiple_of=plan.get("tp", 1)) for p in pairs[dp_rank::dp_size]
-    ]
+    # sequence parallel splits S over tp, context parallel into 2*cp chunks: rows padded to a
+    # multiple, as the script's main pads them
+    multiple = plan.get("tp", 1) * 2 * plan.get("cp", 1)
+    micro_batches = [collate([p], pad_to_multiple_of=multiple) for p in pairs[dp_rank::dp_size]]
+    if plan.get("cp", 1) > 1:  # every row reaches past this rank's share: its sums span the ranks
+        for mb in micro_batches:
+            last = (mb["labels"] != -100).int().cumsum(-1).argmax(-1)  # last supervised position
+            assert (last >= mb["labels"].shape[1] // 2).all(), last
     model = script.setup_model(cfg, Path(model_dir), mesh, dist_info.device)
     if plan.get("tp", 1) > 1:  # vocab-sharded over tp (loss parallel), whatever FSDP adds on dp
         w = model.lm_head.weight
@@ -76,7 +84,7 @@ def run_case(script_path: str, model_dir: str, data: str, ref_mode: str, plan: d
     elif ref_mode == "precomputed":
         table = precompute_reference_logprobs(
             model, pairs, lambda m, b: script.sequence_logprobs(m, b, cfg)[0],
-            functools.partial(collate, pad_to_multiple_of=plan.get("tp", 1)),
+            functools.partial(collate, pad_to_multiple_of=multiple),
             cfg.micro_batch_size, dp_rank, dp_size, "cpu", dp_group,
         )  # fmt: skip
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
@@ -121,16 +129,14 @@ def pairs_path(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def dpo_scripts(tmp_path_factory) -> dict[str, str]:
-    """The emitted dpo and dpo-lora scripts of a TP 2 spec (their Config takes tp and
-    dp_replicate: every plan here runs them)."""
+    """The emitted dpo and dpo-lora scripts of a TP 2 x CP 2 spec (their Config takes tp, cp,
+    cp_mode and dp_replicate: every plan here runs them)."""
     from generator.render import render
     from generator.spec import Spec
 
     specs = {
-        "dpo": Spec(algo="dpo", model="qwen3-0.6b", gpus=4, tp=2, dataset="dpo_en_demo.json"),
-        "dpo-lora": Spec(
-            algo="dpo-lora", model="qwen3-0.6b", gpus=4, tp=2, dataset="dpo_en_demo.json"
-        ),
+        algo: Spec(algo=algo, model="qwen3-0.6b", gpus=4, tp=2, cp=2, dataset="dpo_en_demo.json")
+        for algo in ("dpo", "dpo-lora")
     }
     out = {}
     for algo, spec in specs.items():
@@ -142,7 +148,7 @@ def dpo_scripts(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def one_process(dpo_scripts, tiny_model_dir, pairs_path) -> dict:
-    cases = [(algo, ref_mode, {**ONE, "tp": 1}) for algo, ref_mode in CASES]
+    cases = [(algo, ref_mode, {**ONE, "tp": 1, "cp": 1}) for algo, ref_mode in CASES]
     (ref,) = spawn(_worker, 1, args=(dpo_scripts, str(tiny_model_dir), pairs_path, cases))
     return {(algo, ref_mode): r for (algo, ref_mode, _), r in ref.items()}
 
@@ -179,13 +185,18 @@ def test_hsdp_and_tp_fsdp_four_ranks_equal_one(
     pair count over the 2 dp ranks only."""
     cases = [(algo, ref_mode, HSDP) for algo, ref_mode in CASES]
     cases += [(algo, ref_mode, TP) for algo, ref_mode in CASES]  # TP 2 x FSDP 2
+    cases += [("dpo", "separate", RING), ("dpo-lora", "adapters-off", CP)]  # CP 2 x FSDP 2
     for r in spawn(_worker, 4, args=(dpo_scripts, str(tiny_model_dir), pairs_path, cases)):
         _check(r, one_process)
 
 
-def test_tp_two_ranks_equal_one(dpo_scripts, tiny_model_dir, pairs_path, one_process):
-    """TP 2 alone (dp 1): both tp ranks read the same pairs; lm_head's logits vocab-sharded."""
-    cases = [(algo, ref_mode, TP) for algo, ref_mode in CASES]
+def test_tp_and_cp_two_ranks_equal_one(dpo_scripts, tiny_model_dir, pairs_path, one_process):
+    """TP 2 alone (dp 1): both tp ranks read the same pairs; lm_head's logits vocab-sharded. CP 2
+    (dp 1), K/V all-gathered and in a ring: each rank holds 2 of the 4 chunks of every row, its
+    sequence log-probs are completed over the cp ranks (the reference's and the precomputed
+    table's too), and the pair count is the dp ranks'."""
+    cases = [(algo, ref_mode, plan) for algo, ref_mode in CASES for plan in (TP, CP)]
+    cases += [("dpo", "precomputed", RING)]
     for r in spawn(_worker, 2, args=(dpo_scripts, str(tiny_model_dir), pairs_path, cases)):
         _check(r, one_process)
 

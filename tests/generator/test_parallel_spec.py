@@ -35,21 +35,23 @@ pytestmark = pytest.mark.fast  # in `make test-fast` (tests/README.md)
         (Spec(gpus=2, cp=2, cp_mode="rings"), ["--cp-mode 'rings': choose one of allgather, ring"]),
         (Spec(cp_mode="ring"), ["--cp-mode ring with --cp 1", "no ring"]),
         (Spec(gpus=2, cp=2, tricks=("compile", "lce")), ["--tricks compile with --cp 2", "--tricks lce"]),
-        (Spec(algo="lora", gpus=2, cp=2), ["--algo lora", "--cp 1"]),
+        (Spec(algo="kd", gpus=2, cp=2), ["--algo kd with --cp 2", "the teacher", "--cp 1"]),
         (Spec(model="qwen3-30b-a3b", gpus=2, cp=2), ["--cp 2 with --model qwen3-30b-a3b", "dense models"]),
         # degrees >= 1
         (Spec(dp_replicate=0), ["--dp-replicate 0: must be >= 1"]),
         (Spec(tp=0), ["--tp 0: must be >= 1"]),
-        # TP / CP are wired into full-parameter SFT only, HSDP into the SFT and DPO skeletons: the
+        # HSDP, TP and CP are wired into the SFT and DPO skeletons but not everywhere: the
         # support table's reasons (generator.features.refusal)
-        (Spec(algo="dpo-lora", gpus=2, cp=2, dataset="dpo_en_demo.json"), ["--algo dpo-lora with --cp 2", "not wired into the DPO skeleton yet", "use --cp 1 (FSDP over all GPUs, or HSDP with --dp-replicate)"]),
+        (Spec(algo="qlora", gpus=2, cp=2), ["--algo qlora with --cp 2", "an NF4 base under the dp_shard x cp", "use --cp 1 (FSDP over all GPUs, or HSDP with --dp-replicate)"]),
         # dpo under TP: the chunked per-token log-probs and packed pairs are not built for it
         (Spec(algo="dpo", model="qwen3-0.6b", gpus=2, tp=2, tricks=("lce",), dataset="dpo_en_demo.json"), ["--tricks lce with --tp 2", "runtime.token_logprobs", "or use --tp 1"]),
         (Spec(algo="dpo", model="qwen3-0.6b", gpus=2, tp=2, tricks=("packing", "ac"), dataset="dpo_en_demo.json"), ["--tricks packing with --tp 2", "collate_preference_packs", "drop it (--tricks ac)"]),
         (Spec(algo="qlora", model="qwen3-0.6b", gpus=2, tp=2), ["--algo qlora with --tp 2", "NF4Tensor splits only along dim 0", "use --tp 1 (FSDP over all GPUs, or HSDP with --dp-replicate)"]),
         (Spec(algo="lora", model="qwen3-0.6b", gpus=2, tp=2, peft="dora"), ["--peft dora with --tp 2", "use --peft lora or --tp 1"]),
         (Spec(algo="kd", model="qwen3-0.6b", gpus=2, tp=2), ["--algo kd with --tp 2", "the teacher"]),
-        (Spec(algo="dpo", gpus=4, cp=2, dataset="dpo_en_demo.json"), ["--algo dpo with --cp 2", "not wired into the DPO skeleton yet", "use --cp 1 (FSDP over all GPUs, or HSDP with --dp-replicate)"]),
+        # dpo under CP: packed pairs and the chunked log-probs are not built for it
+        (Spec(algo="dpo", gpus=2, cp=2, cp_mode="ring", tricks=("packing",), dataset="dpo_en_demo.json"), ["--tricks packing with --cp 2", "sequence_ids", "or use --cp 1"]),
+        (Spec(algo="dpo-lora", gpus=2, cp=2, tricks=("lce", "ac"), dataset="dpo_en_demo.json"), ["--tricks lce with --cp 2", "runtime.token_logprobs", "drop it (--tricks ac)"]),
         (Spec(algo="grpo", gpus=4, engine_gpus=0, dp_replicate=2, dataset="chain_sum.jsonl"), ["--algo grpo with --dp-replicate 2"]),
         # compile of DTensor blocks is not tested here
         (Spec(model="qwen3-0.6b", gpus=2, tp=2, tricks=("compile",)), ["--tricks compile with --tp 2"]),
@@ -71,6 +73,11 @@ def test_valid_plans_pass_and_command_prints_non_defaults():
         for a in ("dpo", "dpo-lora")
     ]
     tp_dpo = Spec(algo="dpo", model="qwen3-0.6b", gpus=4, tp=2, tricks=("ac",), out="o")
+    cp_dpo = [
+        Spec(algo=a, gpus=4, cp=2, cp_mode=m, tricks=("ac",), dataset="dpo_en_demo.json", out="o")
+        for a, m in (("dpo", "allgather"), ("dpo-lora", "ring"))
+    ]
+    cp_lora = Spec(algo="lora", gpus=2, cp=2, out="o")
     tp_adapters = [
         Spec(algo=a, model="qwen3-0.6b", gpus=2, tp=2, out="o") for a in ("lora", "dpo-lora")
     ]
@@ -90,6 +97,8 @@ def test_valid_plans_pass_and_command_prints_non_defaults():
         *hsdp_dpo,
         tp_dpo,
         *tp_adapters,
+        *cp_dpo,
+        cp_lora,
     ):
         validate_spec(spec)
     assert "--gpus 4 --tp 2 --out" in tp.command() and "--cp" not in tp.command()

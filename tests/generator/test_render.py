@@ -242,8 +242,8 @@ def test_new_writes_spec_and_base_and_refuses_overwrite(tmp_path):
         (["--gpus", "0"], "--gpus 0 and --nodes 1 must both be >= 1"),
         (["--peft", "dora"], "--peft dora needs an adapter algorithm (--algo lora or qlora or"),
         (
-            ["--algo", "dpo", "--gpus", "2", "--cp", "2"],
-            "--algo dpo with --cp 2: not wired into the DPO",
+            ["--algo", "qlora", "--gpus", "2", "--cp", "2"],
+            "--algo qlora with --cp 2: CP is built and tested for sft, lora, dpo and dpo-lora",
         ),
         (
             ["--algo", "kd", "--tp", "2", "--gpus", "2"],
@@ -314,9 +314,8 @@ def test_list_and_help():
     # TP: the SFT and DPO skeletons, full parameters and LoRA; not qlora (NF4), grpo, kd (teacher)
     assert rows["--tp"] == ["yes", "yes", "no", "yes", "yes", "no", "no", "no"]
     assert rows["--dp-replicate"] == ["yes"] * 5 + ["no", "no", "yes"]
-    assert any(
-        line.strip().startswith("no: --cp with dpo, dpo-lora: not wired") for line in support
-    )
+    assert rows["--cp"] == ["yes", "yes", "no", "yes", "yes", "no", "no", "no"]
+    assert any(line.strip().startswith("no: --tp with qlora: torchao") for line in support)
     helped = runner.invoke(cli, ["new", "--help"])
     assert helped.exit_code == 0 and "--model" in helped.output and "--tricks" in helped.output
 
