@@ -227,18 +227,20 @@ _PLAN_NOT_WIRED = (
 
 
 # What the SFT and DPO skeletons' algorithms do not take yet, and why (HSDP is built for all of
-# them, TP and CP for all but qlora and kd).
+# them, TP for all but qlora and kd, CP for all but qlora).
 _NF4_TP = (
     "torchao 0.18's NF4Tensor splits only along dim 0 (aten.split on another dim raises "
     "NotImplementedError), and the rowwise TP plan of o_proj and down_proj shards their weight "
     "along dim 1; use --algo lora (a bf16 base takes TP) or FSDP/HSDP for qlora"
 )
-_KD_PLANS = (
-    "the TP and CP plans are built and tested on the student only; the teacher (a whole frozen "
-    "model per rank) under them is not built yet"
+_KD_TP = (
+    "not built yet: the student's logits are vocab-sharded under TP (loss parallel) and the KL "
+    "to the teacher's (a whole frozen model per rank) has no vocab-parallel form here (CP is "
+    "built: the teacher takes the student's chunks)"
 )
 _ADAPTERS_CP = (
-    "CP is built and tested for sft, lora, dpo and dpo-lora; an NF4 base under the dp_shard x cp "
+    "CP is built and tested for sft, lora, kd, dpo and dpo-lora; an NF4 base under the "
+    "dp_shard x cp "
     "FSDP mesh is not tested yet"
 )
 
@@ -267,8 +269,7 @@ def _refusals() -> dict[tuple[str, str], str]:
         if name == "qlora":
             out["--tp", name] = _NF4_TP
         if name == "kd":
-            for plan in ("--tp", "--cp"):
-                out[plan, name] = _KD_PLANS
+            out["--tp", name] = _KD_TP
         if name == "qlora":
             out["--cp", name] = _ADAPTERS_CP
         if name != "sft":

@@ -690,14 +690,17 @@ def test_dpo_and_adapter_plan_simulations_match_four_gloo_ranks(tiny_real_vocab_
     (sharded over the 2-D mesh like the policy) and under TP 2 x FSDP 2 precomputed (the
     reference pass and the step with vocab-sharded logits) and under CP 2 x FSDP 2 (ring) with
     its separate reference; dpo-lora (adapters-off) and lora under TP 2 x FSDP 2 (adapters
-    sharded with their base): the simulated rank is within the tolerance of every real gloo
-    rank."""
+    sharded with their base), lora under CP 2 x FSDP 2: the simulated rank is within the
+    tolerance of every real gloo rank."""
     m = tiny_real_vocab_dir
-    lora = Spec(algo="lora", model=str(m), gpus=4, tp=2)
-    (sim,) = simulate([lora], 2, 128)
-    args = (json.dumps(asdict(lora)), str(m), 2, 128, str(tmp_path / "lora"))
-    for rank_result in spawn(_real_rank, world_size=4, args=args):
-        _assert_agrees(sim, rank_result)
+    loras = [
+        Spec(algo="lora", model=str(m), gpus=4, tp=2),
+        Spec(algo="lora", model=str(m), gpus=4, cp=2),
+    ]
+    for i, (lora, sim) in enumerate(zip(loras, simulate(loras, 2, 128), strict=True)):
+        args = (json.dumps(asdict(lora)), str(m), 2, 128, str(tmp_path / f"lora{i}"))
+        for rank_result in spawn(_real_rank, world_size=4, args=args):
+            _assert_agrees(sim, rank_result)
     cases = [
         (_dpo_spec(m, gpus=4, dp_replicate=2), "separate"),
         (_dpo_spec(m, gpus=4, tp=2), "precomputed"),

@@ -243,11 +243,11 @@ def test_new_writes_spec_and_base_and_refuses_overwrite(tmp_path):
         (["--peft", "dora"], "--peft dora needs an adapter algorithm (--algo lora or qlora or"),
         (
             ["--algo", "qlora", "--gpus", "2", "--cp", "2"],
-            "--algo qlora with --cp 2: CP is built and tested for sft, lora, dpo and dpo-lora",
+            "--algo qlora with --cp 2: CP is built and tested for sft, lora, kd, dpo and dpo-lora",
         ),
         (
             ["--algo", "kd", "--tp", "2", "--gpus", "2"],
-            "--algo kd with --tp 2: the TP and CP plans",
+            "--algo kd with --tp 2: not built yet: the student's logits are vocab-sharded",
         ),
         (["--algo", "qlora", "--peft", "vera"], "--peft 'vera'; valid: lora, dora"),
         (
@@ -314,7 +314,7 @@ def test_list_and_help():
     # TP: the SFT and DPO skeletons, full parameters and LoRA; not qlora (NF4), grpo, kd (teacher)
     assert rows["--tp"] == ["yes", "yes", "no", "yes", "yes", "no", "no", "no"]
     assert rows["--dp-replicate"] == ["yes"] * 5 + ["no", "no", "yes"]
-    assert rows["--cp"] == ["yes", "yes", "no", "yes", "yes", "no", "no", "no"]
+    assert rows["--cp"] == ["yes", "yes", "no", "yes", "yes", "no", "no", "yes"]
     assert any(line.strip().startswith("no: --tp with qlora: torchao") for line in support)
     helped = runner.invoke(cli, ["new", "--help"])
     assert helped.exit_code == 0 and "--model" in helped.output and "--tricks" in helped.output

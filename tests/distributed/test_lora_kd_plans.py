@@ -1,4 +1,7 @@
-"""LoRA SFT (`--algo lora`) under tensor and context parallel over gloo equals one process: TP 2
+"""LoRA SFT (`--algo lora`) and KD (`--algo kd`) under the plans they take beyond FSDP/HSDP, over
+gloo, equal one process.
+
+LoRA under tensor and context parallel: TP 2
 and TP 2 x FSDP 2, with the adapters sharded consistently with their base (colwise base: lora_A
 replicated, lora_B colwise; rowwise base: lora_A rowwise, lora_B replicated), and CP 2 (the
 adapters act per token).
@@ -9,6 +12,8 @@ gradients reach it through its state, lora_B is 0 at step 1) on the same global 
 then its `save` writes the PEFT adapter and the merged HF model, gathered from the DTensor shards.
 Tolerances as the SFT plan tests: loss 1e-5 relative, grad norm 1e-4 relative; saved tensors
 atol 2e-6.
+
+KD under CP 2: the teacher takes the student's chunks (its attention context-parallel too).
 """
 
 from __future__ import annotations
@@ -105,3 +110,69 @@ def test_lora_tp_tp_fsdp_and_cp_equal_one_process(lora_tp_script, tiny_model_dir
                 torch.testing.assert_close(
                     got[key], value, atol=2e-6, rtol=1e-5, msg=f"{name} {key}"
                 )
+
+
+def _kd_steps(rank, world_size, script_path, model_dir, teacher_dir, plan):
+    import torch.distributed as dist
+
+    from runtime import data_parallel
+    from tests.helpers import full_tensor, import_script
+
+    script = import_script(Path(script_path), "kd_cp_script")
+    cfg = script.Config(
+        model=model_dir, teacher=teacher_dir, dtype="fp32", device="cpu", max_seq_len=32,
+        val_fraction=0.0, max_grad_norm=0.0, sample_max_new_tokens=0, **plan,
+    )  # fmt: skip
+    script.validate(cfg)
+    dist_info, mesh = script.setup_distributed(cfg)
+    dp_rank, dp_size, dp_group = data_parallel(mesh)
+    cp_args = ()
+    if cfg.cp > 1:
+        cp_args = (mesh["cp"].get_local_rank(), cfg.cp)
+        dp_group = mesh["dp_cp"].get_group()
+    model = script.setup_model(cfg, Path(model_dir), mesh, dist_info.device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)  # update == gradient
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    rows = odd_length_rows(512)[:4][dp_rank::dp_size]
+    micro_batches = [
+        script.collate([r], pad_token_id=0, pad_to_multiple_of=2 * cfg.cp) for r in rows
+    ]
+    losses, norms = [], []
+    for _ in range(2):
+        m = script.train_step(model, opt, sched, micro_batches, cfg, "cpu", dp_group, *cp_args)
+        losses.append(m["loss"])
+        norms.append(m["grad_norm"])
+    params = {n: full_tensor(p.detach()).clone() for n, p in model.named_parameters()}
+    del model, opt, sched
+    gc.collect()
+    dist.barrier()
+    return losses, norms, params
+
+
+def test_kd_cp_equals_one_process(tiny_model_dir, tmp_path):
+    """KD under CP 2 (K/V all-gathered): the teacher, whole on each rank, takes the student's
+    chunks with the same context-parallel attention; 2 SGD steps give the 1-process losses, grad
+    norms and student parameters. The teacher is the student perturbed, so the KL is not 0."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from generator.render import render
+    from generator.spec import Spec
+
+    teacher = tmp_path / "teacher"
+    shutil.copytree(tiny_model_dir, teacher)
+    g = torch.Generator().manual_seed(0)
+    weights = load_file(teacher / "model.safetensors")
+    weights = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in weights.items()}
+    save_file(weights, teacher / "model.safetensors", metadata={"format": "pt"})
+    script = tmp_path / "train.py"
+    script.write_text(render(Spec(algo="kd", gpus=2, cp=2)))
+    args = (str(script), str(tiny_model_dir), str(teacher))
+    ((ref_losses, ref_norms, ref_params),) = spawn(_kd_steps, 1, args=(*args, {"cp": 1}))
+    assert ref_losses[1] < ref_losses[0], ref_losses
+    for losses, norms, params in spawn(_kd_steps, 2, args=(*args, {"cp": 2})):
+        torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
+        torch.testing.assert_close(norms, ref_norms, rtol=1e-4, atol=0)
+        for name, p in ref_params.items():
+            torch.testing.assert_close(params[name], p, atol=2e-6, rtol=1e-5, msg=name)
