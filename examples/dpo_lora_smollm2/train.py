@@ -2,8 +2,8 @@
 
 Trains on preference data (a prompt, a chosen and a rejected reply; or, for KTO, single replies
 labelled desirable or not): the policy learns to prefer the chosen replies, with no reward model
-and no sampling. Parallelism: FSDP2 `fully_shard` over all processes (one code path for 1..N
-devices).
+and no sampling. Parallelism: FSDP2 `fully_shard` over the data-parallel processes (HSDP with
+--dp_replicate > 1: notes below); one code path for 1..N devices.
 
 Losses (--loss_type; each one's function in section 5 writes out its math and cites its paper):
 - sigmoid: DPO (Rafailov et al. 2023), pairs, against a frozen reference model (--ref_mode).

@@ -2,8 +2,8 @@
 
 Trains on preference data (a prompt, a chosen and a rejected reply; or, for KTO, single replies
 labelled desirable or not): the policy learns to prefer the chosen replies, with no reward model
-and no sampling. Parallelism: FSDP2 `fully_shard` over all processes (one code path for 1..N
-devices).
+and no sampling. Parallelism: FSDP2 `fully_shard` over the data-parallel processes (HSDP with
+--dp_replicate > 1, tensor parallel: notes below); one code path for 1..N devices.
 
 Losses (--loss_type; each one's function in section 5 writes out its math and cites its paper):
 - sigmoid: DPO (Rafailov et al. 2023), pairs, against a frozen reference model (--ref_mode).
@@ -75,6 +75,7 @@ and KTOTrainer:
   AdamW state 8 (fp32) = 16; a separate frozen reference 2 (bf16); none for loss_type simpo, orpo.
 - Tensor parallel (--tp): Megatron-style TP + sequence parallel over mesh["tp"], loss parallel
   on the vocab-sharded lm_head (no [T, V] all-gather); sequences are padded to a multiple of tp.
+  The per-token log-probs reduce the log-softmax over the vocab shards (`target_logprobs`).
   Data, token counts and the loss are reduced over the data-parallel ranks (mesh["dp"]) only:
   the tp ranks of one dp rank see the same batch. No sample at the end (decoding feeds one token,
   which sequence parallel cannot split).

@@ -182,10 +182,12 @@ def test_hsdp_and_tp_fsdp_four_ranks_equal_one(
     """HSDP 2x2: the reference sharded like the policy, the precomputed table all-reduced over
     dp = dp_replicate x dp_shard, the pair count over the 4 dp ranks. TP 2 x FSDP 2: the
     reference under the same TP plan, the log-probs from vocab-sharded logits, the table and the
-    pair count over the 2 dp ranks only."""
+    pair count over the 2 dp ranks only. CP 2 x FSDP 2 (ring; all-gather for dpo-lora) and CP 2 x
+    TP 2 (dp 1)."""
     cases = [(algo, ref_mode, HSDP) for algo, ref_mode in CASES]
     cases += [(algo, ref_mode, TP) for algo, ref_mode in CASES]  # TP 2 x FSDP 2
     cases += [("dpo", "separate", RING), ("dpo-lora", "adapters-off", CP)]  # CP 2 x FSDP 2
+    cases += [("dpo", "precomputed", {**TP, **CP, "tp": 2})]  # CP 2 x TP 2
     for r in spawn(_worker, 4, args=(dpo_scripts, str(tiny_model_dir), pairs_path, cases)):
         _check(r, one_process)
 
@@ -197,6 +199,7 @@ def test_tp_and_cp_two_ranks_equal_one(dpo_scripts, tiny_model_dir, pairs_path, 
     table's too), and the pair count is the dp ranks'."""
     cases = [(algo, ref_mode, plan) for algo, ref_mode in CASES for plan in (TP, CP)]
     cases += [("dpo", "precomputed", RING)]
+    cases += [("dpo", "separate", {**CP, "ref_device": "cpu"})]  # a whole reference: whole rows
     for r in spawn(_worker, 2, args=(dpo_scripts, str(tiny_model_dir), pairs_path, cases)):
         _check(r, one_process)
 
