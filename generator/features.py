@@ -262,16 +262,17 @@ def _refusals() -> dict[tuple[str, str], str]:
     out = {}
     for name, algo in ALGOS.items():
         if algo.skeleton == "grpo":
-            for plan in ("--dp-replicate", "--tp", "--cp"):
+            # HSDP on GRPO: rank 0's rollouts are shared over the flattened "dp" (replicate x
+            # shard) ranks and the weight sync gathers whole tensors from any FSDP mesh
+            for plan in ("--tp", "--cp"):
                 out[plan, name] = _PLAN_NOT_WIRED.format(
                     skeleton="GRPO", extra="weight sync to the engines"
                 )
         if name == "qlora":
             out["--tp", name] = _NF4_TP
+            out["--cp", name] = _ADAPTERS_CP
         if name == "kd":
             out["--tp", name] = _KD_TP
-        if name == "qlora":
-            out["--cp", name] = _ADAPTERS_CP
         if name != "sft":
             out["--ep", name] = (
                 "expert parallel is built and tested on full-parameter SFT only; adapters on "

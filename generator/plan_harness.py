@@ -1163,9 +1163,12 @@ def measure_grpo_step(
     """
     import torch
 
+    from runtime.parallel import data_parallel
+
     cfg = grpo_config(script, model_dir, spec, micro_batch_size, max_seq_len, kl_coef, config)
     dist_info, mesh = script.setup_distributed(cfg)
-    rank, world = mesh["dp_shard"].get_local_rank(), mesh["dp_shard"].size()
+    # the script's share: every dp_size-th rollout over the flattened dp ranks (HSDP included)
+    rank, world, _ = data_parallel(mesh)
     share, num_tokens, num_micro = synthetic_rollouts(cfg, rank, world)
     micro = min(num_micro, max_micro_batches)
     rollouts = share[: micro * cfg.micro_batch_size]

@@ -307,7 +307,8 @@ def add_lora(
         ValueError: an unknown target name (lists the valid ones), a target that matches no module,
             "lm_head" on a model with tied embeddings (the head is the embedding matrix: an adapter
             on it would either corrupt the tie or silently apply to the input embedding too), or
-            a bad rank/dropout/NF4 size.
+            a bad rank/dropout/NF4 size; a target that names only a mixture of experts' expert
+            projections (not adapted: see the message).
     """
     targets = list(dict.fromkeys(target_modules))
     unknown = [t for t in targets if t not in LORA_TARGET_MODULES]
@@ -330,6 +331,17 @@ def add_lora(
             setattr(parent, leaf, lora)
             adapted.append(name)
     missing = [t for t in targets if not any(n.rsplit(".", 1)[-1] == t for n in adapted)]
+    experts = [
+        t
+        for t in missing
+        if any(".experts." in n and n.endswith("." + t) for n, _ in model.named_modules())
+    ]
+    if experts:  # type() above: an expert's projection is an nn.Linear subclass, left alone
+        raise ValueError(
+            f"lora_target_modules: {experts} are only the MoE experts' projections in this model, "
+            "which LoRA does not adapt (transformers 5 fuses experts into [E, ...] parameters, onto "
+            "which PEFT loads no per-expert adapters); target attention (q_proj, k_proj, v_proj, o_proj)"
+        )
     if missing:
         raise ValueError(
             f"lora_target_modules: {missing} match no nn.Linear in this model; remove them"

@@ -135,7 +135,7 @@ def precompute_reference_logprobs(
 def load_reference_logprobs(
     path: Path,
     computed_from: dict,
-    resumed: bool,
+    resumed: Path | None,
     is_main: bool,
     model: nn.Module,
     examples: list[dict],
@@ -152,29 +152,40 @@ def load_reference_logprobs(
     A fresh run computes it (`precompute_reference_logprobs`, the arguments after is_main) and
     the main process saves it with `computed_from` plus {"pairs": len(examples)}. A resumed run's
     policy has moved and is no reference any more, so it reads the file back instead, and refuses
-    it if one of those values changed (its rows or their tokens would belong to other data).
+    it if one of those values changed (its rows or their tokens would belong to other data). A
+    checkpoint of another run (resumed in a new out_dir, e.g. on another number of ranks) reads
+    the table of the run that wrote it, `<its out_dir>/<path.name>`, and the main process copies
+    it to `path` for this run's own resumes.
 
     Args:
         path: the table's file (the scripts': out_dir/reference_logps.pt).
         computed_from: the config fields the table depends on, e.g. model, dataset, max_seq_len,
             dtype: {name: value}.
-        resumed: the run continues from a checkpoint.
+        resumed: the checkpoint directory the run continues from (`<out_dir>/checkpoints/step_N`),
+            or None for a fresh run.
 
     Returns:
         [N, 2] fp32 on CPU, as `precompute_reference_logprobs`.
 
     Raises:
-        ValueError: resumed, and `path` is missing or was computed from other values (the message
-            names each changed one, with its old and new value).
+        ValueError: resumed, and neither `path` nor the checkpoint's run's table exists, or the
+            table was computed from other values (the message names each changed one, with its
+            old and new value).
     """
     computed_from = computed_from | {"pairs": len(examples)}
-    if resumed:
-        if not path.is_file():
+    if resumed is not None:
+        source = path
+        if not source.is_file():  # a checkpoint of another run: its table is in that run's out_dir
+            source = Path(resumed).parent.parent / path.name
+        if not source.is_file():
+            where = (
+                path if source == path else f"{path} (nor {source}, beside the checkpoint's run)"
+            )
             raise ValueError(
-                f"ref_mode='precomputed' resumes from a checkpoint but {path} is missing, and the trained "
+                f"ref_mode='precomputed' resumes from a checkpoint but {where} is missing, and the trained "
                 "policy is no longer the reference; restore the file or start over with --resume none"
             )
-        saved = torch.load(path)
+        saved = torch.load(source)
         changed = {
             k: (v, computed_from.get(k))
             for k, v in saved["computed_from"].items()
@@ -186,6 +197,8 @@ def load_reference_logprobs(
                 + ", ".join(f"{k} {old!r} (now {new!r})" for k, (old, new) in changed.items())
                 + "; resume with the same values, or start over in a new --out_dir (the reference is the untrained policy)"
             )
+        if is_main and source != path:
+            torch.save(saved, path)
         return saved["reference_logps"]
     table = precompute_reference_logprobs(
         model, examples, logprob_fn, collate_fn, batch_size, dp_rank, dp_size, device, group

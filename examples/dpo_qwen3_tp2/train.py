@@ -1023,7 +1023,7 @@ def main(argv: list[str] | None = None) -> dict:
     loader_args = (collate_fn, cfg.micro_batch_size, dp_rank, dp_size, cfg.seed)
     train_loader = build_dataloader(train_set, *loader_args, train=True, what=what)
     val_loader = build_dataloader(val_set, *loader_args, train=False, unsupervised_fill=False)
-    resumed = resolve_resume(cfg.resume, out_dir / "checkpoints") is not None
+    resumed = resolve_resume(cfg.resume, out_dir / "checkpoints")  # the checkpoint, or None
     # simpo and orpo score the policy alone: no reference is built, loaded or precomputed
     ref_mode = "none" if cfg.loss_type in REFERENCE_FREE else cfg.ref_mode
     reference, ref_cache = None, None

@@ -129,12 +129,18 @@ def _validate_parallel(spec: Spec) -> None:
     for name, value in degrees.items():
         if value < 1:
             raise SpecError(f"--{name.replace('_', '-')} {value}: must be >= 1")
-    world = spec.gpus * spec.nodes
+    # GRPO's mesh is the trainer's: the GPUs its engines do not take
+    per_node = trainer_gpus(spec) if spec.algo in ROLLOUT_ALGOS else spec.gpus
+    world = per_node * spec.nodes
     others = spec.tp * spec.cp * spec.dp_replicate
     if world % others:
         valid = [d for d in range(1, world + 1) if world % d == 0]
+        gpus = f"--gpus {spec.gpus}"
+        if per_node != spec.gpus:
+            gpus = f"(--gpus {spec.gpus} - --engine-gpus {spec.engine_gpus})"
         raise SpecError(
-            f"--gpus {spec.gpus} x --nodes {spec.nodes} = {world} process{'es' * (world != 1)} "
+            f"{gpus} x --nodes {spec.nodes} = {world} {'trainer ' * (spec.algo in ROLLOUT_ALGOS)}"
+            f"process{'es' * (world != 1)} "
             f"is not divisible by dp_replicate*cp*tp = {spec.dp_replicate}*{spec.cp}*{spec.tp} = {others} "
             f"(dp_shard = world / that must be a whole number >= 1); choose degrees whose product "
             f"divides {world}: one of {valid}"

@@ -62,6 +62,23 @@ def test_two_trainer_processes_equal_one(even_model_dir, chain_sum_64, one_proce
     assert all(r["grad_norm"] > 0.1 for r in one) and one[-1]["reward"] > one[0]["reward"]
 
 
+def test_hsdp_two_replicas_of_two_shards_equal_one(
+    even_model_dir, chain_sum_64, one_process, tmp_path
+):
+    """HSDP 2 x 2 (--dp_replicate 2 over 4 trainer processes): rollouts shared over the
+    flattened dp ranks, gradients reduce-scattered in each replica group and all-reduced across
+    them, whole tensors gathered from the 2-D mesh for the weight sync."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER.format(repo=str(REPO)))
+    args = [*_args(even_model_dir, chain_sum_64), "--dp_replicate", "2"]
+    four = run_script(tmp_path, args, nproc=4, script=driver)
+    assert [r["step"] for r in four] == [1, 2, 3]
+    for a, b in zip(one_process, four, strict=True):
+        assert b["reward"] == pytest.approx(a["reward"], abs=1e-6)  # the same rollouts
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-6)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+
+
 COLOCATED_DRIVER = """
 import sys
 sys.path.insert(0, {repo!r})

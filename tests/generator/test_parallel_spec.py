@@ -51,7 +51,9 @@ pytestmark = pytest.mark.fast  # in `make test-fast` (tests/README.md)
         # dpo under CP: packed pairs and the chunked log-probs are not built for it
         (Spec(algo="dpo", gpus=2, cp=2, cp_mode="ring", tricks=("packing",), dataset="dpo_en_demo.json"), ["--tricks packing with --cp 2", "sequence_ids", "or use --cp 1"]),
         (Spec(algo="dpo-lora", gpus=2, cp=2, tricks=("lce", "ac"), dataset="dpo_en_demo.json"), ["--tricks lce with --cp 2", "runtime.token_logprobs", "drop it (--tricks ac)"]),
-        (Spec(algo="grpo", gpus=4, engine_gpus=0, dp_replicate=2, dataset="chain_sum.jsonl"), ["--algo grpo with --dp-replicate 2"]),
+        # GRPO's mesh is the trainer's ranks: the GPUs its engines leave
+        (Spec(algo="grpo", gpus=4, engine_gpus=2, dp_replicate=4, dataset="chain_sum.jsonl"), ["(--gpus 4 - --engine-gpus 2) x --nodes 1 = 2 trainer processes", "not divisible by dp_replicate*cp*tp = 4*1*1", "one of [1, 2]"]),
+        (Spec(algo="grpo", gpus=4, engine_gpus=0, tp=2, dataset="chain_sum.jsonl"), ["--algo grpo with --tp 2", "not wired into the GRPO skeleton yet", "or HSDP with --dp-replicate"]),
         # compile of DTensor blocks is not tested here
         (Spec(model="qwen3-0.6b", gpus=2, tp=2, tricks=("compile",)), ["--tricks compile with --tp 2"]),
     ],
@@ -80,6 +82,10 @@ def test_valid_plans_pass_and_command_prints_non_defaults():
     cp_kd = Spec(algo="kd", gpus=2, cp=2, out="o")
     tp_adapters = [
         Spec(algo=a, model="qwen3-0.6b", gpus=2, tp=2, out="o") for a in ("lora", "dpo-lora")
+    ]
+    hsdp_adapters += [
+        Spec(algo=a, gpus=g, engine_gpus=e, dp_replicate=2, dataset="chain_sum.jsonl", out="o")
+        for a, g, e in (("grpo", 4, 0), ("grpo-lora", 6, 2))
     ]
     cp = Spec(gpus=2, cp=2, tricks=("ac", "lce"), out="o")
     hsdp_cp = Spec(gpus=8, cp=2, dp_replicate=2, out="o")

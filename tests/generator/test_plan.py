@@ -338,6 +338,18 @@ def test_grpo_world_is_trainer_gpus_times_nodes(tiny_real_vocab_dir, tmp_path):
         _assert_agrees(one_node, rank_result)
 
 
+def test_grpo_hsdp_simulation_matches_four_gloo_ranks(tiny_real_vocab_dir, tmp_path):
+    """--gpus 4 --dp-replicate 2 (engines sharing the trainer's GPUs): HSDP 2 x 2, each rank
+    trains a quarter of the step's rollouts (the flattened dp ranks, as the script's
+    `data_parallel`), and the simulated rank matches each of 4 real gloo ranks."""
+    spec = _grpo_spec(tiny_real_vocab_dir, gpus=4, engine_gpus=0, dp_replicate=2)
+    (sim,) = simulate([spec], GRPO_MBS, GRPO_SEQ)
+    assert sim.world_size == 4 and sim.rollout["rollouts_on_rank"] == 64 // 4
+    args = (json.dumps(asdict(spec)), str(tiny_real_vocab_dir), str(tmp_path))
+    for rank_result in spawn(_real_grpo_rank, world_size=4, args=args):
+        _assert_agrees(sim, rank_result)
+
+
 def _grpo_result(spec: Spec, tmp: Path, peak_gib: float, **config) -> PlanResult:
     """A GRPO PlanResult with a given trainer peak and the engines' numbers of `spec`'s model and
     script Config (no simulation: the engine estimate is arithmetic)."""

@@ -313,7 +313,7 @@ def test_list_and_help():
     assert rows["cpu-offload"] == ["yes", "no", "no", "yes", "no", "yes", "no", "yes"]
     # TP: the SFT and DPO skeletons, full parameters and LoRA; not qlora (NF4), grpo, kd (teacher)
     assert rows["--tp"] == ["yes", "yes", "no", "yes", "yes", "no", "no", "no"]
-    assert rows["--dp-replicate"] == ["yes"] * 5 + ["no", "no", "yes"]
+    assert rows["--dp-replicate"] == ["yes"] * 8
     assert rows["--cp"] == ["yes", "yes", "no", "yes", "yes", "no", "no", "yes"]
     assert any(line.strip().startswith("no: --tp with qlora: torchao") for line in support)
     helped = runner.invoke(cli, ["new", "--help"])

@@ -189,16 +189,19 @@ def test_engines_get_the_merged_policy_and_the_saves_agree(
         torch.testing.assert_close(peft_model(ids).logits, ours, atol=1e-5, rtol=1e-5)
 
 
-def _merged_state(rank, world_size, model_dir: str) -> dict:
+def _merged_state(rank, world_size, model_dir: str, dp_replicate: int = 1) -> dict:
     """The grpo-lora script's DoRA policy on `world_size` FSDP2 ranks with fixed nonzero adapters
     (the same full values on every rank, each keeping its shard), gathered merged as
     sync_weights does (every rank takes part, only rank 0 keeps the tensors), and as the
-    collective transfer's source yields them on rank 0 (every rank iterates it)."""
+    collective transfer's source yields them on rank 0 (every rank iterates it). dp_replicate > 1:
+    HSDP, the shards of a 2-D mesh."""
     from runtime.dtensors import copy_into as _copy_into
 
     path = REPO / "examples" / "grpo_lora_smollm2" / "train.py"
     s = import_script(path, "grpo_lora_smollm2_dist")
-    cfg = s.Config(model=model_dir, dtype="fp32", device="cpu", use_dora=True)
+    cfg = s.Config(
+        model=model_dir, dtype="fp32", device="cpu", use_dora=True, dp_replicate=dp_replicate
+    )
     _, mesh = s.setup_distributed(cfg)
     model = s.setup_model(cfg, Path(model_dir), mesh, torch.device("cpu"))
     g = torch.Generator().manual_seed(1)
@@ -213,13 +216,16 @@ def _merged_state(rank, world_size, model_dir: str) -> dict:
     return gathered, sourced if rank == 0 else {}
 
 
-def test_merged_gather_on_two_ranks_equals_one(even_model_dir):
+@pytest.mark.parametrize(("world_size", "dp_replicate"), [(2, 1), (4, 2)], ids=["fsdp2", "hsdp2x2"])
+def test_merged_gather_on_several_ranks_equals_one(even_model_dir, world_size, dp_replicate):
     """The weight-sync gather is a collective over FSDP2 shards (DoRA magnitudes sharded too):
-    rank 0 of 2 gets the 1-process merged tensors, rank 1 keeps nothing. The collective
-    transfer's HFWeightSource yields the same tensors on rank 0, plus the tied head."""
+    rank 0 of 2 (FSDP) or of 4 (HSDP 2 x 2) gets the 1-process merged tensors, the others keep
+    nothing. The collective transfer's HFWeightSource yields the same tensors on rank 0, plus the
+    tied head."""
     one, one_sourced = _merged_state(0, 1, str(even_model_dir))  # in this process: 1 process
-    (two, two_sourced), rank1 = spawn(_merged_state, world_size=2, args=(str(even_model_dir),))
-    assert rank1 == ({}, {}) and two.keys() == one.keys()
+    args = (str(even_model_dir), dp_replicate)
+    (two, two_sourced), *others = spawn(_merged_state, world_size=world_size, args=args)
+    assert others == [({}, {})] * (world_size - 1) and two.keys() == one.keys()
     assert "model.layers.0.self_attn.q_proj.weight" in one and not any("lora" in k for k in one)
     for key, tensor in one.items():  # measured equal; 1e-5 leaves room for fp32 reduction order
         torch.testing.assert_close(two[key], tensor, atol=1e-5, rtol=1e-5)

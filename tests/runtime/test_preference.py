@@ -262,9 +262,9 @@ def test_precomputed_table_is_saved_read_back_on_resume_and_refused_for_other_da
     fields = {"model": "m", "dataset": "d.json", "max_seq_len": 96, "dtype": "fp32"}
     scoring = (tiny_policy, pairs, _logprobs, _collate, 2, 0, 1, "cpu")
 
-    table = load_reference_logprobs(path, fields, False, False, *scoring)
+    table = load_reference_logprobs(path, fields, None, False, *scoring)
     assert not path.exists()  # only the main process writes
-    table = load_reference_logprobs(path, fields, False, True, *scoring)
+    table = load_reference_logprobs(path, fields, None, True, *scoring)
     torch.testing.assert_close(table, precompute_reference_logprobs(*scoring[:4], 2, 0, 1, "cpu"))
     saved = torch.load(path)
     assert saved["computed_from"] == fields | {"pairs": 3}
@@ -274,20 +274,32 @@ def test_precomputed_table_is_saved_read_back_on_resume_and_refused_for_other_da
         raise AssertionError("a resumed run recomputed the reference")
 
     resumed = (tiny_policy, pairs, moved_policy, _collate, 2, 0, 1, "cpu")
-    assert torch.equal(load_reference_logprobs(path, fields, True, True, *resumed), table)
+    checkpoint = tmp_path / "checkpoints" / "step_000002"  # this run's own checkpoint
+    assert torch.equal(load_reference_logprobs(path, fields, checkpoint, True, *resumed), table)
+    # another run's checkpoint (resumed in a new out_dir): that run's table, copied here
+    new_path = tmp_path / "new_run" / "reference_logps.pt"
+    new_path.parent.mkdir()
+    got = load_reference_logprobs(new_path, fields, checkpoint, False, *resumed)
+    assert torch.equal(got, table) and not new_path.exists()  # only the main process copies
+    assert torch.equal(load_reference_logprobs(new_path, fields, checkpoint, True, *resumed), table)
+    assert torch.load(new_path)["computed_from"] == saved["computed_from"]
     other = fields | {"max_seq_len": 64, "dtype": "bf16"}
     with pytest.raises(
         ValueError,
         match=r"reference_logps\.pt was computed for other data: max_seq_len 96 \(now 64\), "
         r"dtype 'fp32' \(now 'bf16'\); resume with the same values, or start over in a new --out_dir",
     ):
-        load_reference_logprobs(path, other, True, True, *resumed)
+        load_reference_logprobs(path, other, checkpoint, True, *resumed)
     with pytest.raises(ValueError, match=r"pairs 3 \(now 2\)"):
-        load_reference_logprobs(path, fields, True, True, tiny_policy, pairs[:2], *resumed[2:])
+        load_reference_logprobs(
+            path, fields, checkpoint, True, tiny_policy, pairs[:2], *resumed[2:]
+        )
     path.unlink()
     with pytest.raises(
         ValueError,
         match=r"ref_mode='precomputed' resumes from a checkpoint but .*reference_logps\.pt is "
         r"missing, .*--resume none",
     ):
-        load_reference_logprobs(path, fields, True, True, *resumed)
+        load_reference_logprobs(path, fields, checkpoint, True, *resumed)
+    with pytest.raises(ValueError, match=r"new_run/gone\.pt \(nor .*/gone\.pt, beside"):
+        load_reference_logprobs(new_path.parent / "gone.pt", fields, checkpoint, True, *resumed)

@@ -1,0 +1,140 @@
+"""Resume across plans for every skeleton: a train state saved by 2 FSDP2 ranks resumes on 1
+process, and the resumed steps and the saved model equal the uninterrupted 2-rank run's.
+
+SFT's own resharding (1 and 4 ranks, the loaded state compared tensor by tensor) is
+test_reshard.py; here each other algorithm's script runs its own main() end to end: DPO (the
+reference's precomputed log-probs rebuilt on the new world), LoRA (the adapters and their AdamW
+state as DTensor shards, the merged export), KD (the teacher whole on each rank) and GRPO (rank 0's
+Ray pipeline, sync mode: the same rollouts after the resume). The global batch stays the same
+(micro_batch_size 2 x 2 ranks = 4 x 1 process), so only the float summation order differs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.helpers import (
+    EXAMPLES,
+    REPO,
+    SMALL_VOCAB,
+    TINY_CONFIG,
+    even_token_reward,
+    run_script,
+    spawn,
+)
+
+# tolerances of test_reshard.py: losses rel 1e-5, weights abs 1e-5 (10x what was measured)
+LOSS_REL, WEIGHT_ABS = 1e-5, 1e-5
+
+
+def _main(rank, world_size, script_name, argv):
+    from tests.helpers import import_script
+
+    return import_script(EXAMPLES / script_name / "train.py", f"{script_name}_reshard").main(argv)
+
+
+def _teacher(out: Path, tokenizer_dir: Path) -> Path:
+    """A tiny random teacher (seed 1) of the student's small vocabulary: KL is not 0."""
+    from runtime import ModelArgs, build_model, copy_tokenizer_files, save_hf_checkpoint
+
+    args = ModelArgs(**{**TINY_CONFIG, "vocab_size": SMALL_VOCAB}, max_position_embeddings=512)
+    model = build_model(args, device="cpu")
+    model.init_weights(generator=torch.Generator().manual_seed(1))
+    save_hf_checkpoint(model, out, args.to_hf_config())
+    copy_tokenizer_files(tokenizer_dir, out)
+    return out
+
+
+def _logged(out: Path) -> dict[int, dict]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {row["step"]: row for row in rows if "loss" in row}
+
+
+def _assert_same_model(a_dir: Path, b_dir: Path, name: str) -> None:
+    a, b = load_file(a_dir / name), load_file(b_dir / name)
+    assert a.keys() == b.keys() and len(a) > 5
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], atol=WEIGHT_ABS, rtol=0, msg=key)
+
+
+@pytest.mark.parametrize("algo", ["dpo", "lora", "kd"])
+def test_two_rank_checkpoint_resumes_on_one_process(
+    algo, tiny_model_dir, small_dataset, short_pairs, tmp_path
+):
+    script = {"dpo": "dpo_smollm2", "lora": "lora_smollm2", "kd": "kd_smollm2"}[algo]
+    data = short_pairs if algo == "dpo" else small_dataset
+    extra = {
+        "dpo": ["--ref_mode", "precomputed", "--max_seq_len", "192"],
+        "lora": ["--max_seq_len", "64"],
+        "kd": ["--teacher", str(_teacher(tmp_path / "teacher", tiny_model_dir))]
+        + ["--max_seq_len", "64"],
+    }[algo]
+
+    def argv(out: Path, micro_batch_size: int) -> list[str]:
+        return [
+            "--model", str(tiny_model_dir), "--dataset", str(data), "--out_dir", str(out),
+            "--device", "cpu", "--dtype", "fp32", "--max_steps", "4", "--lr", "1e-3",
+            "--warmup_steps", "1", "--micro_batch_size", str(micro_batch_size),
+            "--val_fraction", "0", "--eval_every_steps", "0", "--sample_max_new_tokens", "0",
+            "--save_every_steps", "2", *extra,
+        ]  # fmt: skip
+
+    ref = tmp_path / "ref"
+    spawn(_main, world_size=2, args=(script, argv(ref, 2)))
+    checkpoint = ref / "checkpoints" / "step_000002"
+    assert len(list((checkpoint / "dcp").glob("*.distcp"))) == 2  # really sharded by 2 ranks
+    out = tmp_path / "resumed"
+    spawn(_main, world_size=1, args=(script, [*argv(out, 4), "--resume", str(checkpoint)]))
+    want, got = _logged(ref), _logged(out)
+    assert sorted(got) == [3, 4]
+    for step in (3, 4):
+        assert got[step]["loss"] == pytest.approx(want[step]["loss"], rel=LOSS_REL), step
+    # LoRA saves its adapters (PEFT's file) and the merged model; the others the full model
+    names = ["adapter_model.safetensors", "merged/model.safetensors"] if algo == "lora" else []
+    for name in names or ["model.safetensors"]:
+        _assert_same_model(ref / "model", out / "model", name)
+
+
+GRPO_DRIVER = """
+import sys
+sys.path.insert(0, {repo!r})
+from pathlib import Path
+from tests.helpers import even_token_reward, import_script
+
+
+if __name__ == "__main__":
+    script = import_script(Path({repo!r}) / "examples/grpo_smollm2/train.py", "grpo_reshard")
+    script.main(sys.argv[1:], reward_funcs=[even_token_reward])
+"""
+
+
+def test_grpo_two_rank_checkpoint_resumes_on_one_process(even_model_dir, chain_sum_64, tmp_path):
+    """Sync mode, 3 steps on 2 trainer processes (checkpoint at step 2); step 3 again on 1
+    process from that checkpoint: the same rollouts (rank 0's pipeline restarts at the saved
+    data position with the saved policy), reward, loss and gradient norm."""
+    assert even_token_reward  # the driver's reward function, imported there by name
+    driver = tmp_path / "driver.py"
+    driver.write_text(GRPO_DRIVER.format(repo=str(REPO)))
+    args = [
+        "--model", str(even_model_dir), "--dataset", str(chain_sum_64), "--dtype", "fp32",
+        "--rollout", "sync", "--num_generations", "4", "--prompts_per_step", "2",
+        "--max_new_tokens", "6", "--micro_batch_size", "2", "--lr", "1e-2", "--warmup_steps", "0",
+        "--max_steps", "3", "--reward_weights", "1.0", "--save_final_model", "false",
+        "--ray_num_cpus", "2", "--num_engines", "1", "--save_every_steps", "2",
+    ]  # fmt: skip
+    (tmp_path / "two").mkdir()
+    two = run_script(tmp_path / "two", [*args, "--resume", "none"], nproc=2, script=driver)
+    checkpoint = tmp_path / "two" / "out_2" / "checkpoints" / "step_000002"
+    assert len(list((checkpoint / "dcp").glob("*.distcp"))) == 2
+    (tmp_path / "one").mkdir()
+    one = run_script(tmp_path / "one", [*args, "--resume", str(checkpoint)], script=driver)
+    assert [r["step"] for r in one] == [3]
+    a, b = two[-1], one[0]
+    assert b["reward"] == pytest.approx(a["reward"], abs=1e-6)  # the same rollouts
+    assert b["loss"] == pytest.approx(a["loss"], abs=1e-6)
+    assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
