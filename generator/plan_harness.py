@@ -944,7 +944,8 @@ def measure_dpo_step(
         answers = _data_dependent_answers() if fake else contextlib.nullcontext()
         propagation = _separate_propagation_fake_mode() if fake else contextlib.nullcontext()
         ref_cache = None
-        with propagation, tracker, answers:
+        # context parallel (all-gather mode): the bottom-right causal mask as the SFT step has it
+        with propagation, tracker, answers, _causal_bias_outside_modes(fake):
             if stages:
                 tracker.start_stage(REFERENCE_PASS)
                 if hasattr(script, "base_logprobs"):  # dpo-lora: the base, adapters off

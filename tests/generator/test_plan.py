@@ -700,8 +700,8 @@ def test_dpo_two_rank_simulation_matches_two_gloo_ranks(tiny_real_vocab_dir, tmp
 def test_dpo_and_adapter_plan_simulations_match_four_gloo_ranks(tiny_real_vocab_dir, tmp_path):
     """The plans these algorithms took last: dpo under HSDP 2 x 2 with its separate reference
     (sharded over the 2-D mesh like the policy) and under TP 2 x FSDP 2 precomputed (the
-    reference pass and the step with vocab-sharded logits) and under CP 2 x FSDP 2 (ring) with
-    its separate reference; dpo-lora (adapters-off) and lora under TP 2 x FSDP 2 (adapters
+    reference pass and the step with vocab-sharded logits) and under CP 2 x FSDP 2 (ring with
+    its separate reference, all-gather precomputed); dpo-lora (adapters-off) and lora under TP 2 x FSDP 2 (adapters
     sharded with their base), lora under CP 2 x FSDP 2: the simulated rank is within the
     tolerance of every real gloo rank."""
     m = tiny_real_vocab_dir
@@ -718,6 +718,7 @@ def test_dpo_and_adapter_plan_simulations_match_four_gloo_ranks(tiny_real_vocab_
         (_dpo_spec(m, gpus=4, tp=2), "precomputed"),
         (_dpo_spec(m, algo="dpo-lora", gpus=4, tp=2), "adapters-off"),
         (_dpo_spec(m, gpus=4, cp=2, cp_mode="ring"), "separate"),
+        (_dpo_spec(m, gpus=4, cp=2), "precomputed"),  # all-gather: its causal mask as SFT's
     ]
     for i, (spec, ref_mode) in enumerate(cases):
         (sim,) = simulate([spec], DPO_MBS, DPO_SEQ, config={"ref_mode": ref_mode})
