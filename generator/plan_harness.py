@@ -447,6 +447,14 @@ def _real_mesh_ops():
         DeviceMesh._concatenate = staticmethod(concatenate)
 
 
+def _local_nbytes(t) -> int:
+    """Bytes this rank holds of `t`: a DTensor's local shard (loss parallel's vocab-sharded
+    logits are [T, V/tp] per rank; `DTensor.nbytes` is the global [T, V])."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local().nbytes if isinstance(t, DTensor) else t.nbytes
+
+
 @contextlib.contextmanager
 def _causal_bias_outside_modes(fake: bool):
     """Context parallel's all-gather attention under the dispatch modes: its bottom-right causal
@@ -800,7 +808,7 @@ def measure_step(
         batch = synthetic_batch(micro_batch_size, padded_len, packing)
         logits = [0]
         hook = model.lm_head.register_forward_hook(
-            lambda mod, args, out: logits.__setitem__(0, max(logits[0], out.nbytes))
+            lambda mod, args, out: logits.__setitem__(0, max(logits[0], _local_nbytes(out)))
         )
         tracker = _peak_tracker(_num_layers(model_dir) if segments else None)
         optimizers = getattr(optimizer, "optimizers", optimizer)  # optimizer-in-backward
@@ -936,7 +944,7 @@ def measure_dpo_step(
         optimizer, scheduler = script.build_optimizer(cfg, model)
         logits = [0]
         hook = model.lm_head.register_forward_hook(
-            lambda mod, args, out: logits.__setitem__(0, max(logits[0], out.nbytes))
+            lambda mod, args, out: logits.__setitem__(0, max(logits[0], _local_nbytes(out)))
         )
         tracker = _peak_tracker(_num_layers(model_dir) if segments else None)
         optimizers = getattr(optimizer, "optimizers", optimizer)  # optimizer-in-backward
@@ -1186,7 +1194,7 @@ def measure_grpo_step(
         advantages = torch.zeros(len(rollouts))  # [M] fp32, this rank's (main's advantages[r::W])
         logits = [0]
         hook = model.lm_head.register_forward_hook(
-            lambda mod, args, out: logits.__setitem__(0, max(logits[0], out.nbytes))
+            lambda mod, args, out: logits.__setitem__(0, max(logits[0], _local_nbytes(out)))
         )
         tracker = _peak_tracker(_num_layers(model_dir) if segments else None)
         tracker.track_external(model, optimizer, *([reference] if reference else []))
