@@ -227,16 +227,11 @@ _PLAN_NOT_WIRED = (
 
 
 # What the SFT and DPO skeletons' algorithms do not take yet, and why (HSDP is built for all of
-# them, TP for all but qlora and kd, CP for all but qlora).
+# them, TP and CP for all but qlora).
 _NF4_TP = (
     "torchao 0.18's NF4Tensor splits only along dim 0 (aten.split on another dim raises "
     "NotImplementedError), and the rowwise TP plan of o_proj and down_proj shards their weight "
     "along dim 1; use --algo lora (a bf16 base takes TP) or FSDP/HSDP for qlora"
-)
-_KD_TP = (
-    "not built yet: the student's logits are vocab-sharded under TP (loss parallel) and the KL "
-    "to the teacher's (a whole frozen model per rank) has no vocab-parallel form here (CP is "
-    "built: the teacher takes the student's chunks)"
 )
 _ADAPTERS_CP = (
     "CP is built and tested for sft, lora, kd, dpo and dpo-lora; an NF4 base under the "
@@ -271,8 +266,6 @@ def _refusals() -> dict[tuple[str, str], str]:
         if name == "qlora":
             out["--tp", name] = _NF4_TP
             out["--cp", name] = _ADAPTERS_CP
-        if name == "kd":
-            out["--tp", name] = _KD_TP
         if name != "sft":
             out["--ep", name] = (
                 "expert parallel is built and tested on full-parameter SFT only; adapters on "

@@ -182,6 +182,11 @@ def _validate_parallel(spec: Spec) -> None:
         table = dict(_TP_REFUSED_TRICKS)
         if ALGOS[spec.algo].skeleton == "dpo":
             table.update(_DPO_TP_REFUSED_TRICKS)
+        if spec.algo == "kd":
+            table["lce"] = (
+                "not built yet for kd: the chunked KL (runtime.chunked_kd_loss) has no "
+                "vocab-parallel path for the student's vocab-sharded lm_head"
+            )
         refused = [t for t in spec.tricks if t in table]
         if refused:
             raise SpecError(

@@ -131,11 +131,14 @@ def _kd_steps(rank, world_size, script_path, model_dir, teacher_dir, plan):
         cp_args = (mesh["cp"].get_local_rank(), cfg.cp)
         dp_group = mesh["dp_cp"].get_group()
     model = script.setup_model(cfg, Path(model_dir), mesh, dist_info.device)
+    if cfg.tp > 1:  # the student's lm_head vocab-sharded over tp (loss parallel)
+        w = model.lm_head.weight
+        assert w.placements[w.device_mesh.mesh_dim_names.index("tp")].is_shard(0), w.placements
     opt = torch.optim.SGD(model.parameters(), lr=0.5)  # update == gradient
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     rows = odd_length_rows(512)[:4][dp_rank::dp_size]
     micro_batches = [
-        script.collate([r], pad_token_id=0, pad_to_multiple_of=2 * cfg.cp) for r in rows
+        script.collate([r], pad_token_id=0, pad_to_multiple_of=cfg.tp * 2 * cfg.cp) for r in rows
     ]
     losses, norms = [], []
     for _ in range(2):
@@ -149,10 +152,11 @@ def _kd_steps(rank, world_size, script_path, model_dir, teacher_dir, plan):
     return losses, norms, params
 
 
-def test_kd_cp_equals_one_process(tiny_model_dir, tmp_path):
-    """KD under CP 2 (K/V all-gathered): the teacher, whole on each rank, takes the student's
-    chunks with the same context-parallel attention; 2 SGD steps give the 1-process losses, grad
-    norms and student parameters. The teacher is the student perturbed, so the KL is not 0."""
+def test_kd_tp_and_cp_equal_one_process(tiny_model_dir, tmp_path):
+    """KD under TP 2 (the CE vocab-parallel, the KL on the gathered student logits) and CP 2 (K/V
+    all-gathered: the teacher, whole on each rank, takes the student's chunks with the same
+    context-parallel attention): 2 SGD steps give the 1-process losses, grad norms and student
+    parameters. The teacher is the student perturbed, so the KL is not 0."""
     import shutil
 
     from safetensors.torch import save_file
@@ -167,11 +171,13 @@ def test_kd_cp_equals_one_process(tiny_model_dir, tmp_path):
     weights = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in weights.items()}
     save_file(weights, teacher / "model.safetensors", metadata={"format": "pt"})
     script = tmp_path / "train.py"
-    script.write_text(render(Spec(algo="kd", gpus=2, cp=2)))
+    script.write_text(render(Spec(algo="kd", model="qwen3-0.6b", gpus=4, tp=2, cp=2)))
     args = (str(script), str(tiny_model_dir), str(teacher))
-    ((ref_losses, ref_norms, ref_params),) = spawn(_kd_steps, 1, args=(*args, {"cp": 1}))
+    one = {"tp": 1, "cp": 1}
+    ((ref_losses, ref_norms, ref_params),) = spawn(_kd_steps, 1, args=(*args, one))
     assert ref_losses[1] < ref_losses[0], ref_losses
-    for losses, norms, params in spawn(_kd_steps, 2, args=(*args, {"cp": 2})):
+    runs = [spawn(_kd_steps, 2, args=(*args, {**one, plan: 2})) for plan in ("tp", "cp")]
+    for losses, norms, params in runs[0] + runs[1]:
         torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
         torch.testing.assert_close(norms, ref_norms, rtol=1e-4, atol=0)
         for name, p in ref_params.items():

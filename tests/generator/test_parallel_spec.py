@@ -47,7 +47,7 @@ pytestmark = pytest.mark.fast  # in `make test-fast` (tests/README.md)
         (Spec(algo="dpo", model="qwen3-0.6b", gpus=2, tp=2, tricks=("packing", "ac"), dataset="dpo_en_demo.json"), ["--tricks packing with --tp 2", "collate_preference_packs", "drop it (--tricks ac)"]),
         (Spec(algo="qlora", model="qwen3-0.6b", gpus=2, tp=2), ["--algo qlora with --tp 2", "NF4Tensor splits only along dim 0", "use --tp 1 (FSDP over all GPUs, or HSDP with --dp-replicate)"]),
         (Spec(algo="lora", model="qwen3-0.6b", gpus=2, tp=2, peft="dora"), ["--peft dora with --tp 2", "use --peft lora or --tp 1"]),
-        (Spec(algo="kd", model="qwen3-0.6b", gpus=2, tp=2), ["--algo kd with --tp 2", "the teacher"]),
+        (Spec(algo="kd", model="qwen3-0.6b", gpus=2, tp=2, tricks=("lce",)), ["--tricks lce with --tp 2", "runtime.chunked_kd_loss", "or use --tp 1"]),
         # dpo under CP: packed pairs and the chunked log-probs are not built for it
         (Spec(algo="dpo", gpus=2, cp=2, cp_mode="ring", tricks=("packing",), dataset="dpo_en_demo.json"), ["--tricks packing with --cp 2", "sequence_ids", "or use --cp 1"]),
         (Spec(algo="dpo-lora", gpus=2, cp=2, tricks=("lce", "ac"), dataset="dpo_en_demo.json"), ["--tricks lce with --cp 2", "runtime.token_logprobs", "drop it (--tricks ac)"]),
@@ -80,6 +80,7 @@ def test_valid_plans_pass_and_command_prints_non_defaults():
     ]
     cp_lora = Spec(algo="lora", gpus=2, cp=2, out="o")
     cp_kd = Spec(algo="kd", gpus=2, cp=2, out="o")
+    tp_kd = Spec(algo="kd", model="qwen3-0.6b", gpus=2, tp=2, tricks=("ac",), out="o")
     tp_adapters = [
         Spec(algo=a, model="qwen3-0.6b", gpus=2, tp=2, out="o") for a in ("lora", "dpo-lora")
     ]
@@ -106,6 +107,7 @@ def test_valid_plans_pass_and_command_prints_non_defaults():
         *cp_dpo,
         cp_lora,
         cp_kd,
+        tp_kd,
     ):
         validate_spec(spec)
     assert "--gpus 4 --tp 2 --out" in tp.command() and "--cp" not in tp.command()

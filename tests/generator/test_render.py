@@ -246,8 +246,19 @@ def test_new_writes_spec_and_base_and_refuses_overwrite(tmp_path):
             "--algo qlora with --cp 2: CP is built and tested for sft, lora, kd, dpo and dpo-lora",
         ),
         (
-            ["--algo", "kd", "--tp", "2", "--gpus", "2"],
-            "--algo kd with --tp 2: not built yet: the student's logits are vocab-sharded",
+            [
+                "--algo",
+                "kd",
+                "--model",
+                "qwen3-0.6b",
+                "--tp",
+                "2",
+                "--gpus",
+                "2",
+                "--tricks",
+                "lce",
+            ],
+            "--tricks lce with --tp 2: not built yet for kd",
         ),
         (["--algo", "qlora", "--peft", "vera"], "--peft 'vera'; valid: lora, dora"),
         (
@@ -311,8 +322,8 @@ def test_list_and_help():
     assert all(rows[t] == ["yes"] * 8 for t in TRICKS if t not in precision)
     assert rows["bf16-sr"] == ["yes", "no", "no", "yes", "no", "yes", "no", "yes"]
     assert rows["cpu-offload"] == ["yes", "no", "no", "yes", "no", "yes", "no", "yes"]
-    # TP: the SFT and DPO skeletons, full parameters and LoRA; not qlora (NF4), grpo, kd (teacher)
-    assert rows["--tp"] == ["yes", "yes", "no", "yes", "yes", "no", "no", "no"]
+    # TP: the SFT and DPO skeletons, full parameters and LoRA; not qlora (NF4) or grpo
+    assert rows["--tp"] == ["yes", "yes", "no", "yes", "yes", "no", "no", "yes"]
     assert rows["--dp-replicate"] == ["yes"] * 8
     assert rows["--cp"] == ["yes", "yes", "no", "yes", "yes", "no", "no", "yes"]
     assert any(line.strip().startswith("no: --tp with qlora: torchao") for line in support)
