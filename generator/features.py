@@ -266,10 +266,11 @@ def _refusals() -> dict[tuple[str, str], str]:
         if name == "qlora":
             out["--tp", name] = _NF4_TP
             out["--cp", name] = _ADAPTERS_CP
-        if name != "sft":
+        if algo.template == "lora":  # the full-parameter ones (dpo, kd, grpo) take EP
             out["--ep", name] = (
-                "expert parallel is built and tested on full-parameter SFT only; adapters on "
-                "experts and a reference or teacher MoE under EP are not built yet"
+                "expert parallel is built for the full-parameter algorithms (sft, dpo, kd, "
+                "grpo); frozen experts under EP beside adapters (their merged export and "
+                "weight sync) are not built yet"
             )
         if algo.template == "lora":
             out["bf16-sr", name] = _BF16_SR_ADAPTERS

@@ -36,7 +36,7 @@ from runtime.data import (
     to_unpaired,
 )
 from runtime.dtensors import ComputedTensor
-from runtime.expert_parallel import apply_expert_parallel
+from runtime.expert_parallel import all_reduce_expert_grads, apply_expert_parallel, expert_meshes
 from runtime.generate import generate, last_user_message, sample, truncate_logits
 from runtime.grpo import (
     ADVANTAGE_BASELINES,
@@ -213,7 +213,9 @@ __all__ = [
     "sample",
     "last_user_message",
     "prompt_messages",
+    "all_reduce_expert_grads",
     "apply_expert_parallel",
+    "expert_meshes",
     "IGNORE_INDEX",
     "LORA_TARGET_MODULES",
     "CausalLM",

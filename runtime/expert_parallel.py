@@ -3,7 +3,9 @@
 The model (`runtime.models.moe.SparseMoeBlock`) routes and weights; this module owns everything
 distributed: which rank keeps which experts, and `dispatch_to_experts`, which sends each rank's
 (token, slot) assignments to the ranks holding their experts and brings the outputs back.
-`apply_expert_parallel` installs it on every block (`block.ep_dispatch`).
+`apply_expert_parallel` installs it on every block (`block.ep_dispatch`). With ep smaller than
+the data-parallel shard ranks (EP x FSDP, `expert_meshes`), each expert set is held by
+dp_shard / ep ranks, one per ep group, and `all_reduce_expert_grads` sums their gradients.
 
 Shape legend: N (token, slot) assignments of this rank, D hidden_size, E num_experts.
 
@@ -22,10 +24,78 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from runtime.models.moe import SparseMoeBlock
 
-__all__ = ["apply_expert_parallel", "dispatch_to_experts"]
+__all__ = [
+    "all_reduce_expert_grads",
+    "apply_expert_parallel",
+    "dispatch_to_experts",
+    "expert_meshes",
+]
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> set[nn.Parameter]:
+def expert_meshes(dp_shard_mesh: DeviceMesh, ep: int) -> tuple[DeviceMesh, DeviceMesh | None]:
+    """The ep mesh and the experts' replica mesh of the data-parallel shard ranks.
+
+    The dp_shard ranks are split as (dp_shard / ep, ep), ep innermost: rank i * ep + j is rank j
+    of ep group i, so an ep group is ep consecutive ranks (one node's fast links carry the
+    all-to-all). ep = dp_shard: one ep group, no replicas (the experts' gradients are complete
+    on their one rank). ep < dp_shard: expert set j lives on the dp_shard / ep ranks j, ep + j,
+    2 ep + j, ..., each seeing its own ep group's tokens; `all_reduce_expert_grads` sums their
+    gradients over that replica mesh, as data parallel does.
+
+    Args:
+        dp_shard_mesh: 1-D DeviceMesh of the FSDP shard ranks (the script's `mesh["dp_shard"]`).
+        ep: expert-parallel degree, dividing dp_shard_mesh.size().
+
+    Returns:
+        (ep_mesh [ep], replica_mesh [dp_shard / ep] or None when ep = dp_shard).
+
+    Raises:
+        ValueError: ep < 1 or not a divisor of the dp_shard ranks (lists the valid values).
+
+    Reference: torchtitan `ParallelDims` (ep borrowed from dp_shard: "dp_shard_mod_ep" x "ep").
+    """
+    size = dp_shard_mesh.size()
+    if ep < 1 or size % ep:
+        valid = [d for d in range(1, size + 1) if size % d == 0]
+        raise ValueError(
+            f"ep={ep} must divide the {size} data-parallel shard ranks (experts sharded over ep, "
+            f"replicated over dp_shard / ep); choose ep among {valid}"
+        )
+    if ep == size:
+        return dp_shard_mesh, None
+    mesh = dp_shard_mesh._unflatten(0, (size // ep, ep), ("ep_replicate", "ep"))
+    return mesh["ep"], mesh["ep_replicate"]
+
+
+def all_reduce_expert_grads(model: nn.Module) -> None:
+    """Sum every local expert's gradient over its replicas (EP x FSDP, `expert_meshes`).
+
+    Each replica's gradient is its own ep group's tokens' contribution (the loss is already
+    divided by the step's global count), so the sum is the whole step's gradient, as FSDP's
+    reduce-scatter gives the other parameters. One all-reduce per MoE block; an expert that got
+    no token on this replica contributes zeros (a missing gradient is created as zeros, so every
+    replica sends the same sizes). A no-op without replicas. Call on every rank, after the last
+    backward of the step and before the gradient norm.
+    """
+    for block in model.modules():
+        group = getattr(block, "ep_replicate_group", None)
+        if not isinstance(block, SparseMoeBlock) or group is None:
+            continue
+        params = [p for p in block.experts.parameters() if p.requires_grad]
+        if not params:  # frozen experts: nothing to sum
+            continue
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(flat, group=group)
+        for p, g in zip(params, flat.split([p.numel() for p in params]), strict=True):
+            p.grad.copy_(g.view_as(p.grad))
+
+
+def apply_expert_parallel(
+    model: nn.Module, ep_mesh: DeviceMesh, replicate_mesh: DeviceMesh | None = None
+) -> set[nn.Parameter]:
     """Shard the experts of every `SparseMoeBlock` over the ranks of `ep_mesh` (expert parallel).
 
     Rank r keeps experts [r * E/ep, (r+1) * E/ep) as `mlp.experts` = ModuleDict keyed by their
@@ -35,12 +105,15 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> set[nn.Param
     the meta-device model, before `fully_shard`, and pass the returned parameters as
     `fully_shard(..., ignored_params=...)`: each expert lives on exactly one rank and its
     gradient is already complete there (it saw the tokens of every rank), so it must not be
-    sharded or reduced by FSDP. Only the data-parallel shard dim can serve as `ep_mesh` here
-    (ep = dp_shard), so every rank of the group holds different tokens.
+    sharded or reduced by FSDP. The ep ranks are data-parallel shard ranks, so every rank of the
+    group holds different tokens: all of them (ep = dp_shard), or one ep group of them
+    (`expert_meshes`), whose replicas then sum the experts' gradients
+    (`all_reduce_expert_grads`).
 
     Args:
         model: a model with `SparseMoeBlock` MLPs (Qwen3-MoE family).
-        ep_mesh: 1-D DeviceMesh of ep ranks (the script passes `mesh["dp_shard"]`).
+        ep_mesh: 1-D DeviceMesh of ep ranks (`expert_meshes`: `mesh["dp_shard"]` or its "ep").
+        replicate_mesh: the ranks holding the same experts (`expert_meshes`), or None.
 
     Returns:
         The expert parameters this rank holds (empty when ep = 1, where nothing changes).
@@ -70,6 +143,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> set[nn.Param
         local = range(rank * n_local, (rank + 1) * n_local)
         block.experts = nn.ModuleDict({str(e): block.experts[e] for e in local})
         block.ep_group, block.ep_size, block.ep_rank = ep_mesh.get_group(), ep, rank
+        block.ep_replicate_group = replicate_mesh.get_group() if replicate_mesh else None
         block.ep_dispatch = dispatch_to_experts
         params.update(block.experts.parameters())
     return params

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from runtime.checkpoint import TIED_KEYS, is_tied, tensors_to_save
+from runtime.checkpoint import TIED_KEYS, expert_parallel_save_tensors, is_tied, tensors_to_save
 from runtime.dtensors import ComputedTensor, gather_for_save, reshard_fsdp
 from runtime.generate import generate_with_logprobs
 from runtime.grpo import collate_rollouts, completion_logprobs
@@ -497,7 +497,8 @@ def gather_hf_state_dict(
     model: nn.Module, dtype: torch.dtype | None = None, keep: bool = True
 ) -> dict[str, torch.Tensor]:
     """Full CPU tensors of every parameter, by HF name (a tied lm_head appears once, as the
-    embedding). A collective under FSDP2 / TP: every trainer rank must call it.
+    embedding; under expert parallel every rank's experts). A collective under FSDP2 / TP / EP:
+    every trainer rank must call it.
 
     Args:
         dtype: cast floating tensors to this (e.g. the engines' bf16); None = keep.
@@ -505,13 +506,15 @@ def gather_hf_state_dict(
             the full model in host memory (the push needs it on rank 0 only; a 70B model is
             131 GiB of bf16 per rank otherwise).
     """
+    # expert parallel: every expert, broadcast from the rank that holds it, in place of this
+    # rank's own (the engines hold the whole model)
+    local_experts, all_experts = expert_parallel_save_tensors(model)
+    tensors = {n: p for n, p in model.named_parameters() if n not in local_experts} | all_experts
     out = {}
-    for name, p in model.named_parameters():
-        full = p.full_tensor() if hasattr(p, "full_tensor") else p  # all-gather: every rank
-        if not keep:
-            continue
-        full = full.detach().to("cpu", copy=True)
-        out[name] = full.to(dtype) if dtype is not None and full.is_floating_point() else full
+    for name, t in tensors.items():
+        full = gather_for_save(t, dtype, is_writer=keep)  # collective: every rank
+        if keep:
+            out[name] = full
     return out
 
 

@@ -440,9 +440,12 @@ EP_TRICKS_REFUSED = {
 
 
 def _validate_ep(spec: Spec) -> None:
-    """--ep: MoE model, experts divisible, ep = every rank (the first restriction: each expert on
-    exactly one rank, the other parameters FSDP-sharded over the same ranks)."""
-    world = spec.gpus * spec.nodes
+    """--ep: MoE model, experts divisible by ep, ep dividing the ranks (EP x FSDP: experts
+    sharded over groups of ep ranks and replicated over world / ep; the other parameters
+    FSDP-sharded over every rank), no other parallel dim."""
+    # GRPO's experts live on the trainer's ranks: the GPUs its engines leave
+    per_node = trainer_gpus(spec) if spec.algo in ROLLOUT_ALGOS else spec.gpus
+    world = per_node * spec.nodes
     if spec.ep < 1:
         raise SpecError(f"--ep {spec.ep} must be >= 1 (1 = no expert parallelism)")
     why = refusal("--ep", spec.algo)
@@ -470,18 +473,25 @@ def _validate_ep(spec: Spec) -> None:
             f"--ep {spec.ep} does not divide num_experts={num_experts} of {spec.model}; "
             f"valid --ep: {', '.join(map(str, valid))}"
         )
-    if spec.ep != world:
+    if world % spec.ep:
+        valid = [d for d in range(1, world + 1) if world % d == 0]
         raise SpecError(
-            f"--ep {spec.ep} must equal the number of ranks, --gpus {spec.gpus} x --nodes "
-            f"{spec.nodes} = {world}: each expert lives on exactly one rank and the other "
-            f"parameters are FSDP-sharded over the same ranks; set --ep {world} or change --gpus"
+            f"--ep {spec.ep} must divide the number of {'trainer ' * (per_node != spec.gpus)}ranks, "
+            + (
+                f"(--gpus {spec.gpus} - --engine-gpus {spec.engine_gpus})"
+                if per_node != spec.gpus
+                else f"--gpus {spec.gpus}"
+            )
+            + f" x --nodes {spec.nodes} = {world}: the experts are sharded over groups of ep ranks and "
+            f"replicated over world / ep, the other parameters FSDP-sharded over all; choose "
+            f"--ep among {valid}"
         )
     others = {n: getattr(spec, n) for n in ("tp", "cp", "dp_replicate") if getattr(spec, n) != 1}
     if others:
         name, value = next(iter(others.items()))
         raise SpecError(
-            f"--ep {spec.ep} with --{name.replace('_', '-')} {value}: expert parallel spans every "
-            f"rank as the FSDP shard dim (ep = dp_shard), so it takes no other parallel dim yet; "
+            f"--ep {spec.ep} with --{name.replace('_', '-')} {value}: expert parallel groups are "
+            f"cut from the FSDP shard ranks spanning every rank, so it takes no other parallel dim yet; "
             f"use --{name.replace('_', '-')} 1"
         )
     refused = [t for t in spec.tricks if t in EP_TRICKS_REFUSED]

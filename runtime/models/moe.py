@@ -118,6 +118,9 @@ class SparseMoeBlock(nn.Module):
         self.ep_size = 1
         self.ep_rank = 0
         self.ep_dispatch: Callable[[SparseMoeBlock, Tensor, Tensor], Tensor] | None = None
+        # EP x FSDP (ep < the dp_shard ranks): the other ep groups' ranks that hold the same
+        # experts, over which their gradients are summed (`all_reduce_expert_grads`)
+        self.ep_replicate_group: torch.distributed.ProcessGroup | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, S, D] -> [B, S, D]; also sets `self.router_logits` [T, E]."""

@@ -271,12 +271,14 @@ def test_new_writes_spec_and_base_and_refuses_overwrite(tmp_path):
             "--ep 3 does not divide num_experts=128 of qwen3-30b-a3b; valid --ep: 1, 2, 4, 8,",
         ),
         (
-            ["--model", "qwen3-30b-a3b", "--ep", "2", "--gpus", "4"],
-            "--ep 2 must equal the number of ranks, --gpus 4 x --nodes 1 = 4",
+            ["--model", "qwen3-30b-a3b", "--ep", "4", "--gpus", "6"],
+            "--ep 4 must divide the number of ranks, --gpus 6 x --nodes 1 = 6: the experts are "
+            "sharded over groups of ep ranks and replicated over world / ep, the other parameters "
+            "FSDP-sharded over all; choose --ep among [1, 2, 3, 6]",
         ),
         (
             ["--model", "qwen3-30b-a3b", "--ep", "2", "--gpus", "2", "--algo", "lora"],
-            "--algo lora with --ep 2: expert parallel is built and tested on full-parameter SFT only",
+            "--algo lora with --ep 2: expert parallel is built for the full-parameter algorithms",
         ),
         (
             ["--model", "qwen3-30b-a3b", "--ep", "2", "--gpus", "2", "--tricks", "optim-in-bwd"],
@@ -404,12 +406,16 @@ def test_expert_parallel_renders_only_with_ep(tmp_path):
     text = render(spec)
     for line in (
         "    ep: int = 8  # expert-parallel degree",
-        '    fsdp_kwargs["ignored_params"] = apply_expert_parallel(model, mesh["dp_shard"])',
+        '    ep_mesh, ep_replicas = expert_meshes(mesh["dp_shard"], cfg.ep)',
+        '    fsdp_kwargs["ignored_params"] = apply_expert_parallel(model, ep_mesh, ep_replicas)',
+        "    all_reduce_expert_grads(model)  # EP x FSDP: each expert's replicas sum their ep groups' parts",
     ):
         assert line in text, line
     assert "--ep 8" in spec.command()
     plain = render(Spec(model="qwen3-30b-a3b", gpus=8, out="o"))
-    assert "apply_expert_parallel" not in plain and "ep: int" not in plain
+    assert not any(
+        x in plain for x in ("apply_expert_parallel", "all_reduce_expert_grads", "ep: int")
+    )
 
 
 @pytest.mark.parametrize("algo", ["sft", "dpo", "grpo"])
