@@ -68,6 +68,7 @@ examples:
 	$(BIN)/scaffold new --algo kd --model smollm2-135m --out examples/kd_smollm2 --force
 	$(BIN)/scaffold new --algo grpo --model smollm2-135m --out examples/grpo_smollm2 --force
 	$(BIN)/scaffold new --algo grpo-lora --model smollm2-135m --out examples/grpo_lora_smollm2 --force
+	$(BIN)/scaffold new --algo ppo --model smollm2-135m --out examples/ppo_smollm2 --force
 	$(BIN)/scaffold new --algo lora --model smollm2-135m --out examples/lora_smollm2 --force
 	$(BIN)/scaffold new --algo qlora --model smollm2-135m --out examples/qlora_smollm2 --force
 	$(BIN)/scaffold new --algo sft --model smollm2-135m --tricks packing,ac,compile,lce,optim-in-bwd,adamw4bit --out examples/sft_smollm2_stack --force

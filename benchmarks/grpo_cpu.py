@@ -30,6 +30,17 @@ weigh the completions differently. Reported per variant: mean reward of the firs
 steps, the step at which the 3-step mean reward first reaches 0.9 (per seed), completion length,
 completion tokens trained per second of step wall time, clip fraction.
     python benchmarks/grpo_cpu.py --loss_types grpo,dapo,dr_grpo,gspo,cispo --steps 30 --repeats 2
+
+--ppo runs PPO against GRPO on that task instead (its own section): the emitted
+examples/ppo_smollm2 and examples/grpo_smollm2 scripts, the same number of rollouts per step
+(GRPO: --prompts_per_step x --num_generations; PPO: that many prompts x 1 completion), sync, the
+same lr, kl_coef 0 for both (no reference model in either), PPO's own defaults otherwise (GAE
+gamma 1, lam 0.95, vf_coef 0.1, one optimizer step per batch). Reported per algorithm: the
+rewards as above, rollouts per second of step wall time (step 1 left out), train s/step, the
+mean completion length and PPO's critic metrics. Memory is not measured here (peak_mem_mib on CPU
+is the process's peak RSS, monotone over the runs of one process): `scaffold plan --algo ppo`
+simulates it (benchmarks/RESULTS.md gives both plans beside this section).
+    python benchmarks/grpo_cpu.py --ppo --steps 30 --repeats 2
 """
 
 from __future__ import annotations
@@ -48,6 +59,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from _sections import write_marked_section  # noqa: E402
 
+PPO_BEGIN = "<!-- grpo_cpu_ppo:begin -->"
+PPO_END = "<!-- grpo_cpu_ppo:end -->"
 MARK_BEGIN = "<!-- grpo_cpu:begin -->"
 MARK_END = "<!-- grpo_cpu:end -->"
 LOSS_BEGIN = "<!-- grpo_cpu_loss_types:begin -->"
@@ -73,9 +86,9 @@ def build_model_dir(out: Path, hidden: int, layers: int) -> Path:
     return out
 
 
-def load_script():
-    path = REPO / "examples" / "grpo_smollm2" / "train.py"
-    spec = importlib.util.spec_from_file_location("grpo_bench_train", path)
+def load_script(example: str = "grpo_smollm2"):
+    path = REPO / "examples" / example / "train.py"
+    spec = importlib.util.spec_from_file_location(f"{example}_bench_train", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -263,6 +276,86 @@ docstring). tokens/s: completion tokens trained per second of step wall time (ge
     print(f"wrote section to {a.out}")
 
 
+def ppo_vs_grpo(a) -> None:
+    import ray
+    import torch
+
+    from generator.assets import ensure_chain_sum
+
+    torch.set_num_threads(1)  # the trainer: one core; the engine actor holds the other
+    scripts = {"grpo": load_script("grpo_smollm2"), "ppo": load_script("ppo_smollm2")}
+    rollouts = a.prompts_per_step * a.num_generations
+    flags = {
+        "grpo": ["--num_generations", str(a.num_generations), "--prompts_per_step", str(a.prompts_per_step)],
+        "ppo": ["--num_generations", "1", "--prompts_per_step", str(rollouts), "--kl_coef", "0"],
+    }  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="ppo-bench-") as tmp:
+        tmp = Path(tmp)
+        model_dir = build_even_model_dir(tmp / "model", a.stop_even_weight)
+        data = tmp / "prompts.jsonl"
+        data.write_text("\n".join(ensure_chain_sum().read_text().splitlines()[:512]) + "\n")
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        load_before, start = os.getloadavg()[0], time.perf_counter()
+        histories = {name: [] for name in scripts}
+        for seed in range(a.repeats):  # seed by seed: a change in the load hits both
+            for name, script in scripts.items():
+                out = tmp / f"{name}{seed}"
+                histories[name].append(
+                    run_variant(script, flags[name], seed, model_dir, data, out, a)
+                )
+        total, load_after = time.perf_counter() - start, os.getloadavg()[0]
+        ray.shutdown()
+    results = []
+    for name, runs in histories.items():
+        r = summarize_variant(name, runs, a)
+        rows = [m for h in runs for m in h]
+        r["samples_per_s"] = rollouts * (len(rows) - 1) / sum(m["step_time_s"] for m in rows[1:])
+        r["length"] = sum(m["completions/mean_length"] for m in rows) / len(rows)
+        if name == "ppo":
+            r["value_loss"] = [sum(m["loss/value_avg"] for m in h[:3]) / 3 for h in runs] + [
+                sum(m["loss/value_avg"] for m in h[-5:]) / 5 for h in runs
+            ]
+            r["explained_variance_last5"] = sum(
+                m["val/explained_variance"] for h in runs for m in h[-5:]
+            ) / (5 * len(runs))
+        results.append(r)
+    print(json.dumps({"results": results, "wall_s": total}, indent=2))
+    cmd = "python benchmarks/grpo_cpu.py " + " ".join(sys.argv[1:])
+    rows = "\n".join(
+        f"| {r['variant']} | {r['first3']:.3f} | **{r['last5']:.3f}** ({', '.join(f'{x:.3f}' for x in r['last5_per_seed'])}) | "
+        f"{', '.join('-' if x is None else str(x) for x in r['steps_to_0.9'])} | {r['samples_per_s']:.1f} | "
+        f"{r['train_s']:.3f} | {r['length']:.1f} |"
+        for r in results
+    )
+    ppo = results[-1]
+    n = a.repeats
+    critic = (
+        f"PPO's critic: value loss (loss/value_avg) of steps 1-3 per seed "
+        f"{', '.join(f'{x:.4f}' for x in ppo['value_loss'][:n])} -> last 5 steps "
+        f"{', '.join(f'{x:.4f}' for x in ppo['value_loss'][n:])}; mean explained variance of the last 5 steps "
+        f"{ppo['explained_variance_last5']:.3f}."
+    )
+    section = f"""{PPO_BEGIN}
+## PPO vs GRPO (CPU, `benchmarks/grpo_cpu.py --ppo`)
+`{cmd.strip()}` ({platform.machine()}, {time.strftime("%Y-%m-%d")}, shared 2-core machine: 1-min load average
+{load_before:.1f} before, {load_after:.1f} after; {total / 60:.1f} min). The emitted examples/grpo_smollm2 and
+examples/ppo_smollm2 scripts through their `main()`: {a.steps} sync steps of {rollouts} rollouts each (GRPO: {a.prompts_per_step}
+prompts x {a.num_generations}; PPO: {rollouts} prompts x 1) of <= {a.max_new_tokens} tokens, lr {a.lr}, fp32, kl_coef 0, seeds
+0..{n - 1}; the loss-type sweep's task (tiny random Llama, reward: share of even ids before the stop token).
+samples/s: rollouts per second of step wall time (generation, PPO's no-grad pass, training, weight
+sync), step 1 left out; length: mean completion tokens over every step.
+
+| algorithm | reward, steps 1-3 | reward, last 5 steps | step the 3-step mean reward reaches 0.9, per seed | samples/s | train s/step | length |
+|---|---|---|---|---|---|---|
+{rows}
+
+{critic}
+{PPO_END}
+"""
+    write_marked_section(a.out, section, PPO_BEGIN, PPO_END)
+    print(f"wrote section to {a.out}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -283,7 +376,10 @@ def main() -> None:
     p.add_argument(
         "--stop_even_weight", type=float, default=0.6, help="the sweep model's stop token"
     )
+    p.add_argument("--ppo", action="store_true", help="PPO against GRPO on the sweep's task")
     a = p.parse_args()
+    if a.ppo:
+        return ppo_vs_grpo(a)
     if a.loss_types or a.variants:
         return loss_type_sweep(a)
 

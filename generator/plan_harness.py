@@ -128,7 +128,7 @@ SIMULATED_MICRO_BATCHES = 2
 # neighbours differ (FSDP prefetches the next block, the last block's output feeds the head).
 EXTRAPOLATION_DEPTHS = (3, 4)
 # Algorithms of the GRPO skeleton the planner has been checked on against real gloo runs
-GRPO_SIMULATED = ("grpo", "grpo-lora")
+GRPO_SIMULATED = ("grpo", "grpo-lora", "ppo")
 UNSIMULATED_TRICKS = {
     "compile": "inductor fuses temporaries, which fake tensors cannot model",
     "offload": "activations move to pinned host memory on a side stream, outside the simulation",
@@ -292,9 +292,9 @@ def check_simulable(
         )
     if kl_coef is not None and (not is_grpo(spec) or not kl_coef >= 0):
         raise PlanError(
-            f"--kl-coef {kl_coef}: a GRPO option (> 0 adds the KL reference: a frozen model for "
-            "grpo, a no-grad forward with the adapters off for grpo-lora; 0 has none); give it "
-            "with --algo grpo or grpo-lora, as a number >= 0"
+            f"--kl-coef {kl_coef}: a GRPO-skeleton option (> 0 adds the KL reference: a frozen "
+            "model for grpo and ppo, a no-grad forward with the adapters off for grpo-lora; 0 has "
+            "none); give it with --algo grpo, grpo-lora or ppo, as a number >= 0"
         )
     blocked = [t for t in spec.tricks if t in UNSIMULATED_TRICKS]
     if blocked:
@@ -1205,9 +1205,16 @@ def measure_grpo_step(
         propagation = _separate_propagation_fake_mode() if fake else contextlib.nullcontext()
         with propagation, tracker, answers:
             for _ in range(2):  # step 1 creates the optimizer state; step 2 holds it
+                targets = {}
+                if hasattr(script, "ppo_targets"):  # ppo: main()'s no-grad pass before a batch
+                    split = script.split_micro_batches(rollouts, advantages, micro, cfg)
+                    old, critic, _ = script.ppo_targets(
+                        model, reference, split, cfg, dist_info.device
+                    )
+                    targets = {"old_logprobs": old, "critic": critic}
                 script.train_step(
                     model, reference, optimizer, scheduler, rollouts, advantages, num_tokens,
-                    micro, cfg, dist_info.device,
+                    micro, cfg, dist_info.device, **targets,
                 )  # fmt: skip
         hook.remove()
         categories, peak = _peak_rows(tracker)

@@ -270,7 +270,7 @@ def format_result(result: PlanResult, gpu_label: str, gpu_gib: float) -> str:
             reference = (
                 f"the frozen reference model (kl_coef {ro['kl_coef']:g})"
                 if ro["kl_coef"] > 0
-                else "no reference model (kl_coef 0, the script's default; --kl-coef > 0 adds it)"
+                else "no reference model (kl_coef 0; --kl-coef > 0 adds it)"
             )
         step = (
             f"{ro['rollouts_per_step']} rollouts per step ({ro['prompts_per_step']} prompts x "

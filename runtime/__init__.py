@@ -168,6 +168,7 @@ from runtime.train_state import (
     resume_training,
     save_train_state,
 )
+from runtime.value_head import add_value_head, init_value_head, token_values
 
 # no module above imports torchao at import time, so this still runs before torchao's first import
 silence_known_noise()
@@ -234,6 +235,7 @@ __all__ = [
     "adapter_param_names",
     "adapters_disabled",
     "add_lora",
+    "add_value_head",
     "all_reduce_sum",
     "apply_context_parallel",
     "build_mesh",
@@ -261,6 +263,7 @@ __all__ = [
     "generate",
     "init_distributed",
     "init_lora",
+    "init_value_head",
     "is_adapter_param",
     "linear_cross_entropy",
     "llama_block_tp_plan",
@@ -309,6 +312,7 @@ __all__ = [
     "to_unpaired",
     "target_logprobs",
     "token_logprobs",
+    "token_values",
     "transformer_flops_per_token",
     "truncate_logits",
     "vocab_parallel_cross_entropy_sum",

@@ -234,6 +234,7 @@ def load_hf_checkpoint(
         strict: raise on missing or unexpected keys (shape mismatches always raise).
         exclude: parameter names the checkpoint does not hold and the caller initialises itself
             (e.g. `runtime.lora.adapter_param_names(model)`); left untouched, never "missing".
+            `trainer_only_names(model)` are always excluded.
 
     Raises:
         FileNotFoundError: no safetensors checkpoint in model_dir.
@@ -242,7 +243,8 @@ def load_hf_checkpoint(
     """
     key_to_file, source = _checkpoint_index(Path(model_dir))
     reshard_fsdp(model)
-    plan = _plan_load(model, key_to_file, source, strict, set(exclude))
+    exclude = set(exclude) | trainer_only_names(model)
+    plan = _plan_load(model, key_to_file, source, strict, exclude)
     params = dict(model.named_parameters())
     by_file: dict[Path, list[str]] = {}
     for name, key in plan.items():
@@ -260,11 +262,25 @@ def load_hf_checkpoint(
         )
 
 
+def trainer_only_names(model: nn.Module) -> set[str]:
+    """Names of the parameters only the trainer has: those under the submodules listed in
+    `model.trainer_only_modules` (a tuple of module names, e.g. PPO's `("value_head",)`; none if
+    the attribute is absent). The HF checkpoint holds none of them: `load_hf_checkpoint` leaves
+    them to the caller, and `tensors_to_save` (the HF save, the collective weight sync) and
+    `runtime.rollout.gather_hf_state_dict` (the object-store sync) leave them out, so the engines
+    and `transformers` see the plain causal LM. The training checkpoint (`save_train_state`) keeps
+    them like every other parameter."""
+    prefixes = tuple(f"{m}." for m in getattr(model, "trainer_only_modules", ()))
+    return {n for n, _ in model.named_parameters() if prefixes and n.startswith(prefixes)}
+
+
 def tensors_to_save(model: nn.Module, hf_config: dict) -> dict[str, torch.Tensor]:
     """{HF key: tensor} that `save_hf_checkpoint` writes by default: parameters and persistent
-    buffers (a tied head is left out, as HF does); under expert parallel every rank's experts as
-    `ComputedTensor`s broadcast from their owners (see `expert_parallel_save_tensors`)."""
-    tensors = dict(model.named_parameters())
+    buffers (a tied head is left out, as HF does; so are `trainer_only_names`); under expert
+    parallel every rank's experts as `ComputedTensor`s broadcast from their owners (see
+    `expert_parallel_save_tensors`)."""
+    trainer_only = trainer_only_names(model)
+    tensors = {n: p for n, p in model.named_parameters() if n not in trainer_only}
     persistent = set(model.state_dict().keys())
     tensors.update({n: b for n, b in model.named_buffers() if n in persistent})
     if hf_config.get("tie_word_embeddings", False):

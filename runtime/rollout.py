@@ -40,7 +40,13 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from runtime.checkpoint import TIED_KEYS, expert_parallel_save_tensors, is_tied, tensors_to_save
+from runtime.checkpoint import (
+    TIED_KEYS,
+    expert_parallel_save_tensors,
+    is_tied,
+    tensors_to_save,
+    trainer_only_names,
+)
 from runtime.dtensors import ComputedTensor, gather_for_save, reshard_fsdp
 from runtime.generate import generate_with_logprobs
 from runtime.grpo import collate_rollouts, completion_logprobs
@@ -497,8 +503,9 @@ def gather_hf_state_dict(
     model: nn.Module, dtype: torch.dtype | None = None, keep: bool = True
 ) -> dict[str, torch.Tensor]:
     """Full CPU tensors of every parameter, by HF name (a tied lm_head appears once, as the
-    embedding; under expert parallel every rank's experts). A collective under FSDP2 / TP / EP:
-    every trainer rank must call it.
+    embedding; under expert parallel every rank's experts; `trainer_only_names`, e.g. PPO's value
+    head, are left out: the engines hold the plain causal LM). A collective under FSDP2 / TP /
+    EP: every trainer rank must call it.
 
     Args:
         dtype: cast floating tensors to this (e.g. the engines' bf16); None = keep.
@@ -509,7 +516,8 @@ def gather_hf_state_dict(
     # expert parallel: every expert, broadcast from the rank that holds it, in place of this
     # rank's own (the engines hold the whole model)
     local_experts, all_experts = expert_parallel_save_tensors(model)
-    tensors = {n: p for n, p in model.named_parameters() if n not in local_experts} | all_experts
+    skip = local_experts | trainer_only_names(model)
+    tensors = {n: p for n, p in model.named_parameters() if n not in skip} | all_experts
     out = {}
     for name, t in tensors.items():
         full = gather_for_save(t, dtype, is_writer=keep)  # collective: every rank

@@ -33,7 +33,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                        "runtime.config_checks", "runtime.preference")),
     ("runtime.peft", ("runtime.lora",)),
     ("runtime.rl", ("runtime.generate", "runtime.grpo", "runtime.weight_transfer",
-                    "runtime.rollout_vllm", "runtime.rollout", "runtime.rollout_setup")),
+                    "runtime.rollout_vllm", "runtime.rollout", "runtime.rollout_setup",
+                    "runtime.value_head")),
     # runtime/__init__.py (the names emitted scripts import) and quiet.py (filters it installs)
     ("runtime.api", ("runtime", "runtime.quiet")),
     ("generator.data", ("generator", "generator.catalog", "generator.features")),

@@ -14,7 +14,7 @@ GPU, --engine vllm is vLLM on engine_tensor_parallel_size GPUs per engine, its t
 GPU layout: the trainer and the engines share the GPU(s) (a local Ray gets all of them when none
 is left after the trainer's); on larger nodes give the engines their own (`scaffold new --engine-gpus`).
 
-Weight sync (--weight_transfer) after every optimizer step:
+Weight sync (--weight_transfer) after every rollout batch's last optimizer step:
 - collective ("auto" with vllm, unless the engines share the trainer's GPUs): rank 0 and every
   engine worker form one process group (vLLM's weight-transfer engine: NCCL on CUDA, gloo on
   CPU); the trainer ranks gather one full tensor at a time, rank 0 broadcasts it, each engine
@@ -54,8 +54,18 @@ changes the gradient:
   4e-4: set --clip_eps_low / --clip_eps_high).
 - cispo: -w sg(clip(r)) A log pi, weight as dapo: the clip bounds a token's weight but never
   drops its gradient (MiniMax-M1, arXiv:2506.13585).
-With one optimizer step per batch (below) r = 1 in value, so gspo's gradient equals grpo's and
-cispo's equals dapo's; the clip acts once pi_old differs from pi (several steps on a batch).
+At num_iterations 1 (one optimizer step per batch, the default) r = 1 in value, so gspo's
+gradient equals grpo's and cispo's equals dapo's; the clip acts from the second of
+num_iterations > 1 steps on a batch, once pi has moved away from pi_old.
+--num_iterations mu (TRL's num_iterations, DeepSeekMath's mu, arXiv:2402.03300 alg. 1): each
+rollout batch is trained on by mu optimizer steps, each over all its micro-batches. Before the
+first, one no-grad pass of the current policy records pi_old's per-token log-probs (as TRL;
+at mu = 1 pi_old is the policy itself, detached, and that pass is skipped). The step counter
+(max_steps, warmup, save_every_steps, the logged step) counts optimizer steps; the policy version
+(what weight sync pushes and staleness bounds) counts rollout batches, since the engines get new
+weights only after a batch's last step. Checkpoints are taken only at rollout-batch boundaries,
+so max_steps and save_every_steps must be multiples of mu (checked): a resumed run starts with a
+fresh batch, exactly as the straight run does.
 Advantages (`runtime.group_advantages`): A_i = (R_i - mean of its group) / (std of its group +
 1e-4); --scale_rewards false drops the std; --advantage_baseline rloo subtracts the mean of the
 other G - 1 rewards instead (RLOO, Ahmadian et al. 2024, arXiv:2402.14740).
@@ -65,15 +75,16 @@ max_refill_rounds extra batches per step (then dropped groups fill the rest; log
 dropped_groups, num_refills; `reward` is then the trained groups' mean, without the dropped
 all-right or all-wrong ones); it works in every rollout mode, as the pipeline filters the groups
 before any staleness-bounded step takes them (in sync mode a refill batch's unused groups are too
-old for the next step and dropped, as dropped_stale). --overlong mask leaves truncated completions
+old for the next step and dropped, as dropped_stale).
+--overlong mask leaves truncated completions
 (no stop token: they hit max_new_tokens) out of the loss and its token count; --overlong shape adds
 DAPO's soft overlong punishment (eq. 13) to the reward: 0 up to max_new_tokens - overlong_buffer
 tokens, then falling linearly to -1 at max_new_tokens.
 
 Differs from Shao et al. 2024 (DeepSeekMath, arXiv:2402.03300) / Hugging Face TRL's GRPOTrainer:
-- One optimizer step per rollout batch (TRL's num_iterations=1), so the clipping ratio is taken
-  against the trainer's own log-probs before the step (decoupled PPO, Hilton et al. 2021,
-  arXiv:2110.00641); the sampler's log-probs enter through a truncated importance weight
+- The clipping ratio is taken against the trainer's own log-probs before the batch's first
+  step (decoupled PPO, Hilton et al. 2021, arXiv:2110.00641), never the sampler's (TRL does the
+  same when num_iterations > 1); the sampler's log-probs enter through a truncated importance weight
   min(pi_old / pi_sampler, is_cap) (TIS, Yao et al. 2025), which corrects stale (async,
   off-policy) samples and engine/trainer numeric mismatch.
 - Clipping is asymmetric, [1 - clip_eps_low, 1 + clip_eps_high] (DAPO, arXiv:2503.14476, sec. 3.1),
@@ -180,7 +191,7 @@ class Config:
     max_prompt_len: int = 256  # tokens after the chat template; longer prompts are dropped
     # GRPO
     num_generations: int = 8  # G: completions per prompt (one group)
-    prompts_per_step: int = 8  # N: prompts per optimizer step (all ranks); N * G sequences
+    prompts_per_step: int = 8  # N: prompts per rollout batch (all ranks); N * G sequences
     max_new_tokens: int = 64  # completion length cap (tokens)
     temperature: float = 1.0  # sampling temperature; log-probs are taken under the same one
     top_p: float = 1.0  # nucleus sampling mass (1.0 = off)
@@ -188,6 +199,7 @@ class Config:
     clip_eps_low: float = 0.2  # ratio clipped below at 1 - clip_eps_low
     clip_eps_high: float = 0.28  # ratio clipped above at 1 + clip_eps_high (DAPO's clip-higher)
     kl_coef: float = 0.0  # weight of the k3 KL to the reference (0 = no reference model)
+    num_iterations: int = 1  # mu: optimizer steps per rollout batch (TRL's name; docstring)
     is_cap: float = 2.0  # truncated importance weight min(pi_old / pi_sampler, is_cap) (0 = off)
     loss_type: str = "dapo"  # "grpo" | "dapo" | "dr_grpo" | "gspo" | "cispo" (see the docstring)
     scale_rewards: bool = True  # advantages / group reward std (false for dr_grpo)
@@ -281,6 +293,15 @@ def validate(cfg: Config, reward_funcs: list | None = None) -> None:
          f"dynamic_sampling with num_generations={cfg.num_generations}: a group of one completion never has reward variance, "
          "so every group would be dropped (use num_generations >= 2)"),
         (cfg.max_refill_rounds >= 0, f"max_refill_rounds={cfg.max_refill_rounds}: must be >= 0"),
+        (cfg.num_iterations >= 1, f"num_iterations={cfg.num_iterations}: must be >= 1"),
+        # checkpoints only at rollout-batch boundaries (a resume never starts mid-batch)
+        *((getattr(cfg, n) % max(cfg.num_iterations, 1) == 0,
+           f"{n}={getattr(cfg, n)} with num_iterations={cfg.num_iterations}: must be a multiple of it "
+           "(optimizer steps; a rollout batch takes num_iterations of them and checkpoints fall between batches)")
+          for n in ("max_steps", "save_every_steps")),
+        (cfg.weight_sync_every_steps == 1 or cfg.weight_sync_every_steps % max(cfg.num_iterations, 1) == 0,
+         f"weight_sync_every_steps={cfg.weight_sync_every_steps} with num_iterations={cfg.num_iterations}: must be 1 "
+         "or a multiple of num_iterations (weights are pushed only after a rollout batch's last step)"),
         (cfg.overlong in OVERLONG, f"overlong={cfg.overlong!r}: choose one of {OVERLONG}"),
         (cfg.overlong != "shape" or 1 <= cfg.overlong_buffer <= cfg.max_new_tokens,
          f"overlong_buffer={cfg.overlong_buffer} with overlong='shape': must be in [1, max_new_tokens={cfg.max_new_tokens}]"),
@@ -736,19 +757,13 @@ def backward_and_step(
     return totals, grad_norm, lr
 
 
-def microbatch_loss(
-    model,
-    reference,
-    mb: list,
-    advantages: torch.Tensor,
-    cfg: Config,
-    device,
-    num_tokens: int,
-    num_sequences: int,
-) -> tuple[torch.Tensor, dict]:
-    """`grpo_loss` of a micro-batch of `Rollout`s (advantages: [len(mb)] fp32), weighted by
-    `loss_weights` with the step's num_tokens and num_sequences (`step_totals`): this
-    micro-batch's share of the step's loss, and the metric sums."""
+def microbatch_inputs(mb: list, advantages: torch.Tensor, cfg: Config, device) -> dict:
+    """A micro-batch of `Rollout`s as the model and the loss take it, on `device`: input_ids,
+    labels [B, S] (IGNORE_INDEX off the completions), model_kwargs (a packed batch's positions
+    and attention mask, else empty), sampler_logprobs [B, S] fp32, advantages ([B] fp32, or
+    [B, S] when packed) and sequence_ids [B, S] int64 (each position's rollout in `mb`, -1 on
+    padding). The same rollouts give the same layout: the no-grad pass of pi_old and the loss
+    line up token for token."""
     batch = collate_rollouts(
         [r.prompt_ids for r in mb], [r.completion_ids for r in mb], pad_token_id=0
     )
@@ -758,6 +773,50 @@ def microbatch_loss(
         [r.sampler_logprobs for r in mb], prompt_lens, input_ids.shape[1]
     )
     sequence_ids = torch.arange(len(mb), device=device)[:, None].expand(input_ids.shape)  # row i
+    packed = {}
+    return {
+        "input_ids": input_ids, "labels": labels, "model_kwargs": packed, "sampler_logprobs": sampler_logprobs.to(device),
+        "advantages": advantages.to(device), "sequence_ids": sequence_ids,
+    }  # fmt: skip
+
+
+def old_policy_logprobs(model, micro_batches: list, cfg: Config, device) -> list[torch.Tensor]:
+    """pi_old's per-token log-probs of a rollout batch, one no-grad pass of the current policy
+    before its num_iterations optimizer steps (TRL's old_per_token_logps): [B, S] fp32 per
+    micro-batch of `micro_batches` ((rollouts, advantages) pairs, `train_step`'s split), in
+    `microbatch_inputs`' layout. An empty micro-batch (this rank ran out) still runs a forward,
+    so FSDP's all-gathers pair up across ranks, and gives an empty tensor."""
+    old = []
+    with torch.no_grad():
+        for mb, mb_advantages in micro_batches:
+            if not mb:
+                model(torch.zeros(1, 1, dtype=torch.long, device=device))
+                old.append(torch.zeros(0, 0, device=device))
+                continue
+            x = microbatch_inputs(mb, mb_advantages, cfg, device)
+            old.append(
+                policy_logprobs(model, x["input_ids"], x["labels"], cfg, **x["model_kwargs"])
+            )
+    return old
+
+
+def microbatch_loss(
+    model,
+    reference,
+    mb: list,
+    advantages: torch.Tensor,
+    cfg: Config,
+    device,
+    num_tokens: int,
+    num_sequences: int,
+    old_logprobs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict]:
+    """`grpo_loss` of a micro-batch of `Rollout`s (advantages: [len(mb)] fp32), weighted by
+    `loss_weights` with the step's num_tokens and num_sequences (`step_totals`): this
+    micro-batch's share of the step's loss, and the metric sums. old_logprobs: pi_old's [B, S]
+    (`old_policy_logprobs`, num_iterations > 1), or None: the policy's own, detached (ratio 1)."""
+    x = microbatch_inputs(mb, advantages, cfg, device)
+    input_ids, labels, sequence_ids = x["input_ids"], x["labels"], x["sequence_ids"]
     logprobs = policy_logprobs(model, input_ids, labels, cfg)  # [B, S]
     ref_logprobs = None
     if reference is not None:
@@ -769,11 +828,24 @@ def microbatch_loss(
         kept = torch.tensor([not r.truncated for r in mb], device=device)
         mask = mask & expand_to_tokens(kept, sequence_ids)
     weights = loss_weights(mask, sequence_ids, len(mb), cfg, num_tokens, num_sequences)
-    # one optimizer step per batch: the proximal policy is the current one (ratio 1 in value)
+    # num_iterations 1: the proximal policy is the current one (ratio 1 in value), as TRL
+    old_logprobs = logprobs.detach() if old_logprobs is None else old_logprobs
     return grpo_loss(
-        logprobs, logprobs.detach(), sampler_logprobs.to(device), advantages.to(device), mask,
+        logprobs, old_logprobs, x["sampler_logprobs"], x["advantages"], mask,
         cfg.clip_eps_low, cfg.clip_eps_high, cfg.is_cap, ref_logprobs, cfg.kl_coef, cfg.loss_type, weights, sequence_ids,
     )  # fmt: skip
+
+
+def split_micro_batches(
+    rollouts: list, advantages: torch.Tensor, num_micro_batches: int, cfg: Config
+) -> list[tuple]:
+    """(rollouts, advantages) of each of `num_micro_batches` micro-batches of
+    cfg.micro_batch_size, in order; the last ones empty where this rank's share runs out."""
+    size = cfg.micro_batch_size
+    return [
+        (rollouts[i * size : (i + 1) * size], advantages[i * size : (i + 1) * size])
+        for i in range(num_micro_batches)
+    ]
 
 
 def train_step(
@@ -788,6 +860,7 @@ def train_step(
     cfg: Config,
     device,
     num_sequences: int | None = None,
+    old_logprobs: list | None = None,
 ) -> dict:
     """One optimizer step over this rank's rollouts, in `num_micro_batches` micro-batches.
 
@@ -799,39 +872,45 @@ def train_step(
             whose share is shorter runs zero-gradient micro-batches.
         num_sequences: rollouts of the whole step (all ranks), the grpo / gspo / dr_grpo
             normaliser; None: len(rollouts) (one process).
+        old_logprobs: pi_old's log-probs per micro-batch (`old_policy_logprobs`, taken once
+            before a batch's num_iterations steps); None: the policy's own, detached (ratio 1).
 
     Returns:
         loss (the step's, as its loss_type normalises it), the LOSS_METRICS (means over
         the loss tokens), grad_norm, lr.
     """
-    size = cfg.micro_batch_size
     num_sequences = len(rollouts) if num_sequences is None else num_sequences
-    micro_batches = [
-        (rollouts[i * size : (i + 1) * size], advantages[i * size : (i + 1) * size])
-        for i in range(num_micro_batches)
-    ]
+    micro_batches = split_micro_batches(rollouts, advantages, num_micro_batches, cfg)
+    olds = old_logprobs or [None] * num_micro_batches
+    micro_batches = [(*pair, old, None) for pair, old in zip(micro_batches, olds, strict=True)]
+    step_keys = ("loss",)  # already the step's (loss_weights)
+    token_keys = LOSS_METRICS  # sums over the loss tokens
 
     def loss_fn(micro_batch: tuple) -> tuple[torch.Tensor, dict]:
-        mb, mb_advantages = micro_batch
+        mb, mb_advantages, old, mb_critic = micro_batch
         if not mb:  # this rank ran out: join the collectives with a zero gradient
-            zero = model(torch.zeros(1, 1, dtype=torch.long, device=device)).sum().mul(0)
-            return zero, {k: torch.zeros((), device=device) for k in LOSS_METRICS}
+            dummy = torch.zeros(1, 1, dtype=torch.long, device=device)
+            zero = model(dummy).sum().mul(0)
+            return zero, {k: torch.zeros((), device=device) for k in (*step_keys[1:], *token_keys)}
         # already weighted for the whole step (loss_weights): the micro-batches' gradients add up
         return microbatch_loss(
-            model, reference, mb, mb_advantages, cfg, device, num_tokens, num_sequences
+            model, reference, mb, mb_advantages, cfg, device, num_tokens, num_sequences, old
         )
 
     totals, grad_norm, lr = backward_and_step(
         model, optimizer, scheduler, micro_batches, loss_fn, cfg
     )
-    # the loss is already the step's; the other sums become means over its loss tokens here
-    sums = torch.stack([totals[k] for k in ("loss", *LOSS_METRICS)])
+    # the losses are already the step's; the other sums become means over its loss tokens here
+    keys = (*step_keys, *token_keys)
+    sums = torch.stack([totals[k] for k in keys])
     if dist.is_initialized():
         dist.all_reduce(sums)
-    means = (
-        sums / torch.tensor([1.0] + [num_tokens] * len(LOSS_METRICS), device=sums.device)
-    ).tolist()
-    return dict(zip(("loss", *LOSS_METRICS), means, strict=True), grad_norm=grad_norm.item(), lr=lr)
+    divisors = torch.tensor(
+        [1.0] * len(step_keys) + [float(num_tokens)] * len(token_keys), device=sums.device
+    )
+    return dict(
+        zip(keys, (sums / divisors).tolist(), strict=True), grad_norm=grad_norm.item(), lr=lr
+    )
 
 
 # === 10. main ===
@@ -864,8 +943,8 @@ def main(argv: list[str] | None = None, reward_funcs: list | None = None) -> lis
     pipeline = start_rollout(cfg, model_dir, tokenizer, reward_funcs) if is_main else None
     # collective transfer: the policy's HF tensors, read afresh at every sync (None: object-store)
     source = weight_source(cfg, model, device)
-    if resumed:
-        sync_weights(pipeline, model, cfg, state.step, source, wait=True)
+    if resumed:  # checkpoints fall between rollout batches: the version is batches trained
+        sync_weights(pipeline, model, cfg, state.step // cfg.num_iterations, source, wait=True)
     batches = prompt_batches(
         examples, cfg.prompts_per_step, cfg.seed, state.epoch, state.samples_consumed
     )
@@ -881,42 +960,61 @@ def main(argv: list[str] | None = None, reward_funcs: list | None = None) -> lis
     progress = progress_bar(state.step, cfg.max_steps, is_main)  # on a terminal only
     history: list[dict] = []
     for step in progress:
-        version = step - 1  # optimizer steps taken so far = the policy version being trained
+        # policy version = rollout batches trained so far (= what the engines hold: weights are
+        # pushed after a batch's last step); each batch takes num_iterations optimizer steps
+        version, iteration = divmod(step - 1, cfg.num_iterations)
         start = time.perf_counter()
-        # rank 0 asks the pipeline for the step's groups: it keeps the engines `prefetch` batches ahead
-        # (sync 0, async 1, off-policy max_staleness), drops groups older than staleness_bound and
-        # seeds each batch's sampling by its data position (a resumed run samples the same)
-        groups, dropped, waited, position, filtered, refills = (
-            pipeline.next_groups(
-                batches, cfg.prompts_per_step, version, staleness_bound(cfg), cfg.seed, keep=keep, max_refills=cfg.max_refill_rounds,
-            ) if is_main else (None, 0, 0.0, None, 0, 0)
-        )  # fmt: skip
-        groups, position = share_rollouts(groups, position, dp_size)  # rank 0's, on every rank
-        state.epoch, state.samples_consumed = position  # after the prompts submitted so far
-        advantages, metrics = rollout_metrics(groups, cfg, version)  # [N*G], same on every rank
-        rollouts = [r for g in groups for r in g][dp_rank::dp_size]  # this rank's share
-        # the loss's counts: loss tokens and sequences of all ranks; micro-batches: as many on every rank
-        num_tokens, num_sequences = step_totals(groups, cfg)
-        num_micro = math.ceil(
-            math.ceil(len(groups) * cfg.num_generations / dp_size) / cfg.micro_batch_size
-        )
+        if iteration == 0:
+            # rank 0 asks the pipeline for the step's groups: it keeps the engines `prefetch` batches ahead
+            # (sync 0, async 1, off-policy max_staleness), drops groups older than staleness_bound and
+            # seeds each batch's sampling by its data position (a resumed run samples the same)
+            groups, dropped, waited, position, filtered, refills = (
+                pipeline.next_groups(
+                    batches, cfg.prompts_per_step, version, staleness_bound(cfg), cfg.seed, keep=keep, max_refills=cfg.max_refill_rounds,
+                ) if is_main else (None, 0, 0.0, None, 0, 0)
+            )  # fmt: skip
+            groups, position = share_rollouts(groups, position, dp_size)  # rank 0's, on every rank
+            state.epoch, state.samples_consumed = position  # after the prompts submitted so far
+            advantages, batch_metrics = rollout_metrics(
+                groups, cfg, version
+            )  # [N*G], same on every rank
+            rollouts = [r for g in groups for r in g][dp_rank::dp_size]  # this rank's share
+            # the loss's counts: loss tokens and sequences of all ranks; micro-batches: as many on every rank
+            num_tokens, num_sequences = step_totals(groups, cfg)
+            num_micro = math.ceil(
+                math.ceil(len(groups) * cfg.num_generations / dp_size) / cfg.micro_batch_size
+            )
+            old_logprobs = (
+                None  # num_iterations 1: pi_old is the policy itself (ratio 1), no extra pass
+            )
+            if cfg.num_iterations > 1:  # pi_old for all of the batch's steps, before the first
+                split = split_micro_batches(rollouts, advantages[dp_rank::dp_size], num_micro, cfg)
+                old_logprobs = old_policy_logprobs(model, split, cfg, device)
+        else:  # the same batch again: its rollout metrics repeat, nothing new was waited for
+            dropped, waited, filtered, refills = 0, 0.0, 0, 0
+        metrics = dict(batch_metrics)
         train_start = time.perf_counter()
         metrics.update(train_step(
             model, reference, optimizer, scheduler, rollouts, advantages[dp_rank::dp_size], num_tokens, num_micro, cfg, device,
-            num_sequences,
+            num_sequences, old_logprobs,
         ))  # fmt: skip
         train_time = time.perf_counter() - train_start
         check_finite(step, metrics, state.path, hint="lower --lr")  # NaN/inf: stop, save nothing
         state.step = step
-        # no push after the last step: no rollout would use it (a resumed run pushes at its start)
-        if step < cfg.max_steps and (
-            step % cfg.weight_sync_every_steps == 0 or cfg.rollout != "off-policy"
+        # a push after a batch's last step only, and none after the run's last: no rollout would use
+        # it (a resumed run pushes at its start)
+        last_iteration = iteration == cfg.num_iterations - 1
+        if (
+            last_iteration
+            and step < cfg.max_steps
+            and (step % cfg.weight_sync_every_steps == 0 or cfg.rollout != "off-policy")
         ):
-            metrics["weight_sync_s"] = sync_weights(pipeline, model, cfg, step, source)
+            metrics["weight_sync_s"] = sync_weights(pipeline, model, cfg, version + 1, source)
         step_time = time.perf_counter() - start
         metrics.update(
             dropped_stale=dropped, dropped_groups=filtered, num_refills=refills, rollout_wait_s=waited, train_s=train_time, step_time_s=step_time,
-            samples_per_s=cfg.prompts_per_step * cfg.num_generations / step_time, peak_mem_mib=peak_memory_mib(device),
+            # new rollouts per second: each of a batch's num_iterations steps is credited its share
+            samples_per_s=cfg.prompts_per_step * cfg.num_generations / cfg.num_iterations / step_time, peak_mem_mib=peak_memory_mib(device),
         )  # fmt: skip
         history.append(metrics)
         if is_main and (step % cfg.log_every_steps == 0 or step == cfg.max_steps):

@@ -210,6 +210,8 @@ def build_answers(spec: Spec) -> dict:
         "overlong_buffer": 256 if long_rows else 16,
         "skeleton": algo.skeleton,
         "adapters": algo.template == "lora",
+        # PPO: the GRPO skeleton with a value head, GAE and the value loss
+        "ppo": spec.algo == "ppo",
         "ref_modes": list(ref_modes),
         "ref_modes_literal": repr(tuple(ref_modes)),
         # a recipe chosen for the GPU (`generator.recipe`): dpo's reference that fits with it

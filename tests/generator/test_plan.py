@@ -466,7 +466,7 @@ def test_cli_plan_and_new_print_the_grpo_engines(tiny_real_vocab_dir, tmp_path):
     # a completion needs a token past the prompt; kl_coef is a GRPO option
     result = CliRunner().invoke(cli, ["plan", *model, "--max-seq-len", "256"])
     assert result.exit_code != 0 and "give more than 256" in result.output
-    with pytest.raises(PlanError, match="--kl-coef 0.1: a GRPO option"):
+    with pytest.raises(PlanError, match="--kl-coef 0.1: a GRPO-skeleton option"):
         check_simulable(Spec(model=str(tiny_real_vocab_dir)), 1, 128, kl_coef=0.1)
 
 
@@ -921,3 +921,14 @@ def test_low_bit_state_simulation_holds_the_states_not_the_eager_step(tiny_real_
     numel = [p.numel() for p in model.parameters()]
     # the peak moves by the states' difference and at most the largest parameter's two buffers
     assert lowbit.peak <= plain.peak - (8 * sum(numel) - states) + 8 * max(numel)
+
+
+def test_ppo_trainer_simulation_matches_real_step(process_group, tiny_real_vocab_dir, tmp_path):
+    """--algo ppo (the GRPO skeleton with a value head, kl_coef 0.05 from its Config: a frozen
+    reference): the simulation runs main()'s no-grad pass (`ppo_targets`: log-probs, values and
+    the reference's log-probs, GAE) and then `train_step` with the critic's targets, and its
+    peak and rows match the same calls on real tensors."""
+    spec = _grpo_spec(tiny_real_vocab_dir, gpus=2, engine_gpus=1, algo="ppo")
+    (sim,) = simulate([spec], GRPO_MBS, GRPO_SEQ)
+    assert sim.rollout["kl_coef"] == 0.05 and sim.rollout["num_generations"] == 1
+    _assert_agrees(sim, _measure_real_grpo(spec, tiny_real_vocab_dir, tmp_path / "ppo"))

@@ -485,7 +485,7 @@ def test_regen_to_lora_then_dora_keeps_edits(tmp_path):
         ("dtype=fp16", "--dtype 'fp16'; valid: bf16, fp32"),
         ("tricks=ac,warp", "unknown trick(s) ['warp']; valid: packing, ac"),
         ("model=gpt5", "unknown model 'gpt5'"),
-        ("algo=ppo", "unknown algorithm 'ppo'"),
+        ("algo=reinforce", "unknown algorithm 'reinforce'"),
         ("dataset= ", "--dataset is empty"),
         (
             "peft=dora",

@@ -290,7 +290,7 @@ def test_generator_renders_grpo_lora_and_refuses_bad_combinations(tmp_path):
     assert text.startswith('"""GRPO of LoRA adapters on a frozen smollm2-135m (llama family)')
     for line in (
         "arXiv:2106.09685", "lr: float = 1e-05", "use_dora: bool = False",
-        "sync_weights(pipeline, model, cfg, step, source, merged=True)",
+        "pipeline, model, cfg, version + 1, source, merged=True",
         "source = weight_source(cfg, model, device, merged=True)",
         "with torch.no_grad(), adapters_disabled(model):", "save_adapter(",
     ):  # fmt: skip

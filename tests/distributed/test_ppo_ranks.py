@@ -1,0 +1,46 @@
+"""The PPO script on 2 trainer processes (torchrun, gloo, FSDP2) against 1 process: with sync
+rollouts (the same in both runs), 5 prompts per batch split 3 / 2 over the ranks, so rank 1 runs
+an empty micro-batch (a zero gradient through lm_head and the value head) in the no-grad pass and
+in each step; the advantages are whitened and the explained variance taken over both ranks'
+tokens, so rewards, losses (policy and value), gradient norms and the critic's metrics equal the
+1-process run's."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import REPO, run_script
+
+DRIVER = """
+import sys
+sys.path.insert(0, {repo!r})
+from pathlib import Path
+from tests.helpers import even_token_reward, import_script
+
+
+if __name__ == "__main__":
+    script = import_script(Path({repo!r}) / "examples/ppo_smollm2/train.py", "ppo_ranks")
+    script.main(sys.argv[1:], reward_funcs=[even_token_reward])
+"""
+KEYS = ("loss", "loss/policy_avg", "loss/value_avg", "val/explained_variance", "objective/kl")
+
+
+def test_two_trainer_processes_equal_one(even_model_dir, chain_sum_64, tmp_path):
+    args = [
+        "--model", str(even_model_dir), "--dataset", str(chain_sum_64), "--dtype", "fp32",
+        "--rollout", "sync", "--num_generations", "1", "--prompts_per_step", "5",
+        "--max_new_tokens", "6", "--micro_batch_size", "2", "--lr", "1e-2", "--warmup_steps", "0",
+        "--num_iterations", "2", "--max_steps", "4", "--kl_coef", "0.05", "--reward_weights", "1.0",
+        "--save_final_model", "false", "--resume", "none", "--ray_num_cpus", "2", "--num_engines", "1",
+    ]  # fmt: skip
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER.format(repo=str(REPO)))
+    one = run_script(tmp_path, args, nproc=1, script=driver)
+    two = run_script(tmp_path, args, nproc=2, script=driver)
+    assert [r["step"] for r in two] == [1, 2, 3, 4]
+    for a, b in zip(one, two, strict=True):
+        assert b["reward"] == pytest.approx(a["reward"], abs=1e-6)  # the same rollouts
+        for key in KEYS:
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    assert all(r["grad_norm"] > 0.01 for r in one) and one[2]["objective/kl"] > 0
