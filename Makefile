@@ -76,6 +76,7 @@ examples:
 	$(BIN)/scaffold new --algo sft --model qwen3-0.6b --gpus 2 --tp 2 --out examples/sft_qwen3_tp2 --force
 	$(BIN)/scaffold new --algo sft --model smollm2-135m --gpus 4 --dp-replicate 2 --out examples/sft_smollm2_hsdp --force
 	$(BIN)/scaffold new --algo sft --model smollm2-135m --gpus 2 --cp 2 --out examples/sft_smollm2_cp2 --force
+	$(BIN)/scaffold new --algo dpo --model qwen3-0.6b --gpus 2 --tp 2 --out examples/dpo_qwen3_tp2 --force
 
 bench:
 	$(BIN)/python benchmarks/sft_cpu.py

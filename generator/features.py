@@ -245,7 +245,21 @@ PLANS = {
 # has not been built and tested there (their reference, rollouts and weight sync under TP/CP).
 _PLAN_NOT_WIRED = (
     "not wired into the {skeleton} skeleton yet (its reference model, token counts and "
-    "{extra} under this plan are untested); only the SFT skeleton takes it"
+    "{extra} under this plan are untested); the SFT and DPO skeletons take it"
+)
+
+
+# What the SFT and DPO skeletons' algorithms do not take yet, and why (HSDP is built for all of
+# them, TP and CP for all but qlora).
+_NF4_TP = (
+    "torchao 0.18's NF4Tensor splits only along dim 0 (aten.split on another dim raises "
+    "NotImplementedError), and the rowwise TP plan of o_proj and down_proj shards their weight "
+    "along dim 1; use --algo lora (a bf16 base takes TP) or FSDP/HSDP for qlora"
+)
+_ADAPTERS_CP = (
+    "CP is built and tested for sft, lora, kd, dpo and dpo-lora; an NF4 base under the "
+    "dp_shard x cp "
+    "FSDP mesh is not tested yet"
 )
 
 
@@ -279,32 +293,22 @@ def _refusals() -> dict[tuple[str, str], str]:
                 "a reward model has no lm_head: its head is one [D] -> 1 projection of one "
                 "token per sequence, so there are no [B, S, V] logits to chunk"
             )
-        elif algo.skeleton != "sft":
-            extra = (
-                "precomputed log-probs" if algo.skeleton == "dpo" else "weight sync to the engines"
-            )
-            skeleton = algo.skeleton.upper()
+        elif algo.skeleton == "grpo":
             # HSDP on GRPO: rank 0's rollouts are shared over the flattened "dp" (replicate x
             # shard) ranks and the weight sync gathers whole tensors from any FSDP mesh
-            plans = (
-                ("--tp", "--cp") if algo.skeleton == "grpo" else ("--dp-replicate", "--tp", "--cp")
-            )
-            for plan in plans:
-                out[plan, name] = _PLAN_NOT_WIRED.format(skeleton=skeleton, extra=extra)
-        if name != "sft":
-            what = {"lora": "its adapters", "kd": "its teacher"}.get(algo.template or "", "")
-            if algo.skeleton == "sft":  # lora, qlora, kd: the SFT skeleton, plans beyond FSDP/HSDP
-                for plan in ("--tp", "--cp"):
-                    out[plan, name] = (
-                        f"the TP and CP plans are built and tested on full-parameter SFT only; "
-                        f"{name} with {what} under them is not built yet"
-                    )
-            if algo.template == "lora":  # the full-parameter ones (dpo, kd, grpo) take EP
-                out["--ep", name] = (
-                    "expert parallel is built for the full-parameter algorithms (sft, dpo, kd, "
-                    "grpo); frozen experts under EP beside adapters (their merged export and "
-                    "weight sync) are not built yet"
+            for plan in ("--tp", "--cp"):
+                out[plan, name] = _PLAN_NOT_WIRED.format(
+                    skeleton="GRPO", extra="weight sync to the engines"
                 )
+        if name == "qlora":
+            out["--tp", name] = _NF4_TP
+            out["--cp", name] = _ADAPTERS_CP
+        if algo.template == "lora":  # the full-parameter ones (dpo, kd, grpo) take EP
+            out["--ep", name] = (
+                "expert parallel is built for the full-parameter algorithms (sft, dpo, kd, "
+                "grpo); frozen experts under EP beside adapters (their merged export and "
+                "weight sync) are not built yet"
+            )
         if name == "ppo":
             out["lce", name] = (
                 "not built yet: the value head reads the same final hidden states as lm_head, and "

@@ -453,6 +453,14 @@ def _real_mesh_ops():
         DeviceMesh._concatenate = staticmethod(concatenate)
 
 
+def _local_nbytes(t) -> int:
+    """Bytes this rank holds of `t`: a DTensor's local shard (loss parallel's vocab-sharded
+    logits are [T, V/tp] per rank; `DTensor.nbytes` is the global [T, V])."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local().nbytes if isinstance(t, DTensor) else t.nbytes
+
+
 @contextlib.contextmanager
 def _causal_bias_outside_modes(fake: bool):
     """Context parallel's all-gather attention under the dispatch modes: its bottom-right causal
@@ -818,7 +826,9 @@ def measure_step(
         logits = [0]  # a reward model has no lm_head: its [2P, 1] scores are nothing to count
         head = model.score if rm else model.lm_head
         hook = head.register_forward_hook(
-            lambda mod, args, out: logits.__setitem__(0, 0 if rm else max(logits[0], out.nbytes))
+            lambda mod, args, out: logits.__setitem__(
+                0, 0 if rm else max(logits[0], _local_nbytes(out))
+            )
         )
         tracker = _peak_tracker(_num_layers(model_dir) if segments else None)
         optimizers = getattr(optimizer, "optimizers", optimizer)  # optimizer-in-backward
@@ -956,7 +966,10 @@ def measure_dpo_step(
         )
     P, S, packing = cfg.micro_batch_size, cfg.max_seq_len, "packing" in spec.tricks
     dist_info, mesh = script.setup_distributed(cfg)
-    dp_rank, dp_size, _ = data_parallel(mesh)
+    dp_rank, dp_size, dp_group = data_parallel(mesh)
+    # under TP and CP the counts and the table reduce over mesh["dp"] only (None = the world
+    # otherwise, which also serves scripts rendered before train_step took a dp_group)
+    group = (dp_group,) if spec.tp > 1 or spec.cp > 1 else ()
     device = dist_info.device
     stages = ref_mode == "precomputed"
     with _simulated_build(script, fake):
@@ -968,7 +981,7 @@ def measure_dpo_step(
         optimizer, scheduler = script.build_optimizer(cfg, model)
         logits = [0]
         hook = model.lm_head.register_forward_hook(
-            lambda mod, args, out: logits.__setitem__(0, max(logits[0], out.nbytes))
+            lambda mod, args, out: logits.__setitem__(0, max(logits[0], _local_nbytes(out)))
         )
         tracker = _peak_tracker(_num_layers(model_dir) if segments else None)
         optimizers = getattr(optimizer, "optimizers", optimizer)  # optimizer-in-backward
@@ -976,7 +989,8 @@ def measure_dpo_step(
         answers = _data_dependent_answers() if fake else contextlib.nullcontext()
         propagation = _separate_propagation_fake_mode() if fake else contextlib.nullcontext()
         ref_cache = None
-        with propagation, tracker, answers:
+        # context parallel (all-gather mode): the bottom-right causal mask as the SFT step has it
+        with propagation, tracker, answers, _causal_bias_outside_modes(fake):
             if stages:
                 tracker.start_stage(REFERENCE_PASS)
                 if hasattr(script, "base_logprobs"):  # dpo-lora: the base, adapters off
@@ -990,7 +1004,7 @@ def measure_dpo_step(
                     return synthetic_pairs(len(rows), S, packing, rows[0]["id"])
 
                 ref_cache = precompute_reference_logprobs(
-                    model, examples, logprob_fn, collate, P, dp_rank, dp_size, device
+                    model, examples, logprob_fn, collate, P, dp_rank, dp_size, device, *group
                 )
                 tracker.start_stage(TRAINING_STEP)
             batch = synthetic_pairs(P, S, packing)
@@ -998,7 +1012,7 @@ def measure_dpo_step(
                 batch["desirable"] = torch.arange(P) % 2 == 0
             for _ in range(2):  # step 1 creates the optimizer state; step 2 holds it
                 script.train_step(
-                    model, reference, ref_cache, optimizer, scheduler, [batch], cfg, device
+                    model, reference, ref_cache, optimizer, scheduler, [batch], cfg, device, *group
                 )
         hook.remove()
         categories, peak = _peak_rows(tracker)
@@ -1217,7 +1231,7 @@ def measure_grpo_step(
         advantages = torch.zeros(len(rollouts))  # [M] fp32, this rank's (main's advantages[r::W])
         logits = [0]
         hook = model.lm_head.register_forward_hook(
-            lambda mod, args, out: logits.__setitem__(0, max(logits[0], out.nbytes))
+            lambda mod, args, out: logits.__setitem__(0, max(logits[0], _local_nbytes(out)))
         )
         tracker = _peak_tracker(_num_layers(model_dir) if segments else None)
         tracker.track_external(model, optimizer, *([reference] if reference else []))

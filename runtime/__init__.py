@@ -19,6 +19,8 @@ from runtime.config_checks import common_config_errors, config_notes, run_summar
 from runtime.context_parallel import (
     apply_context_parallel,
     context_parallel_chunks,
+    context_parallel_group,
+    context_parallel_sum,
     shard_for_context_parallel,
 )
 from runtime.data import (
@@ -69,6 +71,7 @@ from runtime.loss import (
     cross_entropy_sum,
     kd_kl_sum,
     linear_cross_entropy,
+    target_logprobs,
     token_logprobs,
     vocab_parallel_cross_entropy_sum,
 )
@@ -266,6 +269,8 @@ __all__ = [
     "check_same_tokenizer",
     "check_vocab_fits",
     "context_parallel_chunks",
+    "context_parallel_group",
+    "context_parallel_sum",
     "checkpoint_dtype",
     "copy_tokenizer_files",
     "cosine_schedule_with_warmup",
@@ -329,6 +334,7 @@ __all__ = [
     "to_messages",
     "to_preference",
     "to_unpaired",
+    "target_logprobs",
     "token_logprobs",
     "token_values",
     "transformer_flops_per_token",

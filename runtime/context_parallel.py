@@ -50,6 +50,8 @@ __all__ = [
     "apply_context_parallel",
     "context_parallel_attention",
     "context_parallel_chunks",
+    "context_parallel_group",
+    "context_parallel_sum",
     "shard_for_context_parallel",
 ]
 
@@ -186,3 +188,47 @@ def apply_context_parallel(
         if isinstance(module, LlamaAttention):
             module.cp_group = cp_group
             module.cp_attention = attention
+
+
+def context_parallel_group(model: torch.nn.Module) -> dist.ProcessGroup | None:
+    """The cp process group `apply_context_parallel` gave `model`'s attention layers, or None for
+    a model without context parallel (cp 1, or a reference copy kept whole on the CPU)."""
+    for module in model.modules():
+        if isinstance(module, LlamaAttention):
+            return module.cp_group
+    return None
+
+
+class _SumOverContextParallel(torch.autograd.Function):
+    """All-reduce (sum) forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        total = local.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def context_parallel_sum(local: torch.Tensor, cp_group: dist.ProcessGroup) -> torch.Tensor:
+    """Complete per-sequence sums whose terms the cp ranks hold (each its chunks' tokens).
+
+    Forward: the all-reduced sum, the same on every cp rank. Backward: identity, so each rank's
+    gradient reaches only its own tokens' terms. That is the gradient when every cp rank computes
+    the same loss from the sums (DPO's sequence log-probs) and FSDP then sums the parameter
+    gradients over dp_shard x cp: each token's term is counted once. (An autograd all-reduce, whose
+    backward all-reduces too, would count it cp times.) Megatron-LM's
+    `reduce_from_tensor_model_parallel_region` is the same operator for tensor parallel
+    (Shoeybi et al. 2019, arXiv:1909.08053).
+
+    Args:
+        local: [N] float (e.g. [2P] sequence log-prob sums over this rank's tokens).
+        cp_group: the cp mesh dim's process group.
+
+    Returns:
+        [N], the sum over the cp ranks.
+    """
+    return _SumOverContextParallel.apply(local, cp_group)

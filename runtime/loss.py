@@ -72,7 +72,7 @@ def _vocab_shard(t, dim: int, what: str):
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """CE sum of vocab-sharded logits: local [T, V/tp] + all-reduces of [T] vectors.
+    """Per-token CE [T] of vocab-sharded logits: local [T, V/tp] + all-reduces of [T] vectors.
 
     Forward keeps the local fp32 softmax [T, V/tp] (as F.cross_entropy keeps its log-softmax);
     backward is local: softmax - one_hot (1 only on the shard owning the target). The gradient of
@@ -98,7 +98,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         dist.all_reduce(both, op=dist.ReduceOp.SUM, group=group)
         sum_exp, target_logit = both[0], both[1]
         lse = sum_exp.log() + m
-        loss = torch.where(valid, lse - target_logit, 0.0).sum()
+        loss = torch.where(valid, lse - target_logit, 0.0)  # [T], 0 where ignored
         e.div_(sum_exp[:, None])  # local softmax, kept for backward
         ctx.save_for_backward(e, idx, in_shard, valid)
         ctx.logits_dtype = logits.dtype
@@ -106,7 +106,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss):  # grad_loss [T]
         probs, idx, in_shard, valid = ctx.saved_tensors
         rows = torch.arange(probs.shape[0], device=probs.device)
         probs[rows, idx] -= in_shard.to(probs.dtype)  # softmax - one_hot on the owning shard
@@ -139,7 +139,39 @@ def vocab_parallel_cross_entropy_sum(logits, labels: torch.Tensor) -> torch.Tens
     """
     local, vocab_start, group = _vocab_shard(logits, -1, "logits")
     local = local.reshape(-1, local.shape[-1])  # [T, V/tp]
-    return _VocabParallelCrossEntropy.apply(local, labels.reshape(-1), vocab_start, group)
+    return _VocabParallelCrossEntropy.apply(local, labels.reshape(-1), vocab_start, group).sum()
+
+
+def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[targets] per row: the log-probability of each target token.
+
+    Loss parallel: when `logits` is a DTensor sharded on the vocab dim over a 1-D (tensor-parallel)
+    mesh (lm_head's output under `runtime.parallel.llama_tp_plan(loss_parallel=True)`), each rank
+    reduces its [T, V/tp] shard and the ranks all-reduce the row max, the row sum of exp and the
+    target logit ([T] vectors): no [T, V] all-gather; the backward is local (softmax - one_hot on
+    the shard owning the target), as `vocab_parallel_cross_entropy_sum`'s.
+
+    Args:
+        logits: [T, V] any float dtype (upcast to fp32), or a DTensor with placements
+            (Shard(-1),), V divisible by the mesh size.
+        targets: [T] int64 plain tensor, the same on every tensor-parallel rank; every entry a
+            real token (no IGNORE_INDEX: select the supervised rows first).
+
+    Returns:
+        [T] fp32 plain tensor (the same on every tensor-parallel rank): DPO's per-token log pi.
+
+    Raises:
+        ValueError: a DTensor not sharded on the vocab dim over one mesh dim, or V not divisible
+            by its size.
+
+    Reference: Shoeybi et al. 2019, "Megatron-LM", arXiv:1909.08053 (vocab-parallel softmax).
+    """
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(logits, DTensor):
+        local, vocab_start, group = _vocab_shard(logits, -1, "logits")
+        return -_VocabParallelCrossEntropy.apply(local, targets, vocab_start, group)
+    return logits.float().log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
 
 
 _DEFAULT_NUM_CHUNKS = 8  # 1/8 of the tokens per chunk: peak logits memory is ~1/8 of plain CE's

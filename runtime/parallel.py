@@ -207,6 +207,85 @@ def check_tp_degree(
         )
 
 
+def _adapter_styles():
+    """`ColwiseParallel` / `RowwiseParallel` that also take a LoRA linear (`runtime.lora.LoRALinear`:
+    a base `weight` [D_out, D_in], an optional `bias`, children `lora_A` [r, D_in] and `lora_B`
+    [D_out, r]), sharded consistently with the base so that x W^T + s B A x keeps the base's
+    layouts (Hu et al. 2021 for LoRA; the plan of Megatron-LM, Shoeybi et al. 2019):
+
+    - colwise base (W `Shard(0)`, bias `Shard(0)`): lora_A replicated, lora_B `Shard(0)`. A x is
+      [.., r] on every rank; B A x comes out `Shard(-1)` like W x. A's gradient sums the tp
+      ranks' output shards (a `Partial` DTensor gradient, reduced by DTensor).
+    - rowwise base (W `Shard(1)`, bias replicated): lora_A `Shard(1)`, lora_B replicated. A x is a
+      `Partial` sum over the input shards, B A x stays `Partial` like W x, and the style's output
+      redistribution (the reduce-scatter to the sequence-sharded residual) sums both at once.
+
+    On a plain `nn.Linear` they are exactly their parents. The adapters' `requires_grad` is kept.
+    A DoRA magnitude (a row norm of W + s B A, whose rows a rowwise base splits) and an NF4 base
+    (torchao 0.18's NF4Tensor splits along dim 0 only) are refused.
+    """
+    from functools import partial
+
+    from torch import nn
+    from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    def partition(placements: dict, src_data_rank, name, module, device_mesh) -> None:
+        if name:  # distribute_module visits every submodule: the LoRA linear's own call does all
+            return
+        if getattr(module, "use_dora", False) or type(module.weight).__name__ == "NF4Tensor":
+            raise ValueError(
+                "tensor parallel takes LoRA adapters on a bf16/fp32 base only: a DoRA magnitude "
+                "is a row norm over the rows a rowwise base splits, and torchao's NF4Tensor "
+                "splits along dim 0 only; use --peft lora (and --algo lora, not qlora) or tp=1"
+            )
+        for full_name, param in list(module.named_parameters()):
+            owner_name, _, leaf = full_name.rpartition(".")
+            owner = module.get_submodule(owner_name) if owner_name else module
+            key = full_name if owner_name else leaf
+            dist_param = nn.Parameter(
+                distribute_tensor(
+                    param, device_mesh, [placements[key]], src_data_rank=src_data_rank
+                ),
+                requires_grad=param.requires_grad,
+            )
+            owner.register_parameter(leaf, dist_param)
+
+    def is_adapted(module) -> bool:
+        return not isinstance(module, nn.Linear) and hasattr(module, "lora_A")
+
+    class ColwiseParallelWithAdapters(ColwiseParallel):
+        def _apply(self, module, device_mesh):
+            if not is_adapted(module):
+                return super()._apply(module, device_mesh)
+            placements = {"weight": Shard(0), "bias": Shard(0)}
+            placements |= {"lora_A.weight": Replicate(), "lora_B.weight": Shard(0)}
+            return distribute_module(
+                module,
+                device_mesh,
+                partial(partition, placements, self.src_data_rank),
+                partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+                partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+            )
+
+    class RowwiseParallelWithAdapters(RowwiseParallel):
+        def _apply(self, module, device_mesh):
+            if not is_adapted(module):
+                return super()._apply(module, device_mesh)
+            self.desired_input_layouts = (Shard(-1),)  # as the parent's for nn.Linear
+            placements = {"weight": Shard(1), "bias": Replicate()}
+            placements |= {"lora_A.weight": Shard(1), "lora_B.weight": Replicate()}
+            return distribute_module(
+                module,
+                device_mesh,
+                partial(partition, placements, self.src_data_rank),
+                partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+                partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+            )
+
+    return ColwiseParallelWithAdapters, RowwiseParallelWithAdapters
+
+
 def llama_tp_plan(loss_parallel: bool = True) -> dict:
     """Tensor + sequence parallel plan of the non-block modules of a `CausalLM` (HF names).
 
@@ -232,12 +311,12 @@ def llama_tp_plan(loss_parallel: bool = True) -> dict:
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
         PrepareModuleOutput,
         RowwiseParallel,
         SequenceParallel,
     )
 
+    ColwiseParallel, _ = _adapter_styles()  # lm_head may carry LoRA adapters (untied models)
     return {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "model.norm": SequenceParallel(),
@@ -265,19 +344,20 @@ def llama_block_tp_plan(use_qk_norm: bool = False) -> dict:
     `SequenceParallel(sequence_dim=2)` treats them as head-sharded, so their replicated weight's
     gradient is summed over tp.
 
+    A projection with LoRA adapters (`runtime.lora.add_lora`, before this plan) is sharded with
+    its base: lora_A replicated and lora_B colwise on a colwise base, lora_A rowwise and lora_B
+    replicated on a rowwise one (`_adapter_styles`).
+
     Needs num_attention_heads and num_key_value_heads divisible by tp; dense MLP only (MoE
     blocks take expert parallel instead). Reference: torchtitan
     `torchtitan/models/llama3/infra/parallelize.py` (`apply_tp`), Korthikanti et al. 2022,
     "Reducing Activation Recomputation in Large Transformer Models", arXiv:2205.05198 (SP).
     """
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-    )
+    from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
 
+    # the projections may carry LoRA adapters: sharded with their base (`_adapter_styles`)
+    ColwiseParallel, RowwiseParallel = _adapter_styles()
     plan = {
         "input_layernorm": SequenceParallel(),
         # self_attn(x, cos, sin, attention_mask, is_causal, kv_cache): only x is laid out

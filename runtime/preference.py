@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 from tqdm import tqdm
@@ -86,12 +87,14 @@ def precompute_reference_logprobs(
     dp_rank: int,
     dp_size: int,
     device: torch.device | str,
+    group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """ref_mode="precomputed": one no-grad pass of `model` over every pair, before training.
 
     `model` is the untrained policy (with LoRA, `logprob_fn` turns its adapters off), so afterwards
     only one model is resident. Each data-parallel rank scores its shard, in order; an all-reduce
-    over all ranks assembles the table on every rank. `model` is back in train mode afterwards.
+    over `group` (the data-parallel ranks, mesh["dp"]; None = all ranks, which is the same without
+    tensor parallel) assembles the table on every rank. `model` is back in train mode afterwards.
 
     Args:
         examples: pairs ({"id": pair id, ...}) or packed rows of pairs ({"sample_ids": [pair
@@ -124,8 +127,8 @@ def precompute_reference_logprobs(
     if hasattr(model, "reshard"):  # FSDP: a no-grad forward leaves the root's parameters gathered
         model.reshard()
     model.train()
-    all_reduce_sum(table)
-    all_reduce_sum(counts)
+    all_reduce_sum(table, group)  # the tp ranks of one dp rank scored the same pairs
+    all_reduce_sum(counts, group)
     return (table / counts.clamp(min=1)[:, None]).cpu()
 
 
@@ -142,6 +145,7 @@ def load_reference_logprobs(
     dp_rank: int,
     dp_size: int,
     device: torch.device | str,
+    group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """ref_mode="precomputed": the [N, 2] table, computed once and kept in `path` for resumes.
 
@@ -197,7 +201,7 @@ def load_reference_logprobs(
             torch.save(saved, path)
         return saved["reference_logps"]
     table = precompute_reference_logprobs(
-        model, examples, logprob_fn, collate_fn, batch_size, dp_rank, dp_size, device
+        model, examples, logprob_fn, collate_fn, batch_size, dp_rank, dp_size, device, group
     )
     if is_main:
         torch.save({"reference_logps": table, "computed_from": computed_from}, path)

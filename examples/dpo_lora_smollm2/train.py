@@ -2,8 +2,8 @@
 
 Trains on preference data (a prompt, a chosen and a rejected reply; or, for KTO, single replies
 labelled desirable or not): the policy learns to prefer the chosen replies, with no reward model
-and no sampling. Parallelism: FSDP2 `fully_shard` over all processes (one code path for 1..N
-devices).
+and no sampling. Parallelism: FSDP2 `fully_shard` over the data-parallel processes (HSDP with
+--dp_replicate > 1: notes below); one code path for 1..N devices.
 
 Losses (--loss_type; each one's function in section 5 writes out its math and cites its paper):
 - sigmoid: DPO (Rafailov et al. 2023), pairs, against a frozen reference model (--ref_mode).
@@ -650,14 +650,15 @@ def pair_losses(model, reference, ref_cache, batch: dict, cfg: Config) -> tuple[
 
 @torch.no_grad()
 def kto_reference_point(
-    model, reference, ref_cache, micro_batches: list[dict], cfg: Config, device
+    model, reference, ref_cache, micro_batches: list[dict], cfg: Config, device, dp_group=None
 ):
     """KTO's reference point z_ref for one optimizer step, and each micro-batch's reference
     log-probs of its completions (scored here once, for the loss pass).
 
     z_ref estimates KL(pi || pi_ref) by the mean policy - reference log-ratio of the step's KL
     sequences (each example's prompt with another example's completion: a reply not written for
-    it), over every micro-batch and data-parallel rank; clamped at 0 and detached, as TRL's.
+    it), over every micro-batch and data-parallel rank (`dp_group`; None = all ranks); clamped at
+    0 and detached, as TRL's.
 
     Returns:
         (z_ref: scalar fp32, [[E] fp32 reference log-probs of each micro-batch's completions]).
@@ -674,7 +675,7 @@ def kto_reference_point(
             [(policy_kl - ref_logps[E:]).sum(), torch.tensor(float(E), device=device)]
         )
         ref_completions.append(ref_logps[:E])
-    all_reduce_sum(totals)
+    all_reduce_sum(totals, dp_group)
     return (totals[0] / totals[1]).clamp(min=0), ref_completions
 
 
@@ -823,22 +824,31 @@ def build_kto_datasets(cfg: Config, tokenizer: Tokenizer) -> tuple[list[dict], l
     return split_train_val(kept, cfg.val_fraction, cfg.seed)
 
 
-def collate(pairs: list[dict], pad_token_id: int, pad_to: int = 0) -> dict:
-    """Right-pad P pairs into one batch, the P chosen sequences then their P rejected ones:
-    input_ids [2P, S] int64 (pad_token_id on padding), labels [2P, S] int64 (IGNORE_INDEX on
-    padding), num_tokens (scalar, non-padding input tokens), sample_ids [P] int64."""
+def collate(
+    pairs: list[dict], pad_token_id: int, pad_to: int = 0, pad_to_multiple_of: int = 1
+) -> dict:
+    """Right-pad P pairs into one batch, the P chosen sequences then their P rejected ones, S
+    rounded up to a multiple of `pad_to_multiple_of`: input_ids [2P, S] int64 (pad_token_id on
+    padding), labels [2P, S] int64 (IGNORE_INDEX on padding), num_tokens (scalar, non-padding
+    input tokens), sample_ids [P] int64."""
     sequences = [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs]
     pad_values = {"input_ids": pad_token_id, "labels": IGNORE_INDEX}
-    return pad_batch(sequences, pad_values, pad_to, ids=[p["id"] for p in pairs])
+    return pad_batch(
+        sequences, pad_values, pad_to, pad_to_multiple_of, ids=[p["id"] for p in pairs]
+    )
 
 
-def collate_kto(examples: list[dict], pad_token_id: int, pad_to: int = 0) -> dict:
+def collate_kto(
+    examples: list[dict], pad_token_id: int, pad_to: int = 0, pad_to_multiple_of: int = 1
+) -> dict:
     """Right-pad E KTO examples into one batch in the pairs' layout, their E completions then
     their E KL sequences: input_ids [2E, S], labels [2E, S] int64, num_tokens, sample_ids [E]
     int64, and desirable [E] bool (the labels)."""
     sequences = [e["completion"] for e in examples] + [e["kl"] for e in examples]
     pad_values = {"input_ids": pad_token_id, "labels": IGNORE_INDEX}
-    batch = pad_batch(sequences, pad_values, pad_to, ids=[e["id"] for e in examples])
+    batch = pad_batch(
+        sequences, pad_values, pad_to, pad_to_multiple_of, ids=[e["id"] for e in examples]
+    )
     batch["desirable"] = torch.tensor([e["desirable"] for e in examples], dtype=torch.bool)
     return batch
 
@@ -885,12 +895,14 @@ def train_step(
     micro_batches: list[dict],
     cfg: Config,
     device,
+    dp_group=None,
 ) -> dict:
     """One optimizer step over `gradient_accumulation_steps` micro-batches of pairs (kto:
     examples).
 
     Every micro-batch's summed loss is divided by the pair (example) count of the whole step (all
-    micro-batches and data-parallel ranks), so the gradient is that of the mean over all of them.
+    micro-batches and data-parallel ranks: all-reduced over `dp_group`, None = all ranks), so the
+    gradient is that of the mean over all of them.
     KTO first scores the step's KL sequences (`kto_reference_point`): z_ref enters every example's
     loss, so it is one value for the whole step, whatever its split into micro-batches.
 
@@ -901,12 +913,17 @@ def train_step(
         ranks), num_pairs (all ranks; kto: num_examples).
     """
     global_count = all_reduce_sum(
-        torch.tensor(float(sum(len(mb["sample_ids"]) for mb in micro_batches)), device=device)
+        torch.tensor(float(sum(len(mb["sample_ids"]) for mb in micro_batches)), device=device),
+        dp_group,
     )
-    global_inputs = all_reduce_sum(sum(mb["num_tokens"] for mb in micro_batches).to(device).float())
+    global_inputs = all_reduce_sum(
+        sum(mb["num_tokens"] for mb in micro_batches).to(device).float(), dp_group
+    )
     kl = None
     if cfg.loss_type == "kto":  # z_ref first, and the reference's log-probs of the completions
-        kl, ref_logps = kto_reference_point(model, reference, ref_cache, micro_batches, cfg, device)
+        kl, ref_logps = kto_reference_point(
+            model, reference, ref_cache, micro_batches, cfg, device, dp_group
+        )
         micro_batches = [
             {**mb, "ref_logps": ref} for mb, ref in zip(micro_batches, ref_logps, strict=True)
         ]
@@ -919,7 +936,7 @@ def train_step(
     totals, grad_norm, lr = backward_and_step(
         model, optimizer, scheduler, micro_batches, loss_fn, cfg
     )
-    sums = all_reduce_sum(torch.stack(list(totals.values())))  # one collective
+    sums = all_reduce_sum(torch.stack(list(totals.values())), dp_group)  # one collective
     metrics = {
         "sample_ids": torch.cat([mb["sample_ids"] for mb in micro_batches]).tolist(),  # this rank's
         **step_means(dict(zip(totals, sums, strict=True)), global_count, cfg),
@@ -966,7 +983,9 @@ def step_figures(metrics: dict) -> str:
 
 
 @torch.no_grad()
-def evaluate(model, reference, ref_cache, loader: DataLoader, cfg: Config, device) -> dict:
+def evaluate(
+    model, reference, ref_cache, loader: DataLoader, cfg: Config, device, dp_group=None
+) -> dict:
     """Validation loss and reward accuracy (pairs only), means over every (sharded) validation pair
     or example; kto's z_ref is each validation batch's own (TRL's per-batch estimate)."""
     model.eval()
@@ -975,7 +994,9 @@ def evaluate(model, reference, ref_cache, loader: DataLoader, cfg: Config, devic
         batch = {k: v.to(device) for k, v in mb.items()}
         kl = None
         if cfg.loss_type == "kto":
-            kl, ref_logps = kto_reference_point(model, reference, ref_cache, [batch], cfg, device)
+            kl, ref_logps = kto_reference_point(
+                model, reference, ref_cache, [batch], cfg, device, dp_group
+            )
             batch["ref_logps"] = ref_logps[0]
         losses, sums = preference_losses(model, reference, ref_cache, batch, cfg, kl)
         correct = sums.get("rewards/accuracies", torch.zeros((), device=device))
@@ -983,7 +1004,7 @@ def evaluate(model, reference, ref_cache, loader: DataLoader, cfg: Config, devic
             [losses.sum(), correct, torch.tensor(float(losses.numel()), device=device)]
         )
     model.train()
-    all_reduce_sum(totals)
+    all_reduce_sum(totals, dp_group)
     n = totals[2].clamp(min=1)
     metrics = {"val_loss": (totals[0] / n).item()}
     if cfg.loss_type != "kto":
@@ -1021,7 +1042,8 @@ def main(argv: list[str] | None = None) -> dict:
     validate(cfg)
     dist_info, mesh = setup_distributed(cfg)
     is_main, device = dist_info.is_main, dist_info.device
-    dp_rank, dp_size, _ = data_parallel(mesh)
+    # data parallel = "dp" (dp_replicate x dp_shard): each dp rank reads its own shard of the pairs
+    dp_rank, dp_size, dp_group = data_parallel(mesh)
     # an earlier run in out_dir: resume it, or refuse (never mix two runs' metrics or models)
     out_dir = claim_out_dir(cfg.out_dir, cfg.resume, cfg.overwrite, is_main)
     # the default hf_repo_id is the default model's: another --model needs its own (or a local copy)
@@ -1058,7 +1080,7 @@ def main(argv: list[str] | None = None) -> dict:
             out_dir / "reference_logps.pt", {k: getattr(cfg, k) for k in ("model", "dataset", "max_seq_len", "dtype", "loss_type")},
             resumed, is_main, model, train_set + val_set,
             functools.partial(base_logprobs, cfg=cfg), functools.partial(collate_batch, pad_token_id=tokenizer.pad_token_id),
-            cfg.micro_batch_size, dp_rank, dp_size, device,
+            cfg.micro_batch_size, dp_rank, dp_size, device, dp_group,
         )  # fmt: skip
     global_batch = cfg.micro_batch_size * cfg.gradient_accumulation_steps * dp_size
     if is_main:
@@ -1081,7 +1103,7 @@ def main(argv: list[str] | None = None) -> dict:
             micro_batches.append(micro_batch)
         start = time.perf_counter()
         metrics = train_step(
-            model, reference, ref_cache, optimizer, scheduler, micro_batches, cfg, device
+            model, reference, ref_cache, optimizer, scheduler, micro_batches, cfg, device, dp_group
         )
         step_time = time.perf_counter() - start
         check_finite(step, metrics, state.path)  # NaN/inf: stop before saving anything of this step
@@ -1093,7 +1115,7 @@ def main(argv: list[str] | None = None) -> dict:
         )
         is_last = step == cfg.max_steps
         if (cfg.eval_every_steps and step % cfg.eval_every_steps == 0) or (is_last and val_set):
-            metrics.update(evaluate(model, reference, ref_cache, val_loader, cfg, device))
+            metrics.update(evaluate(model, reference, ref_cache, val_loader, cfg, device, dp_group))
         if is_main and (step % cfg.log_every_steps == 0 or is_last or "val_loss" in metrics):
             logger.log(metrics, step)
             progress.set_postfix(loss=round(metrics["loss"], 4))

@@ -202,10 +202,15 @@ def parallelize(
         model_args.model_type,
     )
     if cfg.tp > 1:
+        frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
         parallelize_module(model, mesh["tp"], llama_tp_plan(loss_parallel=True))
         for layer in model.model.layers:
             parallelize_module(layer, mesh["tp"], llama_block_tp_plan(model_args.use_qk_norm))
         model.tie_weights()  # parallelize_module gave embed_tokens and lm_head new (vocab-sharded) Parameters
+        # SequenceParallel re-registers the norms' weights as new Parameters, trainable: a frozen
+        # base (adapters) or reference stays frozen
+        for name, param in model.named_parameters():
+            param.requires_grad_(name not in frozen)
     # fp32 parameters are the master weights; FSDP casts to param_dtype for compute and reduces
     # gradients in fp32, so bf16 runs still apply every small AdamW update.
     mp_policy = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.dtype], reduce_dtype=torch.float32)

@@ -95,6 +95,13 @@ _TP_REFUSED_TRICKS = {
     "bf16-sr": "bf16 weights with the stochastic-rounding AdamW are tested under FSDP only",
     "cpu-offload": "FSDP2 CPU offload of tensor-parallel shards is not tested here",
 }
+# ... and on the DPO skeleton, whose log-probs are per token, not one summed cross-entropy
+_DPO_TP_REFUSED_TRICKS = {
+    "lce": "not built yet for DPO: the chunked per-token log-probs (runtime.token_logprobs) have "
+    "no vocab-parallel path (the SFT loss, linear_cross_entropy, has one)",
+    "packing": "not built yet for DPO: packed preference rows (collate_preference_packs) are not "
+    "padded to a multiple of tp for sequence parallel",
+}
 
 
 def model_config(spec: Spec) -> dict:
@@ -166,10 +173,24 @@ def _validate_parallel(spec: Spec) -> None:
     if spec.cp > 1:
         _validate_cp(spec, world)
     if spec.tp > 1:
-        refused = [t for t in spec.tricks if t in _TP_REFUSED_TRICKS]
+        if spec.peft == "dora":
+            raise SpecError(
+                f"--peft dora with --tp {spec.tp}: DoRA's magnitude divides each output row by the "
+                "norm of W + s B A over its inputs, which the rowwise plan of o_proj and down_proj "
+                "splits over the tp ranks (not built); use --peft lora or --tp 1"
+            )
+        table = dict(_TP_REFUSED_TRICKS)
+        if ALGOS[spec.algo].skeleton == "dpo":
+            table.update(_DPO_TP_REFUSED_TRICKS)
+        if spec.algo == "kd":
+            table["lce"] = (
+                "not built yet for kd: the chunked KL (runtime.chunked_kd_loss) has no "
+                "vocab-parallel path for the student's vocab-sharded lm_head"
+            )
+        refused = [t for t in spec.tricks if t in table]
         if refused:
             raise SpecError(
-                f"--tricks {refused[0]} with --tp {spec.tp}: {_TP_REFUSED_TRICKS[refused[0]]}; "
+                f"--tricks {refused[0]} with --tp {spec.tp}: {table[refused[0]]}; "
                 f"drop it ({_tricks_flag(t for t in spec.tricks if t not in refused)}) "
                 "or use --tp 1"
             )
@@ -360,12 +381,24 @@ _CP_REFUSED_TRICKS = {
 }
 
 
+# ... and on the DPO skeleton, whose sequence sums are completed over the cp ranks
+_DPO_CP_REFUSED_TRICKS = {
+    "packing": "not built yet for DPO: a packed row's sequence_ids would need sharding with its "
+    "tokens (runtime.CP_SEQUENCE_KEYS) and the sums over documents split across the cp ranks",
+    "lce": "not built yet for DPO: the chunked per-token log-probs (runtime.token_logprobs) are "
+    "not tested on the cp ranks' chunks",
+}
+
+
 def _validate_cp(spec: Spec, world: int) -> None:
-    """--cp: SFT's dense models; rows split into 2*cp equal chunks (times tp under TP)."""
-    refused = [t for t in spec.tricks if t in _CP_REFUSED_TRICKS]
+    """--cp: dense models; rows split into 2*cp equal chunks (times tp under TP)."""
+    table = dict(_CP_REFUSED_TRICKS)
+    if ALGOS[spec.algo].skeleton == "dpo":
+        table.update(_DPO_CP_REFUSED_TRICKS)
+    refused = [t for t in spec.tricks if t in table]
     if refused:
         raise SpecError(
-            f"--tricks {refused[0]} with --cp {spec.cp}: {_CP_REFUSED_TRICKS[refused[0]]}; drop "
+            f"--tricks {refused[0]} with --cp {spec.cp}: {table[refused[0]]}; drop "
             f"it ({_tricks_flag(t for t in spec.tricks if t not in refused)}) or use --cp 1"
         )
     if "packing" in spec.tricks and spec.cp_mode != "ring":

@@ -35,16 +35,22 @@ pytestmark = pytest.mark.fast  # in `make test-fast` (tests/README.md)
         (Spec(gpus=2, cp=2, cp_mode="rings"), ["--cp-mode 'rings': choose one of allgather, ring"]),
         (Spec(cp_mode="ring"), ["--cp-mode ring with --cp 1", "no ring"]),
         (Spec(gpus=2, cp=2, tricks=("compile", "lce")), ["--tricks compile with --cp 2", "--tricks lce"]),
-        (Spec(algo="lora", gpus=2, cp=2), ["--algo lora", "--cp 1"]),
         (Spec(model="qwen3-30b-a3b", gpus=2, cp=2), ["--cp 2 with --model qwen3-30b-a3b", "dense models"]),
         # degrees >= 1
         (Spec(dp_replicate=0), ["--dp-replicate 0: must be >= 1"]),
         (Spec(tp=0), ["--tp 0: must be >= 1"]),
-        # TP / CP are wired into full-parameter SFT only, HSDP into the SFT skeleton (sft, lora, qlora,
-        # kd): the support table's reasons (generator.features.refusal)
-        (Spec(algo="dpo", model="qwen3-0.6b", gpus=2, tp=2, dataset="dpo_en_demo.json"), ["--algo dpo with --tp 2", "not wired into the DPO skeleton yet", "only the SFT skeleton takes it", "use --tp 1 (FSDP over all GPUs)"]),
-        (Spec(algo="lora", model="qwen3-0.6b", gpus=2, tp=2), ["--algo lora with --tp 2", "built and tested on full-parameter SFT only", "use --tp 1 (FSDP over all GPUs, or HSDP with --dp-replicate)"]),
-        (Spec(algo="dpo", gpus=4, dp_replicate=2, dataset="dpo_en_demo.json"), ["--algo dpo with --dp-replicate 2", "only the SFT skeleton takes it", "use --dp-replicate 1"]),
+        # HSDP, TP and CP are wired into the SFT and DPO skeletons but not everywhere: the
+        # support table's reasons (generator.features.refusal)
+        (Spec(algo="qlora", gpus=2, cp=2), ["--algo qlora with --cp 2", "an NF4 base under the dp_shard x cp", "use --cp 1 (FSDP over all GPUs, or HSDP with --dp-replicate)"]),
+        # dpo under TP: the chunked per-token log-probs and packed pairs are not built for it
+        (Spec(algo="dpo", model="qwen3-0.6b", gpus=2, tp=2, tricks=("lce",), dataset="dpo_en_demo.json"), ["--tricks lce with --tp 2", "runtime.token_logprobs", "or use --tp 1"]),
+        (Spec(algo="dpo", model="qwen3-0.6b", gpus=2, tp=2, tricks=("packing", "ac"), dataset="dpo_en_demo.json"), ["--tricks packing with --tp 2", "collate_preference_packs", "drop it (--tricks ac)"]),
+        (Spec(algo="qlora", model="qwen3-0.6b", gpus=2, tp=2), ["--algo qlora with --tp 2", "NF4Tensor splits only along dim 0", "use --tp 1 (FSDP over all GPUs, or HSDP with --dp-replicate)"]),
+        (Spec(algo="lora", model="qwen3-0.6b", gpus=2, tp=2, peft="dora"), ["--peft dora with --tp 2", "use --peft lora or --tp 1"]),
+        (Spec(algo="kd", model="qwen3-0.6b", gpus=2, tp=2, tricks=("lce",)), ["--tricks lce with --tp 2", "runtime.chunked_kd_loss", "or use --tp 1"]),
+        # dpo under CP: packed pairs and the chunked log-probs are not built for it
+        (Spec(algo="dpo", gpus=2, cp=2, cp_mode="ring", tricks=("packing",), dataset="dpo_en_demo.json"), ["--tricks packing with --cp 2", "sequence_ids", "or use --cp 1"]),
+        (Spec(algo="dpo-lora", gpus=2, cp=2, tricks=("lce", "ac"), dataset="dpo_en_demo.json"), ["--tricks lce with --cp 2", "runtime.token_logprobs", "drop it (--tricks ac)"]),
         # GRPO's mesh is the trainer's ranks: the GPUs its engines leave
         (Spec(algo="grpo", gpus=4, engine_gpus=2, dp_replicate=4, dataset="chain_sum.jsonl"), ["(--gpus 4 - --engine-gpus 2) x --nodes 1 = 2 trainer processes", "not divisible by dp_replicate*cp*tp = 4*1*1", "one of [1, 2]"]),
         (Spec(algo="grpo", gpus=4, engine_gpus=0, tp=2, dataset="chain_sum.jsonl"), ["--algo grpo with --tp 2", "not wired into the GRPO skeleton yet", "or HSDP with --dp-replicate"]),
@@ -63,6 +69,21 @@ def test_valid_plans_pass_and_command_prints_non_defaults():
     tp = Spec(model="qwen3-0.6b", gpus=4, tp=2, out="o")
     hsdp = Spec(gpus=4, dp_replicate=2, out="o")
     hsdp_adapters = [Spec(algo=a, gpus=4, dp_replicate=2, out="o") for a in ("lora", "qlora", "kd")]
+    hsdp_dpo = [
+        Spec(algo=a, gpus=4, dp_replicate=2, dataset="dpo_en_demo.json", out="o")
+        for a in ("dpo", "dpo-lora")
+    ]
+    tp_dpo = Spec(algo="dpo", model="qwen3-0.6b", gpus=4, tp=2, tricks=("ac",), out="o")
+    cp_dpo = [
+        Spec(algo=a, gpus=4, cp=2, cp_mode=m, tricks=("ac",), dataset="dpo_en_demo.json", out="o")
+        for a, m in (("dpo", "allgather"), ("dpo-lora", "ring"))
+    ]
+    cp_lora = Spec(algo="lora", gpus=2, cp=2, out="o")
+    cp_kd = Spec(algo="kd", gpus=2, cp=2, out="o")
+    tp_kd = Spec(algo="kd", model="qwen3-0.6b", gpus=2, tp=2, tricks=("ac",), out="o")
+    tp_adapters = [
+        Spec(algo=a, model="qwen3-0.6b", gpus=2, tp=2, out="o") for a in ("lora", "dpo-lora")
+    ]
     hsdp_adapters += [
         Spec(algo=a, gpus=g, engine_gpus=e, dp_replicate=2, dataset="chain_sum.jsonl", out="o")
         for a, g, e in (("grpo", 4, 0), ("grpo-lora", 6, 2))
@@ -80,6 +101,13 @@ def test_valid_plans_pass_and_command_prints_non_defaults():
         ring_packing,
         Spec(model="qwen3-0.6b", gpus=8, nodes=2, tp=8, dp_replicate=2),
         *hsdp_adapters,
+        *hsdp_dpo,
+        tp_dpo,
+        *tp_adapters,
+        *cp_dpo,
+        cp_lora,
+        cp_kd,
+        tp_kd,
     ):
         validate_spec(spec)
     assert "--gpus 4 --tp 2 --out" in tp.command() and "--cp" not in tp.command()

@@ -697,6 +697,38 @@ def test_dpo_two_rank_simulation_matches_two_gloo_ranks(tiny_real_vocab_dir, tmp
                 _assert_stages_agree(sim, rank_result)
 
 
+def test_dpo_and_adapter_plan_simulations_match_four_gloo_ranks(tiny_real_vocab_dir, tmp_path):
+    """The plans these algorithms took last: dpo under HSDP 2 x 2 with its separate reference
+    (sharded over the 2-D mesh like the policy) and under TP 2 x FSDP 2 precomputed (the
+    reference pass and the step with vocab-sharded logits) and under CP 2 x FSDP 2 (ring with
+    its separate reference, all-gather precomputed); dpo-lora (adapters-off) and lora under TP 2 x FSDP 2 (adapters
+    sharded with their base), lora under CP 2 x FSDP 2: the simulated rank is within the
+    tolerance of every real gloo rank."""
+    m = tiny_real_vocab_dir
+    loras = [
+        Spec(algo="lora", model=str(m), gpus=4, tp=2),
+        Spec(algo="lora", model=str(m), gpus=4, cp=2),
+    ]
+    for i, (lora, sim) in enumerate(zip(loras, simulate(loras, 2, 128), strict=True)):
+        args = (json.dumps(asdict(lora)), str(m), 2, 128, str(tmp_path / f"lora{i}"))
+        for rank_result in spawn(_real_rank, world_size=4, args=args):
+            _assert_agrees(sim, rank_result)
+    cases = [
+        (_dpo_spec(m, gpus=4, dp_replicate=2), "separate"),
+        (_dpo_spec(m, gpus=4, tp=2), "precomputed"),
+        (_dpo_spec(m, algo="dpo-lora", gpus=4, tp=2), "adapters-off"),
+        (_dpo_spec(m, gpus=4, cp=2, cp_mode="ring"), "separate"),
+        (_dpo_spec(m, gpus=4, cp=2), "precomputed"),  # all-gather: its causal mask as SFT's
+    ]
+    for i, (spec, ref_mode) in enumerate(cases):
+        (sim,) = simulate([spec], DPO_MBS, DPO_SEQ, config={"ref_mode": ref_mode})
+        args = (json.dumps(asdict(spec)), str(m), str(tmp_path / f"c{i}"), ref_mode)
+        for rank_result in spawn(_real_dpo_rank, world_size=4, args=args):
+            _assert_agrees(sim, rank_result)
+            if ref_mode == "precomputed":
+                _assert_stages_agree(sim, rank_result)
+
+
 def test_reference_free_losses_plan_no_reference(tiny_real_vocab_dir):
     """loss_type simpo or orpo in the Config (a runtime flag: `scaffold plan DIR` on an edited
     default, or simulate's config): the estimate and the simulation count no reference, whatever

@@ -251,12 +251,23 @@ def test_new_writes_spec_and_base_and_refuses_overwrite(tmp_path):
         (["--gpus", "0"], "--gpus 0 and --nodes 1 must both be >= 1"),
         (["--peft", "dora"], "--peft dora needs an adapter algorithm (--algo lora or qlora or"),
         (
-            ["--algo", "dpo", "--gpus", "2", "--tp", "2"],
-            "--algo dpo with --tp 2: not wired into the DPO",
+            ["--algo", "qlora", "--gpus", "2", "--cp", "2"],
+            "--algo qlora with --cp 2: CP is built and tested for sft, lora, kd, dpo and dpo-lora",
         ),
         (
-            ["--algo", "kd", "--tp", "2", "--gpus", "2"],
-            "--algo kd with --tp 2: the TP and CP plans",
+            [
+                "--algo",
+                "kd",
+                "--model",
+                "qwen3-0.6b",
+                "--tp",
+                "2",
+                "--gpus",
+                "2",
+                "--tricks",
+                "lce",
+            ],
+            "--tricks lce with --tp 2: not built yet for kd",
         ),
         (["--algo", "qlora", "--peft", "vera"], "--peft 'vera'; valid: lora, dora"),
         (
@@ -329,10 +340,13 @@ def test_list_and_help():
     assert all(rows[t] == ["yes"] * 10 for t in TRICKS if t not in (*precision, *refused))
     assert rows["bf16-sr"] == ["yes", "no", "no", "yes", "no", "yes", "no", "yes", "yes", "yes"]
     assert rows["cpu-offload"] == ["yes", "no", "no", "yes", "no", "yes", "no", "yes", "yes", "yes"]
-    assert rows["--tp"] == ["yes"] + ["no"] * 9
-    assert any(
-        line.strip().startswith("no: --tp with dpo, dpo-lora: not wired") for line in support
-    )
+    # TP and CP: the SFT and DPO skeletons, full parameters and LoRA; not qlora (NF4), the GRPO
+    # skeleton (grpo, grpo-lora, ppo) or the reward model
+    assert rows["--tp"] == ["yes", "yes", "no", "yes", "yes", "no", "no", "no", "no", "yes"]
+    assert rows["--cp"] == ["yes", "yes", "no", "yes", "yes", "no", "no", "no", "no", "yes"]
+    assert rows["--dp-replicate"] == ["yes"] * 7 + ["no", "no", "yes"]
+    assert rows["--ep"] == ["yes", "no", "no", "yes", "no", "yes", "no", "no", "no", "yes"]
+    assert any(line.strip().startswith("no: --tp with qlora: torchao") for line in support)
     helped = runner.invoke(cli, ["new", "--help"])
     assert helped.exit_code == 0 and "--model" in helped.output and "--tricks" in helped.output
 
