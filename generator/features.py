@@ -318,11 +318,6 @@ def _refusals() -> dict[tuple[str, str], str]:
                 "not built yet: GAE runs over each completion's tokens in a row of its own; packed "
                 "rows (several completions per row) are untested there"
             )
-            out["--dp-replicate", name] = (
-                "not tested with ppo yet: HSDP is wired and tested on grpo and grpo-lora; ppo's "
-                "advantage whitening and explained variance all-reduce over every data-parallel "
-                "rank, which HSDP keeps, but no PPO run under it has been checked"
-            )
             out["--ep", name] = (
                 "not tested with ppo yet: EP is built and tested on sft, dpo, kd and grpo; no PPO "
                 "run (the value head beside expert-parallel blocks) has been checked"
