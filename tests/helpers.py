@@ -298,6 +298,26 @@ def even_token_reward(completion_ids, **kwargs) -> float:
     return sum(t % 2 == 0 for t in completion_ids) / max(len(completion_ids), 1)
 
 
+_REWARD_DRIVER = """
+import sys
+sys.path.insert(0, {repo!r})
+from tests.helpers import even_token_reward, import_script
+
+
+if __name__ == "__main__":
+    script = import_script({script!r}, {name!r})
+    script.main(sys.argv[1:], reward_funcs=[even_token_reward])
+"""
+
+
+def write_reward_driver(path: Path, script: Path, name: str) -> Path:
+    """A file at `path` that runs a GRPO-skeleton `script`'s main() with `even_token_reward` as
+    its one reward function: what torchrun (or `run_script`) launches where the process boundary
+    is tested. `name` is the module name the script is imported under. Returns `path`."""
+    path.write_text(_REWARD_DRIVER.format(repo=str(REPO), script=str(script), name=name))
+    return path
+
+
 def run_grpo(script, model_dir, data, out_dir, *overrides) -> list[dict]:
     """A GRPO script's main() on the tiny reward: 2 prompts x 4 completions of <= 6 tokens per
     step, fp32, lr 1e-2, no final save, fresh start; `overrides` (flags) come last and win."""

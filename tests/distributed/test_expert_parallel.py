@@ -257,18 +257,6 @@ def test_emitted_script_with_ep_matches_one_process(
         torch.testing.assert_close(b[key], a[key], atol=1e-5, rtol=1e-4, msg=key)
 
 
-EP_GRPO_DRIVER = """
-import sys
-sys.path.insert(0, {repo!r})
-from tests.helpers import even_token_reward, import_script
-
-
-if __name__ == "__main__":
-    script = import_script({script!r}, "grpo_ep_driver")
-    script.main(sys.argv[1:], reward_funcs=[even_token_reward])
-"""
-
-
 @pytest.mark.parametrize("algo", ["dpo", "kd", "grpo"])
 def test_dpo_kd_and_grpo_with_ep_match_one_process(
     algo, small_tokenizer_dir, small_dataset, chain_sum_64, tmp_path
@@ -286,7 +274,7 @@ def test_dpo_kd_and_grpo_with_ep_match_one_process(
     from generator.render import render
     from generator.spec import Spec
     from runtime import ModelArgs, build_model, copy_tokenizer_files, save_hf_checkpoint
-    from tests.helpers import REPO
+    from tests.helpers import write_reward_driver
 
     args = ModelArgs(**{**MOE, "vocab_size": SMALL_VOCAB}, max_position_embeddings=4096)
     model = build_model(args, device="cpu")
@@ -310,7 +298,7 @@ def test_dpo_kd_and_grpo_with_ep_match_one_process(
     ]
     if algo == "grpo":
         driver = tmp_path / "driver.py"
-        driver.write_text(EP_GRPO_DRIVER.format(repo=str(REPO), script=str(script)))
+        write_reward_driver(driver, script, "grpo_ep_driver")
         entry = driver
         argv = [
             *common, "--dataset", str(chain_sum_64), "--rollout", "sync", "--engine", "runtime",

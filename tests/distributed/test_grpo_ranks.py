@@ -7,19 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import REPO, run_script
-
-DRIVER = """
-import sys
-sys.path.insert(0, {repo!r})
-from pathlib import Path
-from tests.helpers import even_token_reward, import_script
-
-
-if __name__ == "__main__":
-    script = import_script(Path({repo!r}) / "examples/grpo_smollm2/train.py", "grpo_ranks")
-    script.main(sys.argv[1:], reward_funcs=[even_token_reward])
-"""
+from tests.helpers import EXAMPLES, run_script, write_reward_driver
 
 
 def _args(model_dir, data) -> list[str]:
@@ -40,7 +28,7 @@ def one_process(even_model_dir, chain_sum_64, tmp_path_factory, run_once) -> lis
     def compute() -> list[dict]:
         tmp = tmp_path_factory.mktemp("grpo_one")
         driver = tmp / "driver.py"
-        driver.write_text(DRIVER.format(repo=str(REPO)))
+        write_reward_driver(driver, EXAMPLES / "grpo_smollm2" / "train.py", "grpo_ranks")
         return run_script(tmp, _args(even_model_dir, chain_sum_64), nproc=1, script=driver)
 
     return run_once("grpo_split_one_process", compute)
@@ -48,7 +36,7 @@ def one_process(even_model_dir, chain_sum_64, tmp_path_factory, run_once) -> lis
 
 def test_two_trainer_processes_equal_one(even_model_dir, chain_sum_64, one_process, tmp_path):
     driver = tmp_path / "driver.py"
-    driver.write_text(DRIVER.format(repo=str(REPO)))
+    write_reward_driver(driver, EXAMPLES / "grpo_smollm2" / "train.py", "grpo_ranks")
     one = one_process
     two = run_script(tmp_path, _args(even_model_dir, chain_sum_64), nproc=2, script=driver)
     assert [r["step"] for r in two] == [1, 2, 3]
@@ -69,7 +57,7 @@ def test_hsdp_two_replicas_of_two_shards_equal_one(
     flattened dp ranks, gradients reduce-scattered in each replica group and all-reduced across
     them, whole tensors gathered from the 2-D mesh for the weight sync."""
     driver = tmp_path / "driver.py"
-    driver.write_text(DRIVER.format(repo=str(REPO)))
+    write_reward_driver(driver, EXAMPLES / "grpo_smollm2" / "train.py", "grpo_ranks")
     args = [*_args(even_model_dir, chain_sum_64), "--dp_replicate", "2"]
     four = run_script(tmp_path, args, nproc=4, script=driver)
     assert [r["step"] for r in four] == [1, 2, 3]
@@ -77,18 +65,6 @@ def test_hsdp_two_replicas_of_two_shards_equal_one(
         assert b["reward"] == pytest.approx(a["reward"], abs=1e-6)  # the same rollouts
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-6)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
-
-
-COLOCATED_DRIVER = """
-import sys
-sys.path.insert(0, {repo!r})
-from tests.helpers import even_token_reward, import_script
-
-
-if __name__ == "__main__":
-    script = import_script({script!r}, "grpo_colocated_ranks")
-    script.main(sys.argv[1:], reward_funcs=[even_token_reward])
-"""
 
 
 def test_colocated_two_ranks_with_offloaded_fsdp_state_equal_one_split(
@@ -106,7 +82,7 @@ def test_colocated_two_ranks_with_offloaded_fsdp_state_equal_one_split(
         render(Spec(algo="grpo", layout="colocated", gpus=2, dataset="chain_sum.jsonl", out="o"))
     )
     colocated = tmp_path / "colocated_driver.py"
-    colocated.write_text(COLOCATED_DRIVER.format(repo=str(REPO), script=str(script)))
+    write_reward_driver(colocated, script, "grpo_colocated_ranks")
     args, one = _args(even_model_dir, chain_sum_64), one_process
     more = ["--offload_optimizer", "true", "--engine", "runtime"]  # a 2-GPU spec defaults to vllm
     two = run_script(tmp_path, [*args, *more], nproc=2, script=colocated)

@@ -9,19 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import REPO, run_script
+from tests.helpers import EXAMPLES, run_script, write_reward_driver
 
-DRIVER = """
-import sys
-sys.path.insert(0, {repo!r})
-from pathlib import Path
-from tests.helpers import even_token_reward, import_script
-
-
-if __name__ == "__main__":
-    script = import_script(Path({repo!r}) / "examples/ppo_smollm2/train.py", "ppo_ranks")
-    script.main(sys.argv[1:], reward_funcs=[even_token_reward])
-"""
 KEYS = ("loss", "loss/policy_avg", "loss/value_avg", "val/explained_variance", "objective/kl")
 
 
@@ -42,7 +31,7 @@ def one_process(even_model_dir, chain_sum_64, tmp_path_factory, run_once) -> lis
     def compute() -> list[dict]:
         tmp = tmp_path_factory.mktemp("ppo_one")
         driver = tmp / "driver.py"
-        driver.write_text(DRIVER.format(repo=str(REPO)))
+        write_reward_driver(driver, EXAMPLES / "ppo_smollm2" / "train.py", "ppo_ranks")
         return run_script(tmp, _args(even_model_dir, chain_sum_64), nproc=1, script=driver)
 
     return run_once("ppo_one_process", compute)
@@ -56,7 +45,7 @@ def test_trainer_processes_equal_one(
 ):
     """2 ranks (FSDP2) or 4 (HSDP 2 x 2: 5 prompts over 4 dp ranks, 2 / 1 / 1 / 1) = 1 process."""
     driver = tmp_path / "driver.py"
-    driver.write_text(DRIVER.format(repo=str(REPO)))
+    write_reward_driver(driver, EXAMPLES / "ppo_smollm2" / "train.py", "ppo_ranks")
     one = one_process
     two = run_script(
         tmp_path, [*_args(even_model_dir, chain_sum_64), *plan], nproc=nproc, script=driver

@@ -20,12 +20,11 @@ from safetensors.torch import load_file
 
 from tests.helpers import (
     EXAMPLES,
-    REPO,
     SMALL_VOCAB,
     TINY_CONFIG,
-    even_token_reward,
     run_script,
     spawn,
+    write_reward_driver,
 )
 
 # tolerances of test_reshard.py: losses rel 1e-5, weights abs 1e-5 (10x what was measured)
@@ -100,26 +99,12 @@ def test_two_rank_checkpoint_resumes_on_one_process(
         _assert_same_model(ref / "model", out / "model", name)
 
 
-GRPO_DRIVER = """
-import sys
-sys.path.insert(0, {repo!r})
-from pathlib import Path
-from tests.helpers import even_token_reward, import_script
-
-
-if __name__ == "__main__":
-    script = import_script(Path({repo!r}) / "examples/grpo_smollm2/train.py", "grpo_reshard")
-    script.main(sys.argv[1:], reward_funcs=[even_token_reward])
-"""
-
-
 def test_grpo_two_rank_checkpoint_resumes_on_one_process(even_model_dir, chain_sum_64, tmp_path):
     """Sync mode, 3 steps on 2 trainer processes (checkpoint at step 2); step 3 again on 1
     process from that checkpoint: the same rollouts (rank 0's pipeline restarts at the saved
     data position with the saved policy), reward, loss and gradient norm."""
-    assert even_token_reward  # the driver's reward function, imported there by name
     driver = tmp_path / "driver.py"
-    driver.write_text(GRPO_DRIVER.format(repo=str(REPO)))
+    write_reward_driver(driver, EXAMPLES / "grpo_smollm2" / "train.py", "grpo_reshard")
     args = [
         "--model", str(even_model_dir), "--dataset", str(chain_sum_64), "--dtype", "fp32",
         "--rollout", "sync", "--num_generations", "4", "--prompts_per_step", "2",
