@@ -129,17 +129,12 @@ def _validate_parallel(spec: Spec) -> None:
     for name, value in degrees.items():
         if value < 1:
             raise SpecError(f"--{name.replace('_', '-')} {value}: must be >= 1")
-    # GRPO's mesh is the trainer's: the GPUs its engines do not take
-    per_node = trainer_gpus(spec) if spec.algo in ROLLOUT_ALGOS else spec.gpus
-    world = per_node * spec.nodes
+    world, ranks = _trainer_world(spec)
     others = spec.tp * spec.cp * spec.dp_replicate
     if world % others:
         valid = [d for d in range(1, world + 1) if world % d == 0]
-        gpus = f"--gpus {spec.gpus}"
-        if per_node != spec.gpus:
-            gpus = f"(--gpus {spec.gpus} - --engine-gpus {spec.engine_gpus})"
         raise SpecError(
-            f"{gpus} x --nodes {spec.nodes} = {world} {'trainer ' * (spec.algo in ROLLOUT_ALGOS)}"
+            f"{ranks} = {world} {'trainer ' * (spec.algo in ROLLOUT_ALGOS)}"
             f"process{'es' * (world != 1)} "
             f"is not divisible by dp_replicate*cp*tp = {spec.dp_replicate}*{spec.cp}*{spec.tp} = {others} "
             f"(dp_shard = world / that must be a whole number >= 1); choose degrees whose product "
@@ -217,6 +212,16 @@ ENGINE_WEIGHT_GIB_PER_GPU = 40.0
 def trainer_gpus(spec: Spec) -> int:
     """Trainer processes per node: the GPUs the rollout engines do not take."""
     return spec.gpus - spec.engine_gpus
+
+
+def _trainer_world(spec: Spec) -> tuple[int, str]:
+    """(the ranks the trainer's mesh spans, how the flags make them: "--gpus G x --nodes N", or
+    "(--gpus G - --engine-gpus E) x --nodes N" where GRPO's engines take GPUs of their own)."""
+    per_node = trainer_gpus(spec) if spec.algo in ROLLOUT_ALGOS else spec.gpus
+    gpus = f"--gpus {spec.gpus}"
+    if per_node != spec.gpus:
+        gpus = f"(--gpus {spec.gpus} - --engine-gpus {spec.engine_gpus})"
+    return per_node * spec.nodes, f"{gpus} x --nodes {spec.nodes}"
 
 
 def engine_tp_choices(config: dict, engine_gpus: int) -> list[int]:
@@ -448,9 +453,7 @@ def _validate_ep(spec: Spec) -> None:
     """--ep: MoE model, experts divisible by ep, ep dividing the ranks (EP x FSDP: experts
     sharded over groups of ep ranks and replicated over world / ep; the other parameters
     FSDP-sharded over every rank), no other parallel dim."""
-    # GRPO's experts live on the trainer's ranks: the GPUs its engines leave
-    per_node = trainer_gpus(spec) if spec.algo in ROLLOUT_ALGOS else spec.gpus
-    world = per_node * spec.nodes
+    world, ranks = _trainer_world(spec)  # GRPO's experts live on the trainer's ranks
     if spec.ep < 1:
         raise SpecError(f"--ep {spec.ep} must be >= 1 (1 = no expert parallelism)")
     why = refusal("--ep", spec.algo)
@@ -481,13 +484,8 @@ def _validate_ep(spec: Spec) -> None:
     if world % spec.ep:
         valid = [d for d in range(1, world + 1) if world % d == 0]
         raise SpecError(
-            f"--ep {spec.ep} must divide the number of {'trainer ' * (per_node != spec.gpus)}ranks, "
-            + (
-                f"(--gpus {spec.gpus} - --engine-gpus {spec.engine_gpus})"
-                if per_node != spec.gpus
-                else f"--gpus {spec.gpus}"
-            )
-            + f" x --nodes {spec.nodes} = {world}: the experts are sharded over groups of ep ranks and "
+            f"--ep {spec.ep} must divide the number of {'trainer ' * (world != spec.gpus * spec.nodes)}ranks, "
+            f"{ranks} = {world}: the experts are sharded over groups of ep ranks and "
             f"replicated over world / ep, the other parameters FSDP-sharded over all; choose "
             f"--ep among {valid}"
         )
