@@ -254,19 +254,23 @@ def _adapter_styles():
     def is_adapted(module) -> bool:
         return not isinstance(module, nn.Linear) and hasattr(module, "lora_A")
 
+    def distribute(style, module, device_mesh, placements):
+        """The parent style's input/output hooks around `placements` of the adapted module."""
+        return distribute_module(
+            module,
+            device_mesh,
+            partial(partition, placements, style.src_data_rank),
+            partial(style._prepare_input_fn, style.input_layouts, style.desired_input_layouts),
+            partial(style._prepare_output_fn, style.output_layouts, style.use_local_output),
+        )
+
     class ColwiseParallelWithAdapters(ColwiseParallel):
         def _apply(self, module, device_mesh):
             if not is_adapted(module):
                 return super()._apply(module, device_mesh)
             placements = {"weight": Shard(0), "bias": Shard(0)}
             placements |= {"lora_A.weight": Replicate(), "lora_B.weight": Shard(0)}
-            return distribute_module(
-                module,
-                device_mesh,
-                partial(partition, placements, self.src_data_rank),
-                partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-                partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
-            )
+            return distribute(self, module, device_mesh, placements)
 
     class RowwiseParallelWithAdapters(RowwiseParallel):
         def _apply(self, module, device_mesh):
@@ -275,13 +279,7 @@ def _adapter_styles():
             self.desired_input_layouts = (Shard(-1),)  # as the parent's for nn.Linear
             placements = {"weight": Shard(1), "bias": Replicate()}
             placements |= {"lora_A.weight": Shard(1), "lora_B.weight": Replicate()}
-            return distribute_module(
-                module,
-                device_mesh,
-                partial(partition, placements, self.src_data_rank),
-                partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-                partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
-            )
+            return distribute(self, module, device_mesh, placements)
 
     return ColwiseParallelWithAdapters, RowwiseParallelWithAdapters
 
