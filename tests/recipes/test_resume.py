@@ -192,14 +192,20 @@ def test_two_resumes_in_one_epoch_replay_the_same_samples(tiny_model_dir, small_
     assert_same_weights(ref_out, out)
 
 
-def _optimizer_state(checkpoint: Path) -> dict:
-    """The optimizer part of a DCP checkpoint as plain tensors."""
+def _checkpoint_part(checkpoint: Path, part: str) -> dict:
+    """One part ("optim", "model") of a DCP checkpoint as plain tensors."""
     import torchao.optim  # noqa: F401  (registers its low-bit state classes for torch.load)
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     target = checkpoint.parent / f"{checkpoint.name}.pt"
-    dcp_to_torch_save(checkpoint / "dcp", target)
-    return torch.load(target, weights_only=False)["optim"]
+    if not target.exists():
+        dcp_to_torch_save(checkpoint / "dcp", target)
+    return torch.load(target, weights_only=False)[part]
+
+
+def _optimizer_state(checkpoint: Path) -> dict:
+    """The optimizer part of a DCP checkpoint as plain tensors."""
+    return _checkpoint_part(checkpoint, "optim")
 
 
 def render_script(tmp_path: Path, **spec) -> Path:
@@ -336,6 +342,29 @@ GRPO_DRIVER = DRIVER.replace(
 )
 
 
+def rl_args(ray_session, model_dir: Path, data: Path, out_dir: Path, steps: int) -> list[str]:
+    """GRPO-skeleton flags of the kill tests: sync rollouts of 2 prompts x 4 completions of <= 6
+    tokens, fp32, lr 1e-2, a checkpoint every 2 steps, on this process's Ray (a killed driver's
+    actors die with its job, where a Ray of its own would leave its agent processes behind)."""
+    return [
+        "--model", str(model_dir), "--dataset", str(data), "--out_dir", str(out_dir),
+        "--dtype", "fp32", "--num_generations", "4", "--prompts_per_step", "2",
+        "--max_new_tokens", "6", "--micro_batch_size", "4", "--lr", "1e-2",
+        "--reward_weights", "1.0", "--rollout", "sync", "--num_engines", "1",
+        "--ray_address", ray_session.get_runtime_context().gcs_address,
+        "--max_steps", str(steps), "--save_every_steps", "2",
+    ]  # fmt: skip
+
+
+def run_rl(
+    script: Path, args: list[str], kill: tuple[str, int] = ("none", 0)
+) -> subprocess.CompletedProcess:
+    """A GRPO-skeleton script on the tiny reward (GRPO_DRIVER), optionally with a kill point."""
+    cmd = [sys.executable, "-c", GRPO_DRIVER, str(script), *map(str, kill), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
 def test_grpo_cpu_offload_resumes_exactly(ray_session, even_model_dir, chain_sum_64, tmp_path):
     """GRPO with cpu-offload (the policy and its KL reference offloaded; sync rollouts, the
     weights gathered from the CPU shards and pushed to the engine after every step), warmup over
@@ -347,19 +376,10 @@ def test_grpo_cpu_offload_resumes_exactly(ray_session, even_model_dir, chain_sum
     script = render_script(tmp_path, algo="grpo", tricks=("cpu-offload",))
     steps = 4
     ref_out, out = tmp_path / "ref", tmp_path / "killed"
-    address = ray_session.get_runtime_context().gcs_address
 
     def grpo(out_dir: Path, kill: tuple[str, int] = ("none", 0)) -> subprocess.CompletedProcess:
-        args = [
-            "--model", str(even_model_dir), "--dataset", str(chain_sum_64), "--out_dir", str(out_dir),
-            "--dtype", "fp32", "--num_generations", "4", "--prompts_per_step", "2",
-            "--max_new_tokens", "6", "--micro_batch_size", "4", "--lr", "1e-2", "--warmup_steps", "3",
-            "--kl_coef", "0.1", "--reward_weights", "1.0", "--rollout", "sync", "--num_engines", "1",
-            "--ray_address", address, "--max_steps", str(steps), "--save_every_steps", "2",
-        ]  # fmt: skip
-        cmd = [sys.executable, "-c", GRPO_DRIVER, str(script), *map(str, kill), *args]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        args = rl_args(ray_session, even_model_dir, chain_sum_64, out_dir, steps)
+        return run_rl(script, [*args, "--warmup_steps", "3", "--kl_coef", "0.1"], kill)
 
     assert_ok(grpo(ref_out))
     assert_killed(grpo(out, kill=("after_step", 3)))
@@ -456,3 +476,42 @@ def test_reward_model_resumes_exactly(tiny_model_dir, short_pairs, tmp_path):
     assert_same_optimizer_state(
         ref_out / "checkpoints/step_000005", out / "checkpoints/step_000005"
     )
+
+
+def test_ppo_resumes_exactly_after_kill(ray_session, even_model_dir, chain_sum_64, tmp_path):
+    """PPO (examples/ppo_smollm2) with 2 PPO epochs per rollout batch (num_iterations) and the KL
+    in the reward (a reference model): killed after step 3 (inside batch 2, before its second
+    epoch), resumed from the step-2 checkpoint (a batch boundary): every step's rewards (sampled
+    by an engine that got the resumed policy), loss, value loss, explained variance (of the value
+    head read back from the checkpoint: a fresh zero head would change them), KL and gradient
+    norm, the final weights, the value head and every optimizer state equal the uninterrupted
+    run's."""
+    script = REPO / "examples" / "ppo_smollm2" / "train.py"
+    steps = 4
+    ref_out, out = tmp_path / "ref", tmp_path / "killed"
+
+    def ppo(out_dir: Path, kill: tuple[str, int] = ("none", 0)) -> subprocess.CompletedProcess:
+        args = rl_args(ray_session, even_model_dir, chain_sum_64, out_dir, steps)
+        return run_rl(script, [*args, "--num_iterations", "2", "--kl_coef", "0.05"], kill)
+
+    assert_ok(ppo(ref_out))
+    assert_killed(ppo(out, kill=("after_step", 3)))
+    proc = ppo(out)
+    assert_ok(proc)
+    assert "step_000002" in proc.stdout
+    ref, got = steps_logged(ref_out), steps_logged(out)
+    keys = ("reward", "loss", "loss/value_avg", "val/explained_variance", "objective/kl",
+            "grad_norm", "lr")  # fmt: skip
+    for step in range(1, steps + 1):
+        assert [got[step][k] for k in keys] == [ref[step][k] for k in keys], step
+    assert ref[3]["val/explained_variance"] != 0.0  # the head trained on batch 1 is in use
+    assert ref[steps]["objective/kl"] > 0 and ref[steps]["reward"] != ref[1]["reward"]
+    assert_same_weights(ref_out, out)
+    final = f"checkpoints/step_{steps:06d}"
+    heads = [
+        {k: v for k, v in _checkpoint_part(o / final, "model").items() if "value_head" in k}
+        for o in (ref_out, out)
+    ]
+    assert heads[0].keys() == heads[1].keys() and heads[0]
+    assert all(torch.equal(heads[0][k], heads[1][k]) for k in heads[0])
+    assert_same_optimizer_state(ref_out / final, out / final)
