@@ -59,6 +59,7 @@ HEAVY_MODULES = {
     "tests/distributed/test_reshard_algorithms.py": 70,
     "tests/recipes/test_grpo_iterations.py": 45,
     "tests/distributed/test_lora_kd_plans.py": 35,
+    "tests/recipes/test_rl_real_task.py": 240,  # estimate: 2 x 16 steps of SmolLM2-135M
 }
 
 
