@@ -280,10 +280,12 @@ def _refusals() -> dict[tuple[str, str], str]:
     out = {}
     for name, algo in ALGOS.items():
         if algo.skeleton == "rm":
-            for plan in ("--dp-replicate", "--tp", "--cp", "--ep"):
+            # HSDP: the score head is one more FSDP-sharded weight on the 2-D mesh
+            for plan in ("--tp", "--cp", "--ep"):
                 out[plan, name] = (
                     "not wired into the RM skeleton yet (the score head's placement and the "
-                    "pooled last token under this plan are untested); only FSDP over --gpus"
+                    "pooled last token under this plan are untested); FSDP over --gpus and HSDP "
+                    "(--dp-replicate) only"
                 )
             out["packing", name] = (
                 "not built for reward models yet: a packed row would need one scored position "

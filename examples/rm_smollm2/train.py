@@ -5,8 +5,8 @@ decoder plus a linear head `score` (Hugging Face's *ForSequenceClassification, n
 at each sequence's last token, so that the chosen reply scores higher. The final model is saved
 as a Hugging Face sequence-classification checkpoint (`AutoModelForSequenceClassification` loads
 it and gives the same scores) and serves as a model-graded reward: the GRPO script's
---reward_model. Parallelism: FSDP2 `fully_shard` over all processes (one code path for 1..N
-devices).
+--reward_model. Parallelism: FSDP2 `fully_shard` over all processes (HSDP with --dp_replicate > 1:
+replica groups of shards, the score head sharded like any weight); one code path for 1..N devices.
 
 Launch:
     python train.py                                   # 1 process (CPU, or 1 GPU)
