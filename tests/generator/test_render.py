@@ -345,7 +345,7 @@ def test_list_and_help():
     assert rows["--tp"] == ["yes", "yes", "no", "yes", "yes", "no", "no", "no", "no", "yes"]
     assert rows["--cp"] == ["yes", "yes", "no", "yes", "yes", "no", "no", "no", "no", "yes"]
     assert rows["--dp-replicate"] == ["yes"] * 10  # HSDP: every algorithm, rm too
-    assert rows["--ep"] == ["yes", "no", "no", "yes", "no", "yes", "no", "no", "no", "yes"]
+    assert rows["--ep"] == ["yes", "no", "no", "yes", "no", "yes", "no", "yes", "no", "yes"]
     assert any(line.strip().startswith("no: --tp with qlora: torchao") for line in support)
     helped = runner.invoke(cli, ["new", "--help"])
     assert helped.exit_code == 0 and "--model" in helped.output and "--tricks" in helped.output
