@@ -280,12 +280,13 @@ def _refusals() -> dict[tuple[str, str], str]:
     out = {}
     for name, algo in ALGOS.items():
         if algo.skeleton == "rm":
-            # HSDP: the score head is one more FSDP-sharded weight on the 2-D mesh
-            for plan in ("--tp", "--cp", "--ep"):
+            # HSDP: the score head is one more FSDP-sharded weight on the 2-D mesh; TP: the
+            # decoder's plan, the score head replicated on the tp ranks (runtime.replicate_on_tp)
+            for plan in ("--cp", "--ep"):
                 out[plan, name] = (
                     "not wired into the RM skeleton yet (the score head's placement and the "
-                    "pooled last token under this plan are untested); FSDP over --gpus and HSDP "
-                    "(--dp-replicate) only"
+                    "pooled last token under this plan are untested); FSDP over --gpus, HSDP "
+                    "(--dp-replicate) and TP (--tp) only"
                 )
             out["packing", name] = (
                 "not built for reward models yet: a packed row would need one scored position "

@@ -66,15 +66,15 @@ def test_fsdp2_two_ranks_equal_one_for_reward_model(tiny_model_dir, tmp_path):
             assert abs(val[key] - ref_val[key]) < 1e-5, key
 
 
-def _main(rank, world_size, script_name, argv):
+def _main(rank, world_size, script, argv):
     from tests.helpers import import_script
 
-    import_script(REPO / "examples" / script_name / "train.py", f"{script_name}_plan").main(argv)
+    import_script(Path(script), "rm_plan_" + Path(script).parent.name).main(argv)
 
 
-def _run(script_name: str, world_size: int, out: Path, common: list[str], plan: list[str]):
-    """`script_name`'s main() on `world_size` gloo ranks; its logged step rows and saved tensors."""
-    spawn(_main, world_size=world_size, args=(script_name, [*common, *plan, "--out_dir", str(out)]))
+def _run(script: Path, world_size: int, out: Path, common: list[str], plan: list[str]):
+    """`script`'s main() on `world_size` gloo ranks; its logged step rows and saved tensors."""
+    spawn(_main, world_size=world_size, args=(str(script), [*common, *plan, "--out_dir", str(out)]))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if "loss" in r], load_file(out / "model" / "model.safetensors")
 
@@ -91,9 +91,10 @@ def test_hsdp_two_by_two_equals_one_process_over_three_steps(tiny_model_dir, sho
         "--warmup_steps", "1", "--val_fraction", "0", "--eval_every_steps", "0",
         "--center_rewards_coefficient", "0.1", "--resume", "none",
     ]  # fmt: skip
-    one, one_model = _run("rm_smollm2", 1, tmp_path / "one", common, ["--micro_batch_size", "4"])
+    script = REPO / "examples" / "rm_smollm2" / "train.py"
+    one, one_model = _run(script, 1, tmp_path / "one", common, ["--micro_batch_size", "4"])
     plan = ["--micro_batch_size", "1", "--dp_replicate", "2"]
-    four, four_model = _run("rm_smollm2", 4, tmp_path / "four", common, plan)
+    four, four_model = _run(script, 4, tmp_path / "four", common, plan)
     assert [r["step"] for r in four] == [r["step"] for r in one] == [1, 2, 3]
     for a, b in zip(one, four, strict=True):
         assert b["num_pairs"] == a["num_pairs"] == 4
@@ -105,3 +106,39 @@ def test_hsdp_two_by_two_equals_one_process_over_three_steps(tiny_model_dir, sho
     assert one_model.keys() == four_model.keys() and "score.weight" in one_model
     for key, want in one_model.items():
         torch.testing.assert_close(four_model[key], want, atol=1e-5, rtol=0, msg=key)
+
+
+def test_tp_two_and_tp_two_by_fsdp_two_equal_one_process(tiny_model_dir, short_pairs, tmp_path):
+    """The script `scaffold new --algo rm --gpus 2 --tp 2` renders, 3 steps of its main(): TP 2 on
+    2 gloo ranks (dp 1: both read the 4 pairs; rows padded to a multiple of 2, sequence parallel,
+    the hidden states all-gathered before the replicated score head) and TP 2 x FSDP 2 on 4 (2
+    pairs per dp rank) equal the same script with --tp 1 on 1 process: losses, accuracies and
+    margins rel 1e-5, grad norms rel 1e-4, the saved model (score.weight too) abs 1e-5."""
+    from generator.render import render
+    from generator.spec import Spec
+
+    script = tmp_path / "rm_tp2" / "train.py"
+    script.parent.mkdir()
+    spec = Spec(algo="rm", model=str(tiny_model_dir), gpus=2, tp=2, out=str(script.parent))
+    script.write_text(render(spec))
+    common = [
+        "--model", str(tiny_model_dir), "--dataset", str(short_pairs), "--dtype", "fp32",
+        "--device", "cpu", "--max_seq_len", "192", "--max_steps", "3", "--lr", "1e-3",
+        "--warmup_steps", "1", "--val_fraction", "0", "--eval_every_steps", "0",
+        "--center_rewards_coefficient", "0.1", "--resume", "none", "--save_every_steps", "0",
+    ]  # fmt: skip
+    one, one_model = _run(
+        script, 1, tmp_path / "one", common, ["--tp", "1", "--micro_batch_size", "4"]
+    )
+    plans = [(2, ["--micro_batch_size", "4"]), (4, ["--micro_batch_size", "2"])]
+    for world_size, plan in plans:
+        got, got_model = _run(script, world_size, tmp_path / f"tp{world_size}", common, plan)
+        assert [r["step"] for r in got] == [r["step"] for r in one] == [1, 2, 3]
+        for a, b in zip(one, got, strict=True):
+            assert b["num_pairs"] == a["num_pairs"] == 4, world_size  # counted over dp only
+            for key in ("loss", "accuracy", "margin", "mean_reward"):
+                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (world_size, key)
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), world_size
+        assert one_model.keys() == got_model.keys() and "score.weight" in one_model
+        for key, want in one_model.items():
+            torch.testing.assert_close(got_model[key], want, atol=1e-5, rtol=0, msg=key)

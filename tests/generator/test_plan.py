@@ -949,12 +949,13 @@ def test_rm_simulation_matches_real_step(process_group, tiny_model_dir, tmp_path
         _assert_agrees(sim, measure_step(script, tiny_model_dir, 1, 128, sim.spec, fake=False))
 
 
-def test_rm_hsdp_simulation_matches_four_gloo_ranks(tiny_model_dir, tmp_path):
-    """The reward model under HSDP 2 x 2 (the plan it took last; the score head sharded over the
-    2-D mesh like any weight), 1 pair x 128 tokens: the simulated rank is within the tolerance of
-    every real gloo rank, and no logits."""
-    spec = Spec(algo="rm", model=str(tiny_model_dir), dataset="dpo_en_demo.json", gpus=4,
-                dp_replicate=2)  # fmt: skip
+@pytest.mark.parametrize("plan", [{"dp_replicate": 2}, {"tp": 2}], ids=["hsdp2x2", "tp2xfsdp2"])
+def test_rm_hsdp_and_tp_simulations_match_four_gloo_ranks(plan, tiny_model_dir, tmp_path):
+    """The reward model under the plans it took last, on 4 ranks: HSDP 2 x 2 (the score head
+    sharded over the 2-D mesh like any weight) and TP 2 x FSDP 2 (the score head replicated on
+    the tp ranks), 1 pair x 128 tokens: the simulated rank is within the tolerance of every real
+    gloo rank, and no logits."""
+    spec = Spec(algo="rm", model=str(tiny_model_dir), dataset="dpo_en_demo.json", gpus=4, **plan)
     (sim,) = simulate([spec], 1, 128)
     assert sim.logits == 0 and sim.world_size == 4
     args = (json.dumps(asdict(spec)), str(tiny_model_dir), 1, 128, str(tmp_path / "rm"))
