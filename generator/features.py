@@ -280,10 +280,13 @@ def _refusals() -> dict[tuple[str, str], str]:
     out = {}
     for name, algo in ALGOS.items():
         if algo.skeleton == "rm":
-            for plan in ("--dp-replicate", "--tp", "--cp", "--ep"):
+            # HSDP: the score head is one more FSDP-sharded weight on the 2-D mesh; TP: the
+            # decoder's plan, the score head replicated on the tp ranks (runtime.replicate_on_tp)
+            for plan in ("--cp", "--ep"):
                 out[plan, name] = (
                     "not wired into the RM skeleton yet (the score head's placement and the "
-                    "pooled last token under this plan are untested); only FSDP over --gpus"
+                    "pooled last token under this plan are untested); FSDP over --gpus, HSDP "
+                    "(--dp-replicate) and TP (--tp) only"
                 )
             out["packing", name] = (
                 "not built for reward models yet: a packed row would need one scored position "
@@ -303,10 +306,10 @@ def _refusals() -> dict[tuple[str, str], str]:
         if name == "qlora":
             out["--tp", name] = _NF4_TP
             out["--cp", name] = _ADAPTERS_CP
-        if algo.template == "lora":  # the full-parameter ones (dpo, kd, grpo) take EP
+        if algo.template == "lora":  # the full-parameter ones (dpo, kd, grpo, ppo) take EP
             out["--ep", name] = (
                 "expert parallel is built for the full-parameter algorithms (sft, dpo, kd, "
-                "grpo); frozen experts under EP beside adapters (their merged export and "
+                "grpo, ppo); frozen experts under EP beside adapters (their merged export and "
                 "weight sync) are not built yet"
             )
         if name == "ppo":
@@ -317,10 +320,6 @@ def _refusals() -> dict[tuple[str, str], str]:
             out["packing", name] = (
                 "not built yet: GAE runs over each completion's tokens in a row of its own; packed "
                 "rows (several completions per row) are untested there"
-            )
-            out["--ep", name] = (
-                "not tested with ppo yet: EP is built and tested on sft, dpo, kd and grpo; no PPO "
-                "run (the value head beside expert-parallel blocks) has been checked"
             )
         if algo.template == "lora":
             out["bf16-sr", name] = _BF16_SR_ADAPTERS

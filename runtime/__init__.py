@@ -128,6 +128,8 @@ from runtime.parallel import (
     init_distributed,
     llama_block_tp_plan,
     llama_tp_plan,
+    replicate_on_tp,
+    reward_model_tp_plan,
 )
 from runtime.preference import (
     frozen_cpu_copy,
@@ -349,4 +351,6 @@ __all__ = [
     "run_summary",
     "step_line",
     "data_parallel",
+    "replicate_on_tp",
+    "reward_model_tp_plan",
 ]

@@ -5,8 +5,9 @@ decoder plus a linear head `score` (Hugging Face's *ForSequenceClassification, n
 at each sequence's last token, so that the chosen reply scores higher. The final model is saved
 as a Hugging Face sequence-classification checkpoint (`AutoModelForSequenceClassification` loads
 it and gives the same scores) and serves as a model-graded reward: the GRPO script's
---reward_model. Parallelism: FSDP2 `fully_shard` over all processes (one code path for 1..N
-devices).
+--reward_model. Parallelism: FSDP2 `fully_shard` over the data-parallel processes (HSDP with
+--dp_replicate > 1: replica groups of shards, the score head sharded like any weight);
+one code path for 1..N devices.
 
 Launch:
     python train.py                                   # 1 process (CPU, or 1 GPU)
@@ -363,13 +364,22 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer) -> tuple[list[dict], list[
     return split_train_val(kept, cfg.val_fraction, cfg.seed)
 
 
-def collate(pairs: list[dict], pad_token_id: int, pad_to: int = 0) -> dict:
-    """Right-pad P pairs into one batch, the P chosen sequences then their P rejected ones:
-    input_ids [2P, S] int64 (pad_token_id on padding), score_index [2P] int64 (each row's last
-    token that is not pad_token_id, transformers' pooling), margin [P] fp32, num_tokens (scalar,
-    non-padding input tokens), sample_ids [P] int64."""
+def collate(
+    pairs: list[dict], pad_token_id: int, pad_to: int = 0, pad_to_multiple_of: int = 1
+) -> dict:
+    """Right-pad P pairs into one batch, the P chosen sequences then their P rejected ones, to the
+    longest (or `pad_to`) rounded up to a multiple of `pad_to_multiple_of`: input_ids [2P, S]
+    int64 (pad_token_id on padding), score_index [2P] int64 (each row's last token that is not
+    pad_token_id, transformers' pooling), margin [P] fp32, num_tokens (scalar, non-padding input
+    tokens), sample_ids [P] int64."""
     sequences = [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs]
-    batch = pad_batch(sequences, {"input_ids": pad_token_id}, pad_to, ids=[p["id"] for p in pairs])
+    batch = pad_batch(
+        sequences,
+        {"input_ids": pad_token_id},
+        pad_to,
+        pad_to_multiple_of,
+        ids=[p["id"] for p in pairs],
+    )
     batch["score_index"] = score_index(batch["input_ids"], pad_token_id)
     batch["margin"] = torch.tensor([p["margin"] for p in pairs], dtype=torch.float32)
     return batch
@@ -408,11 +418,14 @@ def backward_and_step(
     return totals, grad_norm, lr
 
 
-def train_step(model, optimizer, scheduler, micro_batches: list[dict], cfg: Config, device) -> dict:
+def train_step(
+    model, optimizer, scheduler, micro_batches: list[dict], cfg: Config, device, dp_group=None
+) -> dict:
     """One optimizer step over `gradient_accumulation_steps` micro-batches of pairs.
 
     Every micro-batch's summed loss is divided by the pair count of the whole step (all
-    micro-batches and data-parallel ranks), so the gradient is that of the mean over all of them.
+    micro-batches and data-parallel ranks: all-reduced over `dp_group`, None = all ranks), so the
+    gradient is that of the mean over all of them.
 
     Returns:
         loss (mean per pair), accuracy, margin, mean_reward (means over the step's pairs, TRL's
@@ -420,9 +433,12 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], cfg: Conf
         num_pairs (all ranks).
     """
     global_count = all_reduce_sum(
-        torch.tensor(float(sum(len(mb["sample_ids"]) for mb in micro_batches)), device=device)
+        torch.tensor(float(sum(len(mb["sample_ids"]) for mb in micro_batches)), device=device),
+        dp_group,
     )
-    global_inputs = all_reduce_sum(sum(mb["num_tokens"] for mb in micro_batches).to(device).float())
+    global_inputs = all_reduce_sum(
+        sum(mb["num_tokens"] for mb in micro_batches).to(device).float(), dp_group
+    )
 
     def loss_fn(mb: dict) -> tuple[torch.Tensor, dict]:
         batch = {k: v.to(device, non_blocking=True) for k, v in mb.items()}
@@ -432,7 +448,7 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], cfg: Conf
     totals, grad_norm, lr = backward_and_step(
         model, optimizer, scheduler, micro_batches, loss_fn, cfg
     )
-    sums = all_reduce_sum(torch.stack(list(totals.values())))  # one collective
+    sums = all_reduce_sum(torch.stack(list(totals.values())), dp_group)  # one collective
     return {
         "sample_ids": torch.cat([mb["sample_ids"] for mb in micro_batches]).tolist(),  # this rank's
         # the loss is already the step's mean (each micro-batch's sum over the global count)
@@ -461,8 +477,9 @@ def step_figures(metrics: dict) -> str:
 
 
 @torch.no_grad()
-def evaluate(model, loader: DataLoader, cfg: Config, device) -> dict:
-    """Validation loss, accuracy and margin: means over every (sharded) validation pair."""
+def evaluate(model, loader: DataLoader, cfg: Config, device, dp_group=None) -> dict:
+    """Validation loss, accuracy and margin: means over every (sharded) validation pair (summed
+    over `dp_group`, None = all ranks)."""
     model.eval()
     totals = torch.zeros(4, device=device)  # loss, correct, margin, pairs
     for mb in loader:
@@ -477,7 +494,7 @@ def evaluate(model, loader: DataLoader, cfg: Config, device) -> dict:
             ]
         )
     model.train()
-    all_reduce_sum(totals)
+    all_reduce_sum(totals, dp_group)
     n = totals[3].clamp(min=1)
     return {
         "val_loss": (totals[0] / n).item(),
@@ -494,7 +511,8 @@ def main(argv: list[str] | None = None) -> dict:
     validate(cfg)
     dist_info, mesh = setup_distributed(cfg)
     is_main, device = dist_info.is_main, dist_info.device
-    dp_rank, dp_size, _ = data_parallel(mesh)
+    # data parallel = "dp" (dp_replicate x dp_shard): each dp rank reads its own shard of the pairs
+    dp_rank, dp_size, dp_group = data_parallel(mesh)
     # an earlier run in out_dir: resume it, or refuse (never mix two runs' metrics or models)
     out_dir = claim_out_dir(cfg.out_dir, cfg.resume, cfg.overwrite, is_main)
     # the default hf_repo_id is the default model's: another --model needs its own (or a local copy)
@@ -534,7 +552,7 @@ def main(argv: list[str] | None = None) -> dict:
             (state.epoch, state.samples_consumed), micro_batch = next(batches)
             micro_batches.append(micro_batch)
         start = time.perf_counter()
-        metrics = train_step(model, optimizer, scheduler, micro_batches, cfg, device)
+        metrics = train_step(model, optimizer, scheduler, micro_batches, cfg, device, dp_group)
         step_time = time.perf_counter() - start
         check_finite(step, metrics, state.path)  # NaN/inf: stop before saving anything of this step
         state.step = step
@@ -545,7 +563,7 @@ def main(argv: list[str] | None = None) -> dict:
         )
         is_last = step == cfg.max_steps
         if (cfg.eval_every_steps and step % cfg.eval_every_steps == 0) or (is_last and val_set):
-            metrics.update(evaluate(model, val_loader, cfg, device))
+            metrics.update(evaluate(model, val_loader, cfg, device, dp_group))
         if is_main and (step % cfg.log_every_steps == 0 or is_last or "val_loss" in metrics):
             logger.log(metrics, step)
             progress.set_postfix(loss=round(metrics["loss"], 4))

@@ -257,15 +257,17 @@ def test_emitted_script_with_ep_matches_one_process(
         torch.testing.assert_close(b[key], a[key], atol=1e-5, rtol=1e-4, msg=key)
 
 
-@pytest.mark.parametrize("algo", ["dpo", "kd", "grpo"])
-def test_dpo_kd_and_grpo_with_ep_match_one_process(
+@pytest.mark.parametrize("algo", ["dpo", "kd", "grpo", "ppo"])
+def test_full_parameter_algorithms_with_ep_match_one_process(
     algo, small_tokenizer_dir, small_dataset, chain_sum_64, tmp_path
 ):
     """--ep 2 on 2 gloo ranks for the other full-parameter algorithms: DPO (its separate
     reference built by the same parallelize, experts sharded too), KD (an EP student, the MoE
-    teacher whole on each rank) and GRPO (the weight sync broadcasts each expert from its rank to
-    the engine, which holds the whole model): the per-step losses and gradient norms (and GRPO's
-    rewards: the engine sampled from the same weights) equal the same script on 1 process."""
+    teacher whole on each rank), GRPO (the weight sync broadcasts each expert from its rank to
+    the engine, which holds the whole model) and PPO (its value head FSDP-sharded beside the
+    expert-parallel blocks, a separate KL reference with its experts sharded too): the per-step
+    losses and gradient norms (and the RL rewards: the engine sampled from the same weights; PPO's
+    value loss and explained variance) equal the same script on 1 process."""
     import json
     import os
     import subprocess
@@ -282,7 +284,8 @@ def test_dpo_kd_and_grpo_with_ep_match_one_process(
     model_dir = tmp_path / "tiny_moe"
     save_hf_checkpoint(model, model_dir, args.to_hf_config())
     copy_tokenizer_files(small_tokenizer_dir, model_dir)
-    layout = {"engine_gpus": 0} if algo == "grpo" else {}
+    rl = algo in ("grpo", "ppo")
+    layout = {"engine_gpus": 0} if rl else {}
     spec = Spec(algo=algo, model=str(model_dir), gpus=2, ep=2, out=str(tmp_path), **layout)
     script = tmp_path / "train.py"
     script.write_text(render(spec))
@@ -296,15 +299,16 @@ def test_dpo_kd_and_grpo_with_ep_match_one_process(
         "--warmup_steps",
         "0",
     ]
-    if algo == "grpo":
+    if rl:
         driver = tmp_path / "driver.py"
-        write_reward_driver(driver, script, "grpo_ep_driver")
+        write_reward_driver(driver, script, f"{algo}_ep_driver")
         entry = driver
         argv = [
             *common, "--dataset", str(chain_sum_64), "--rollout", "sync", "--engine", "runtime",
             "--num_generations", "4", "--prompts_per_step", "2", "--max_new_tokens", "6",
             "--micro_batch_size", "2", "--lr", "1e-2", "--max_steps", "3", "--reward_weights",
             "1.0", "--save_final_model", "false", "--ray_num_cpus", "2", "--num_engines", "1",
+            *(["--kl_coef", "0.05"] if algo == "ppo" else []),
         ]  # fmt: skip
         one_extra, two_extra = ["--ep", "1"], []
     else:
@@ -336,9 +340,16 @@ def test_dpo_kd_and_grpo_with_ep_match_one_process(
         rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         return [r for r in rows if "loss" in r]
 
-    one, two = run(1, tmp_path / "one", one_extra), run(2, tmp_path / "ep2", two_extra)
-    assert [r["step"] for r in two] == [r["step"] for r in one] and len(one) >= 2
-    keys = ("loss", "grad_norm") + (("reward",) if algo == "grpo" else ())
-    for a, b in zip(one, two, strict=True):
-        for key in keys:
-            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)
+    one = run(1, tmp_path / "one", one_extra)
+    runs = [run(2, tmp_path / "ep2", two_extra)]
+    keys = ("loss", "grad_norm") + (("reward",) if rl else ())
+    if algo == "ppo":
+        # EP 2 x FSDP 2 too: 4 trainer ranks in 2 ep groups, each expert's 2 replicas summing
+        # their gradients (all_reduce_expert_grads), the value head sharded over the 4
+        runs.append(run(4, tmp_path / "ep2x2", []))
+        keys += ("loss/value_avg", "val/explained_variance", "objective/kl")
+    for got in runs:
+        assert [r["step"] for r in got] == [r["step"] for r in one] and len(one) >= 2
+        for a, b in zip(one, got, strict=True):
+            for key in keys:
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)

@@ -947,3 +947,17 @@ def test_rm_simulation_matches_real_step(process_group, tiny_model_dir, tmp_path
         (tmp_path / f"c{i}" / "train.py").write_text(render(sim.spec))
         script = import_script(tmp_path / f"c{i}" / "train.py", f"plan_rm_real_{i}")
         _assert_agrees(sim, measure_step(script, tiny_model_dir, 1, 128, sim.spec, fake=False))
+
+
+@pytest.mark.parametrize("plan", [{"dp_replicate": 2}, {"tp": 2}], ids=["hsdp2x2", "tp2xfsdp2"])
+def test_rm_hsdp_and_tp_simulations_match_four_gloo_ranks(plan, tiny_model_dir, tmp_path):
+    """The reward model under the plans it took last, on 4 ranks: HSDP 2 x 2 (the score head
+    sharded over the 2-D mesh like any weight) and TP 2 x FSDP 2 (the score head replicated on
+    the tp ranks), 1 pair x 128 tokens: the simulated rank is within the tolerance of every real
+    gloo rank, and no logits."""
+    spec = Spec(algo="rm", model=str(tiny_model_dir), dataset="dpo_en_demo.json", gpus=4, **plan)
+    (sim,) = simulate([spec], 1, 128)
+    assert sim.logits == 0 and sim.world_size == 4
+    args = (json.dumps(asdict(spec)), str(tiny_model_dir), 1, 128, str(tmp_path / "rm"))
+    for rank_result in spawn(_real_rank, world_size=4, args=args):
+        _assert_agrees(sim, rank_result)

@@ -340,12 +340,12 @@ def test_list_and_help():
     assert all(rows[t] == ["yes"] * 10 for t in TRICKS if t not in (*precision, *refused))
     assert rows["bf16-sr"] == ["yes", "no", "no", "yes", "no", "yes", "no", "yes", "yes", "yes"]
     assert rows["cpu-offload"] == ["yes", "no", "no", "yes", "no", "yes", "no", "yes", "yes", "yes"]
-    # TP and CP: the SFT and DPO skeletons, full parameters and LoRA; not qlora (NF4), the GRPO
-    # skeleton (grpo, grpo-lora, ppo) or the reward model
-    assert rows["--tp"] == ["yes", "yes", "no", "yes", "yes", "no", "no", "no", "no", "yes"]
+    # TP and CP: the SFT and DPO skeletons, full parameters and LoRA; not qlora (NF4) or the GRPO
+    # skeleton (grpo, grpo-lora, ppo); the reward model takes TP, not CP
+    assert rows["--tp"] == ["yes", "yes", "no", "yes", "yes", "no", "no", "no", "yes", "yes"]
     assert rows["--cp"] == ["yes", "yes", "no", "yes", "yes", "no", "no", "no", "no", "yes"]
-    assert rows["--dp-replicate"] == ["yes"] * 8 + ["no", "yes"]
-    assert rows["--ep"] == ["yes", "no", "no", "yes", "no", "yes", "no", "no", "no", "yes"]
+    assert rows["--dp-replicate"] == ["yes"] * 10  # HSDP: every algorithm, rm too
+    assert rows["--ep"] == ["yes", "no", "no", "yes", "no", "yes", "no", "yes", "no", "yes"]
     assert any(line.strip().startswith("no: --tp with qlora: torchao") for line in support)
     helped = runner.invoke(cli, ["new", "--help"])
     assert helped.exit_code == 0 and "--model" in helped.output and "--tricks" in helped.output
