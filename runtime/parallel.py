@@ -382,6 +382,29 @@ def llama_block_tp_plan(use_qk_norm: bool = False) -> dict:
     return plan
 
 
+def replicate_over_mesh(module: torch.nn.Module, mesh) -> None:
+    """Replicate a module that the tensor-parallel plan leaves whole (PPO's value head) over the
+    1-D `mesh` (mesh["tp"]), in place: its parameters become `Replicate()` DTensors, and it takes
+    and returns plain tensors (the same on every rank of the mesh).
+
+    Why: beside the plan's DTensor parameters, plain ones would be mixed into one gradient norm
+    (`clip_grad_norm`) and FSDP2's 2-D (dp_shard x tp) sharding would skip them. The module reads
+    the all-gathered hidden states, so every tp rank computes the same output and loss, and its
+    gradient is already the same on every rank: nothing is reduced.
+    """
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module
+
+    def to_replicated(_module, inputs, device_mesh):
+        return tuple(
+            DTensor.from_local(x, device_mesh, [Replicate()], run_check=False) for x in inputs
+        )
+
+    def to_local(_module, output, _device_mesh):
+        return output.to_local()
+
+    distribute_module(module, mesh, input_fn=to_replicated, output_fn=to_local)
+
+
 def all_reduce_sum(value: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Sum a tensor in place over `group` (None = all ranks) and return it.
 
