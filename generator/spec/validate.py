@@ -149,7 +149,7 @@ def _validate_parallel(spec: Spec) -> None:
             f"divides {world}: one of {valid}"
         )
     per_node = world // spec.nodes  # GRPO's trainer: the GPUs its engines do not take
-    if spec.tp > per_node:
+    if spec.tp > 1 and spec.tp > per_node:  # (none left: the engine layout's check says so)
         gpus = f"--gpus {spec.gpus}" if per_node == spec.gpus else f"{per_node} trainer GPUs"
         raise SpecError(
             f"--tp {spec.tp} > {gpus} (per node): tensor parallel all-gathers and "
