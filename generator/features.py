@@ -241,16 +241,8 @@ PLANS = {
     "--ep": "expert parallel (MoE)",
 }
 
-# Why a plan is not (yet) available on the DPO and GRPO skeletons: not mathematics, but wiring that
-# has not been built and tested there (their reference, rollouts and weight sync under TP/CP).
-_PLAN_NOT_WIRED = (
-    "not wired into the {skeleton} skeleton yet (its reference model, token counts and "
-    "{extra} under this plan are untested); the SFT and DPO skeletons take it"
-)
-
-
-# What the SFT and DPO skeletons' algorithms do not take yet, and why (HSDP is built for all of
-# them, TP and CP for all but qlora).
+# What the SFT, DPO and GRPO skeletons' algorithms do not take yet, and why (HSDP is built for all
+# of them, TP and CP for all but qlora).
 _NF4_TP = (
     "torchao 0.18's NF4Tensor splits only along dim 0 (aten.split on another dim raises "
     "NotImplementedError), and the rowwise TP plan of o_proj and down_proj shards their weight "
@@ -281,7 +273,7 @@ def _refusals() -> dict[tuple[str, str], str]:
     for name, algo in ALGOS.items():
         if algo.skeleton == "rm":
             # HSDP: the score head is one more FSDP-sharded weight on the 2-D mesh; TP: the
-            # decoder's plan, the score head replicated on the tp ranks (runtime.replicate_on_tp)
+            # decoder's plan, the score head replicated on the tp ranks (runtime.replicate_over_mesh)
             for plan in ("--cp", "--ep"):
                 out[plan, name] = (
                     "not wired into the RM skeleton yet (the score head's placement and the "
@@ -296,13 +288,6 @@ def _refusals() -> dict[tuple[str, str], str]:
                 "a reward model has no lm_head: its head is one [D] -> 1 projection of one "
                 "token per sequence, so there are no [B, S, V] logits to chunk"
             )
-        elif algo.skeleton == "grpo":
-            # HSDP on GRPO: rank 0's rollouts are shared over the flattened "dp" (replicate x
-            # shard) ranks and the weight sync gathers whole tensors from any FSDP mesh
-            for plan in ("--tp", "--cp"):
-                out[plan, name] = _PLAN_NOT_WIRED.format(
-                    skeleton="GRPO", extra="weight sync to the engines"
-                )
         if name == "qlora":
             out["--tp", name] = _NF4_TP
             out["--cp", name] = _ADAPTERS_CP

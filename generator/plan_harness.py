@@ -350,7 +350,9 @@ def describe_spec(spec: Spec) -> str:
 # --- the simulation (runs in a child process: it owns the fake process group) ---------------
 
 
-def _data_dependent_answers(true_fraction: tuple[int, int] = (1, 1)):
+def _data_dependent_answers(
+    true_fraction: tuple[int, int] = (1, 1), local_fraction: tuple[int, int] | None = None
+):
     """A dispatch mode that answers the questions fake tensors cannot: a boolean mask selects
     `true_fraction` (numerator, denominator) of its elements (`nonzero`, boolean indexing; all of
     them by default), every boolean host sync (`if torch.isfinite(x)`) is True, and a number read
@@ -358,7 +360,9 @@ def _data_dependent_answers(true_fraction: tuple[int, int] = (1, 1)):
     runs unchanged, host syncs included.
 
     GRPO passes (max_new_tokens, max_prompt_len + max_new_tokens): its only masks are the label
-    masks of collated rollout rows, whose completion positions are that share of each row.
+    masks of collated rollout rows, whose completion positions are that share of each row. Under
+    context parallel also `local_fraction` (completion positions, S / cp): a mask whose last dim
+    is S / cp is a cp rank's chunks of the rows (`context_parallel_rows`), which select that many.
     """
     import torch
     from torch.distributed.tensor import DTensor
@@ -370,6 +374,8 @@ def _data_dependent_answers(true_fraction: tuple[int, int] = (1, 1)):
 
     def all_true_nonzero(mask):  # [N, mask.dim()] int64 indices of the selected elements
         num, den = true_fraction
+        if local_fraction is not None and mask.dim() == 2 and mask.shape[-1] == local_fraction[1]:
+            num, den = local_fraction
         assert mask.numel() % den == 0, f"a mask of {mask.numel()} elements, rows of {den}"
         n = mask.numel() // den * num
         return torch.empty((n, mask.dim()), dtype=torch.long, device=mask.device)
@@ -1180,6 +1186,21 @@ def engine_layout(spec: Spec, cfg, model_dir: Path) -> dict:
     }  # fmt: skip
 
 
+def _cp_completions(cfg, row: int) -> tuple[int, int] | None:
+    """Under context parallel (cfg.cp > 1): (completion positions, S / cp) of cp rank 0's chunks
+    0 and 2*cp-1 of a collated row of `row` tokens (prompt, then max_new_tokens completion labels
+    from position max_prompt_len - 1). Rank 0 holds the row's end, where the completions are: the
+    busiest rank, whose logits the plan must fit. None without cp."""
+    cp = getattr(cfg, "cp", 1)
+    if cp == 1:
+        return None
+    chunk = row // (2 * cp)
+    first = cfg.max_prompt_len - 1
+    labels = range(first, first + cfg.max_new_tokens)
+    on_rank_0 = sum(1 for t in labels if t < chunk or t >= (2 * cp - 1) * chunk)
+    return on_rank_0, row // cp
+
+
 def measure_grpo_step(
     script, model_dir: Path, micro_batch_size: int | None, max_seq_len: int | None, spec: Spec,
     fake: bool, kl_coef: float | None = None, max_micro_batches: int = SIMULATED_MICRO_BATCHES,
@@ -1236,11 +1257,17 @@ def measure_grpo_step(
         tracker = _peak_tracker(_num_layers(model_dir) if segments else None)
         tracker.track_external(model, optimizer, *([reference] if reference else []))
         # the label masks: max_new_tokens completion positions in each collated row
+        # the script pads rows to a multiple of tp * 2*cp (sequence / context parallel)
+        cp = getattr(cfg, "cp", 1)
+        multiple = getattr(cfg, "tp", 1) * (2 * cp if cp > 1 else 1)
+        padded = -(-row // multiple) * multiple
         answers = (
-            _data_dependent_answers((cfg.max_new_tokens, row)) if fake else contextlib.nullcontext()
+            _data_dependent_answers((cfg.max_new_tokens, padded), _cp_completions(cfg, padded))
+            if fake
+            else contextlib.nullcontext()
         )
         propagation = _separate_propagation_fake_mode() if fake else contextlib.nullcontext()
-        with propagation, tracker, answers:
+        with propagation, tracker, answers, _causal_bias_outside_modes(fake):
             for _ in range(2):  # step 1 creates the optimizer state; step 2 holds it
                 targets = {}
                 if hasattr(script, "ppo_targets"):  # ppo: main()'s no-grad pass before a batch

@@ -19,6 +19,7 @@ from runtime.config_checks import common_config_errors, config_notes, run_summar
 from runtime.context_parallel import (
     apply_context_parallel,
     context_parallel_chunks,
+    context_parallel_gather,
     context_parallel_group,
     context_parallel_sum,
     shard_for_context_parallel,
@@ -128,7 +129,7 @@ from runtime.parallel import (
     init_distributed,
     llama_block_tp_plan,
     llama_tp_plan,
-    replicate_on_tp,
+    replicate_over_mesh,
     reward_model_tp_plan,
 )
 from runtime.preference import (
@@ -271,6 +272,7 @@ __all__ = [
     "check_same_tokenizer",
     "check_vocab_fits",
     "context_parallel_chunks",
+    "context_parallel_gather",
     "context_parallel_group",
     "context_parallel_sum",
     "checkpoint_dtype",
@@ -294,6 +296,7 @@ __all__ = [
     "linear_cross_entropy",
     "llama_block_tp_plan",
     "llama_tp_plan",
+    "replicate_over_mesh",
     "load_balancing_loss",
     "load_adapter",
     "load_hf_checkpoint",
@@ -351,6 +354,5 @@ __all__ = [
     "run_summary",
     "step_line",
     "data_parallel",
-    "replicate_on_tp",
     "reward_model_tp_plan",
 ]

@@ -50,6 +50,7 @@ __all__ = [
     "apply_context_parallel",
     "context_parallel_attention",
     "context_parallel_chunks",
+    "context_parallel_gather",
     "context_parallel_group",
     "context_parallel_sum",
     "shard_for_context_parallel",
@@ -232,3 +233,53 @@ def context_parallel_sum(local: torch.Tensor, cp_group: dist.ProcessGroup) -> to
         [N], the sum over the cp ranks.
     """
     return _SumOverContextParallel.apply(local, cp_group)
+
+
+class _GatherOverContextParallel(torch.autograd.Function):
+    """All-gather of the cp ranks' chunks back into whole rows forward; this rank's chunks of
+    the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        cp, rank = dist.get_world_size(group), dist.get_rank(group)
+        ctx.cp, ctx.rank = cp, rank
+        parts = [torch.empty_like(local) for _ in range(cp)]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        L = local.shape[1] // 2
+        chunks = [None] * (2 * cp)
+        for j, part in enumerate(parts):  # rank j holds chunks j and 2*cp-1-j, in that order
+            first, second = context_parallel_chunks(j, cp)
+            chunks[first], chunks[second] = part[:, :L], part[:, L:]
+        return torch.cat(chunks, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        L = grad.shape[1] // (2 * ctx.cp)
+        first, second = context_parallel_chunks(ctx.rank, ctx.cp)
+        local = torch.cat(
+            (grad[:, first * L : (first + 1) * L], grad[:, second * L : (second + 1) * L]), dim=1
+        )
+        return local, None
+
+
+def context_parallel_gather(local: torch.Tensor, cp_group: dist.ProcessGroup) -> torch.Tensor:
+    """Whole rows of per-token values whose chunks the cp ranks hold: the inverse of
+    `shard_for_context_parallel` for one [B, S_loc, ...] tensor.
+
+    Forward: the all-gathered rows in sequence order, the same on every cp rank. Backward: this
+    rank's two chunks of the gradient, nothing summed. That is the gradient when every cp rank
+    computes the same loss from the whole rows (GRPO's per-token losses, whose sequence means,
+    gspo's sequence ratio and PPO's GAE need every token of a row) and FSDP then sums the
+    parameter gradients over dp_shard x cp: each token's term reaches the parameters once,
+    through the rank that computed it. The same contract as `context_parallel_sum` (and as a
+    DTensor Shard -> Replicate redistribute, whose backward keeps the local shard).
+
+    Args:
+        local: [B, S_loc, ...] this rank's chunks r and 2*cp-1-r of every row, concatenated
+            (S_loc = S / cp, even).
+        cp_group: the cp mesh dim's process group.
+
+    Returns:
+        [B, S, ...], S = cp * S_loc, the chunks in sequence order.
+    """
+    return _GatherOverContextParallel.apply(local, cp_group)

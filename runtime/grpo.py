@@ -89,7 +89,10 @@ def group_advantages(
 
 
 def collate_rollouts(
-    prompts: list[list[int]], completions: list[list[int]], pad_token_id: int
+    prompts: list[list[int]],
+    completions: list[list[int]],
+    pad_token_id: int,
+    pad_to_multiple_of: int = 1,
 ) -> dict[str, torch.Tensor]:
     """Right-padded rows of prompt + completion with labels on the completion tokens only.
 
@@ -97,6 +100,8 @@ def collate_rollouts(
         prompts: B prompt token ids.
         completions: B completion token ids (the stop token, if sampled, included).
         pad_token_id: id written into padding (never attended to by a causal model).
+        pad_to_multiple_of: S rounded up to a multiple of it (sequence parallel splits rows over
+            tp ranks, context parallel into 2*cp chunks).
 
     Returns:
         input_ids [B, S] int64; labels [B, S] int64, pre-shifted (labels[t] = input_ids[t + 1]
@@ -104,6 +109,7 @@ def collate_rollouts(
         predicts completion token j: use `scatter_completion_values` for per-token values.
     """
     S = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True))
+    S = -(-S // pad_to_multiple_of) * pad_to_multiple_of
     input_ids = torch.full((len(prompts), S), pad_token_id, dtype=torch.long)
     labels = torch.full((len(prompts), S), IGNORE_INDEX, dtype=torch.long)
     for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):

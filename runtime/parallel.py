@@ -288,36 +288,10 @@ def reward_model_tp_plan() -> dict:
     """Tensor + sequence parallel plan of the non-block modules of a `SequenceClassifier` (a
     reward model; HF names): `llama_tp_plan`'s embed_tokens, model.norm and the final all-gather
     of the hidden states to [B, S, D] on every tp rank, and no lm_head. The `score` head is not in
-    the plan: `replicate_on_tp` keeps it whole on each tp rank."""
+    the plan: `replicate_over_mesh` keeps it whole on each tp rank."""
     plan = llama_tp_plan()
     del plan["lm_head"]
     return plan
-
-
-def replicate_on_tp(module: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Keep `module`'s parameters whole on every tp rank, as DTensors `Replicate()` on `tp_mesh`,
-    in place. For a small head fed the all-gathered hidden states (a reward model's [D] -> 1
-    `score`, read at one token per row): splitting it would save nothing, and as a DTensor on the
-    tp mesh it shares the mesh of the other parameters, so FSDP, the gradient norm and the
-    optimizer see one kind of tensor.
-
-    Its plain input is wrapped as a `Replicate()` DTensor and its output returned as a plain
-    tensor. Every tp rank computes the same output and the same gradient (its inputs are equal on
-    the tp ranks), so no gradient is reduced over tp."""
-    from torch.distributed.tensor import DTensor, Replicate, distribute_module
-
-    def wrap_inputs(_module, inputs, mesh):
-        return tuple(
-            DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
-            else x
-            for x in inputs
-        )
-
-    def local_output(_module, output, _mesh):
-        return output.to_local()
-
-    distribute_module(module, tp_mesh, input_fn=wrap_inputs, output_fn=local_output)
 
 
 def llama_tp_plan(loss_parallel: bool = True) -> dict:
@@ -416,6 +390,33 @@ def llama_block_tp_plan(use_qk_norm: bool = False) -> dict:
         plan["self_attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         plan["self_attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
     return plan
+
+
+def replicate_over_mesh(module: torch.nn.Module, mesh: DeviceMesh) -> None:
+    """Replicate a small head that the tensor-parallel plan leaves whole (PPO's value head, a
+    reward model's `score`: [D] -> 1, nothing worth splitting) over the 1-D `mesh` (mesh["tp"]),
+    in place: its parameters become `Replicate()` DTensors, and it takes and returns plain tensors
+    (the same on every rank of the mesh; non-tensor inputs pass through).
+
+    Why: beside the plan's DTensor parameters, plain ones would be mixed into one gradient norm
+    (`clip_grad_norm`) and FSDP2's 2-D (dp_shard x tp) sharding would skip them. The module reads
+    the all-gathered hidden states, so every tp rank computes the same output and loss, and its
+    gradient is already the same on every rank: nothing is reduced.
+    """
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module
+
+    def to_replicated(_module, inputs, device_mesh):
+        return tuple(
+            DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
+            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+            else x
+            for x in inputs
+        )
+
+    def to_local(_module, output, _device_mesh):
+        return output.to_local()
+
+    distribute_module(module, mesh, input_fn=to_replicated, output_fn=to_local)
 
 
 def all_reduce_sum(value: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:

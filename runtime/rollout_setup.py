@@ -333,12 +333,14 @@ def sync_weights(
 
 
 def share_rollouts(
-    groups: list[list[Rollout]] | None, position: tuple[int, int] | None, dp_size: int
+    groups: list[list[Rollout]] | None, position: tuple[int, int] | None, world_size: int
 ) -> tuple[list[list[Rollout]], tuple[int, int]]:
     """Rank 0's groups and data position (epoch, prompts consumed) on every rank: one
-    `broadcast_object_list` from rank 0 of the default group when dp_size > 1; the other ranks
-    pass None for both. dp_size 1 returns them unchanged."""
-    if dp_size > 1:
+    `broadcast_object_list` from rank 0 of the default group when world_size > 1; the other
+    ranks pass None for both. Every rank gets all of them, also the tp / cp ranks that hold no
+    data-parallel share of their own (the script splits them over the dp ranks). world_size 1
+    returns them unchanged."""
+    if world_size > 1:
         box = [(groups, position)]
         dist.broadcast_object_list(box, src=0)
         groups, position = box[0]

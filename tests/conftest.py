@@ -61,6 +61,8 @@ HEAVY_MODULES = {
     "tests/distributed/test_lora_kd_plans.py": 35,
     "tests/recipes/test_rl_real_task.py": 150,  # estimate: 16 GRPO steps of SmolLM2-135M
     "tests/distributed/test_fsdp_rm.py": 45,  # + HSDP and TP (plans-rest)
+    # added 2026-12-05, issue 21 (contended runs: 12 torchrun + Ray runs)
+    "tests/distributed/test_grpo_parallel.py": 520,
 }
 
 

@@ -124,7 +124,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 from runtime import (
@@ -136,6 +135,7 @@ from runtime import (
     RewardModelFunction,
     Rollout,
     Tokenizer,
+    all_reduce_sum,
     build_mesh,
     build_model,
     cast_frozen_params,
@@ -415,15 +415,22 @@ def policy_logprobs(
     engines record their log-probs under the same convention (docstring), so ratios against them
     compare like with like. model_kwargs: a packed batch's position_ids and attention_mask."""
     completion = labels != IGNORE_INDEX  # [B, S]
-    targets = labels[completion]  # [T]
     # prompt and padding positions skip lm_head: [T, V] logits of the T completion positions only
-    logits = model(input_ids, **model_kwargs, logits_mask=completion).float() / cfg.temperature
+    logits = model(input_ids, **model_kwargs, logits_mask=completion)
+    logps = torch.zeros(completion.shape, device=input_ids.device)  # 0 off the completions
+    logps[completion] = sampled_logprobs(logits, labels[completion], cfg)
+    return logps
+
+
+def sampled_logprobs(logits: torch.Tensor, targets: torch.Tensor, cfg: Config) -> torch.Tensor:
+    """Log-probs [T] fp32 of the sampled tokens `targets` [T] int64 under the sampling
+    distribution: softmax(logits / temperature) cut to the top-k / top-p support and
+    renormalised, the target always kept in it. logits: lm_head's [T, V] at the targets'
+    positions."""
+    logits = logits.float() / cfg.temperature
     # the support the engines sampled from (top-k, then top-p); the sampled token stays in it
     logits = truncate_logits(logits, cfg.top_k, cfg.top_p, keep=targets)
-    token_logps = logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)  # [T]
-    logps = torch.zeros(completion.shape, device=logits.device)
-    logps[completion] = token_logps  # [B, S], 0 off the completions
-    return logps
+    return logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
 
 
 def sequence_mean(
@@ -865,6 +872,7 @@ def train_step(
     device,
     num_sequences: int | None = None,
     old_logprobs: list | None = None,
+    dp_group=None,
 ) -> dict:
     """One optimizer step over this rank's rollouts, in `num_micro_batches` micro-batches.
 
@@ -878,6 +886,8 @@ def train_step(
             normaliser; None: len(rollouts) (one process).
         old_logprobs: pi_old's log-probs per micro-batch (`old_policy_logprobs`, taken once
             before a batch's num_iterations steps); None: the policy's own, detached (ratio 1).
+        dp_group: the data-parallel ranks' group (mesh["dp"]), which the metric sums are reduced
+            over (tp / cp ranks hold the same rollouts); None: every rank.
 
     Returns:
         loss (the step's, as its loss_type normalises it), the LOSS_METRICS (means over
@@ -906,9 +916,7 @@ def train_step(
     )
     # the losses are already the step's; the other sums become means over its loss tokens here
     keys = (*step_keys, *token_keys)
-    sums = torch.stack([totals[k] for k in keys])
-    if dist.is_initialized():
-        dist.all_reduce(sums)
+    sums = all_reduce_sum(torch.stack([totals[k] for k in keys]), dp_group)
     divisors = torch.tensor(
         [1.0] * len(step_keys) + [float(num_tokens)] * len(token_keys), device=sums.device
     )
@@ -929,7 +937,7 @@ def main(argv: list[str] | None = None, reward_funcs: list | None = None) -> lis
         reward_funcs = [*reward_funcs, RewardModelFunction(cfg.reward_model)]
     dist_info, mesh = setup_distributed(cfg)
     is_main, device = dist_info.is_main, dist_info.device
-    dp_rank, dp_size, _ = data_parallel(mesh)
+    dp_rank, dp_size, dp_group = data_parallel(mesh)  # tp / cp ranks of one dp rank: the same rows
     # an earlier run in out_dir: resume it, or refuse (never mix two runs' metrics or models)
     out_dir = claim_out_dir(cfg.out_dir, cfg.resume, cfg.overwrite, is_main)
     # the default hf_repo_id is the default model's: another --model needs its own (or a local copy)
@@ -981,7 +989,8 @@ def main(argv: list[str] | None = None, reward_funcs: list | None = None) -> lis
                     batches, cfg.prompts_per_step, version, staleness_bound(cfg), cfg.seed, keep=keep, max_refills=cfg.max_refill_rounds,
                 ) if is_main else (None, 0, 0.0, None, 0, 0)
             )  # fmt: skip
-            groups, position = share_rollouts(groups, position, dp_size)  # rank 0's, on every rank
+            # rank 0's, on every rank (tp / cp ranks too: they train the rows of their dp rank)
+            groups, position = share_rollouts(groups, position, dist_info.world_size)
             state.epoch, state.samples_consumed = position  # after the prompts submitted so far
             advantages, batch_metrics = rollout_metrics(
                 groups, cfg, version
@@ -1004,7 +1013,7 @@ def main(argv: list[str] | None = None, reward_funcs: list | None = None) -> lis
         train_start = time.perf_counter()
         metrics.update(train_step(
             model, reference, optimizer, scheduler, rollouts, advantages[dp_rank::dp_size], num_tokens, num_micro, cfg, device,
-            num_sequences, old_logprobs,
+            num_sequences, old_logprobs, dp_group=dp_group,
         ))  # fmt: skip
         train_time = time.perf_counter() - train_start
         check_finite(step, metrics, state.path, hint="lower --lr")  # NaN/inf: stop, save nothing

@@ -132,7 +132,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 from runtime import (
@@ -144,6 +143,7 @@ from runtime import (
     Rollout,
     Tokenizer,
     add_value_head,
+    all_reduce_sum,
     build_mesh,
     build_model,
     cast_frozen_params,
@@ -431,15 +431,22 @@ def policy_logprobs(
     engines record their log-probs under the same convention (docstring), so ratios against them
     compare like with like. model_kwargs: a packed batch's position_ids and attention_mask."""
     completion = labels != IGNORE_INDEX  # [B, S]
-    targets = labels[completion]  # [T]
     # prompt and padding positions skip lm_head: [T, V] logits of the T completion positions only
-    logits = model(input_ids, **model_kwargs, logits_mask=completion).float() / cfg.temperature
+    logits = model(input_ids, **model_kwargs, logits_mask=completion)
+    logps = torch.zeros(completion.shape, device=input_ids.device)  # 0 off the completions
+    logps[completion] = sampled_logprobs(logits, labels[completion], cfg)
+    return logps
+
+
+def sampled_logprobs(logits: torch.Tensor, targets: torch.Tensor, cfg: Config) -> torch.Tensor:
+    """Log-probs [T] fp32 of the sampled tokens `targets` [T] int64 under the sampling
+    distribution: softmax(logits / temperature) cut to the top-k / top-p support and
+    renormalised, the target always kept in it. logits: lm_head's [T, V] at the targets'
+    positions."""
+    logits = logits.float() / cfg.temperature
     # the support the engines sampled from (top-k, then top-p); the sampled token stays in it
     logits = truncate_logits(logits, cfg.top_k, cfg.top_p, keep=targets)
-    token_logps = logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)  # [T]
-    logps = torch.zeros(completion.shape, device=logits.device)
-    logps[completion] = token_logps  # [B, S], 0 off the completions
-    return logps
+    return logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
 
 
 def sequence_mean(
@@ -601,14 +608,10 @@ def policy_logprobs_and_values(
     whose logits score token t + 1); both differentiable. lm_head and the value head read the
     same final hidden states, so the critic costs one [D, 1] projection, not a second model."""
     completion = labels != IGNORE_INDEX  # [B, S]
-    targets = labels[completion]  # [T]
     hidden = model.forward_hidden(input_ids)  # [B, S, D]
     values = token_values(model, hidden)  # [B, S] fp32
-    logits = model.lm_head(hidden[completion]).float() / cfg.temperature  # [T, V]
-    logits = truncate_logits(logits, cfg.top_k, cfg.top_p, keep=targets)
-    token_logps = logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)  # [T]
-    logps = torch.zeros(completion.shape, device=logits.device)
-    logps[completion] = token_logps
+    logps = torch.zeros(completion.shape, device=input_ids.device)
+    logps[completion] = sampled_logprobs(model.lm_head(hidden[completion]), labels[completion], cfg)
     return logps, values
 
 
@@ -704,18 +707,18 @@ def value_loss(
 
 
 def batch_mean_var(
-    tensors: list[torch.Tensor], masks: list[torch.Tensor]
+    tensors: list[torch.Tensor], masks: list[torch.Tensor], dp_group=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean and unbiased variance (fp32 scalars) of the masked entries of every tensor, over all
-    data-parallel ranks (sums in fp64, all-reduced); 0 and 0 for an empty selection."""
+    data-parallel ranks (sums in fp64, all-reduced over dp_group; None: every rank); 0 and 0 for
+    an empty selection."""
     sums = torch.zeros(3, dtype=torch.float64, device=tensors[0].device)
     for x, m in zip(tensors, masks, strict=True):
         x = x[m].double()
         sums += torch.stack(
             [x.sum(), (x * x).sum(), torch.tensor(x.numel(), dtype=torch.float64, device=x.device)]
         )
-    if dist.is_initialized():
-        dist.all_reduce(sums)
+    all_reduce_sum(sums, dp_group)
     n = sums[2].clamp(min=1)
     mean = sums[0] / n
     var = ((sums[1] - n * mean * mean) / (n - 1).clamp(min=1)).clamp(min=0)
@@ -935,7 +938,7 @@ def old_policy_logprobs(model, micro_batches: list, cfg: Config, device) -> list
 
 
 def ppo_targets(
-    model, reference, micro_batches: list, cfg: Config, device
+    model, reference, micro_batches: list, cfg: Config, device, dp_group=None
 ) -> tuple[list, list, dict]:
     """PPO's no-grad pass over a rollout batch before its num_iterations steps: pi_old's
     log-probs and V_old (one forward, `policy_logprobs_and_values`), the reference's log-probs
@@ -945,6 +948,8 @@ def ppo_targets(
     Args:
         micro_batches: (rollouts, scores [n] fp32) pairs, `split_micro_batches`' cut of this
             rank's share; an empty one still joins the FSDP collectives.
+        dp_group: the data-parallel ranks' group (mesh["dp"]), which the batch's sums are
+            reduced over (tp / cp ranks hold the same rollouts); None: every rank.
 
     Returns:
         (pi_old's log-probs per micro-batch [B, S] fp32; per micro-batch {"values" (V_old),
@@ -961,9 +966,10 @@ def ppo_targets(
         for mb, scores in micro_batches:
             if not mb:  # this rank ran out: join the collectives, contribute nothing
                 dummy = torch.zeros(1, 1, dtype=torch.long, device=device)
-                policy_logprobs_and_values(model, dummy, torch.full_like(dummy, IGNORE_INDEX), cfg)
+                ignored = torch.full_like(dummy, IGNORE_INDEX)
+                policy_logprobs_and_values(model, dummy, ignored, cfg)
                 if ref_in_reward:
-                    reference(dummy)
+                    policy_logprobs(reference, dummy, ignored, cfg)
                 empty = torch.zeros(0, 0, device=device)
                 olds.append(empty)
                 critic.append({"values": empty, "advantages": empty, "returns": empty})
@@ -986,20 +992,19 @@ def ppo_targets(
             kl_sums += torch.stack(
                 [kl.sum().double(), torch.tensor(len(mb), dtype=torch.float64, device=device)]
             )
-    _, returns_var = batch_mean_var([c["returns"] for c in critic], masks)
-    _, error_var = batch_mean_var([c["returns"] - c["values"] for c in critic], masks)
+    _, returns_var = batch_mean_var([c["returns"] for c in critic], masks, dp_group)
+    _, error_var = batch_mean_var([c["returns"] - c["values"] for c in critic], masks, dp_group)
     metrics = {
         "val/explained_variance": (1 - error_var / returns_var).item() if returns_var > 0 else 0.0
     }
     if cfg.whiten_advantages:  # TRL's masked_whiten: shifted to mean 0, scaled to variance 1
-        mean, var = batch_mean_var([c["advantages"] for c in critic], masks)
+        mean, var = batch_mean_var([c["advantages"] for c in critic], masks, dp_group)
         for c, m in zip(critic, masks, strict=True):
             c["advantages"] = torch.where(
                 m, (c["advantages"] - mean) * torch.rsqrt(var + 1e-8), 0.0
             )
     if ref_in_reward:
-        if dist.is_initialized():
-            dist.all_reduce(kl_sums)
+        all_reduce_sum(kl_sums, dp_group)
         mean_kl = (kl_sums[0] / kl_sums[1].clamp(min=1)).item()
         metrics.update(
             {"objective/kl": mean_kl, "objective/non_score_reward": -cfg.kl_coef * mean_kl}
@@ -1085,6 +1090,7 @@ def train_step(
     num_sequences: int | None = None,
     old_logprobs: list | None = None,
     critic: list | None = None,
+    dp_group=None,
 ) -> dict:
     """One optimizer step over this rank's rollouts, in `num_micro_batches` micro-batches.
 
@@ -1100,6 +1106,8 @@ def train_step(
             before a batch's num_iterations steps); None: the policy's own, detached (ratio 1).
         critic: per micro-batch, `ppo_targets`' {"values", "advantages", "returns"} (required;
             `advantages` above is then unused).
+        dp_group: the data-parallel ranks' group (mesh["dp"]), which the metric sums are reduced
+            over (tp / cp ranks hold the same rollouts); None: every rank.
 
     Returns:
         loss (the step's, as its loss_type normalises it), the LOSS_METRICS (means over
@@ -1145,9 +1153,7 @@ def train_step(
     )
     # the losses are already the step's; the other sums become means over its loss tokens here
     keys = (*step_keys, *token_keys)
-    sums = torch.stack([totals[k] for k in keys])
-    if dist.is_initialized():
-        dist.all_reduce(sums)
+    sums = all_reduce_sum(torch.stack([totals[k] for k in keys]), dp_group)
     divisors = torch.tensor(
         [1.0] * len(step_keys) + [float(num_tokens)] * len(token_keys), device=sums.device
     )
@@ -1168,7 +1174,7 @@ def main(argv: list[str] | None = None, reward_funcs: list | None = None) -> lis
         reward_funcs = [*reward_funcs, RewardModelFunction(cfg.reward_model)]
     dist_info, mesh = setup_distributed(cfg)
     is_main, device = dist_info.is_main, dist_info.device
-    dp_rank, dp_size, _ = data_parallel(mesh)
+    dp_rank, dp_size, dp_group = data_parallel(mesh)  # tp / cp ranks of one dp rank: the same rows
     # an earlier run in out_dir: resume it, or refuse (never mix two runs' metrics or models)
     out_dir = claim_out_dir(cfg.out_dir, cfg.resume, cfg.overwrite, is_main)
     # the default hf_repo_id is the default model's: another --model needs its own (or a local copy)
@@ -1220,7 +1226,8 @@ def main(argv: list[str] | None = None, reward_funcs: list | None = None) -> lis
                     batches, cfg.prompts_per_step, version, staleness_bound(cfg), cfg.seed, keep=keep, max_refills=0,
                 ) if is_main else (None, 0, 0.0, None, 0, 0)
             )  # fmt: skip
-            groups, position = share_rollouts(groups, position, dp_size)  # rank 0's, on every rank
+            # rank 0's, on every rank (tp / cp ranks too: they train the rows of their dp rank)
+            groups, position = share_rollouts(groups, position, dist_info.world_size)
             state.epoch, state.samples_consumed = position  # after the prompts submitted so far
             # PPO: each completion's score, placed at its last token by ppo_targets
             advantages, batch_metrics = rollout_metrics(
@@ -1234,7 +1241,9 @@ def main(argv: list[str] | None = None, reward_funcs: list | None = None) -> lis
             )
             # pi_old, V_old, rewards and GAE advantages: one no-grad pass before the batch's steps
             split = split_micro_batches(rollouts, advantages[dp_rank::dp_size], num_micro, cfg)
-            old_logprobs, critic, targets = ppo_targets(model, reference, split, cfg, device)
+            old_logprobs, critic, targets = ppo_targets(
+                model, reference, split, cfg, device, dp_group
+            )
             batch_metrics.update(targets)
         else:  # the same batch again: its rollout metrics repeat, nothing new was waited for
             dropped, waited, filtered, refills = 0, 0.0, 0, 0
@@ -1242,7 +1251,7 @@ def main(argv: list[str] | None = None, reward_funcs: list | None = None) -> lis
         train_start = time.perf_counter()
         metrics.update(train_step(
             model, reference, optimizer, scheduler, rollouts, advantages[dp_rank::dp_size], num_tokens, num_micro, cfg, device,
-            num_sequences, old_logprobs, critic,
+            num_sequences, old_logprobs, critic, dp_group=dp_group,
         ))  # fmt: skip
         train_time = time.perf_counter() - train_start
         check_finite(step, metrics, state.path, hint="lower --lr")  # NaN/inf: stop, save nothing

@@ -40,11 +40,18 @@ def _local_model_answers(path: Path) -> dict:
     }
 
 
-def _collate_args(spec: Spec) -> str:
-    """collate's padding: rows split over tp (sequence parallel) and into 2*cp chunks (cp)."""
+def _row_multiple(spec: Spec) -> str:
+    """What every row's length is padded to a multiple of: rows split over tp (sequence
+    parallel) and into 2*cp chunks (cp); "" without either."""
     if spec.cp > 1:
-        return ", pad_to_multiple_of=2 * cfg.cp" + (" * cfg.tp" if spec.tp > 1 else "")
-    return ", pad_to_multiple_of=cfg.tp" if spec.tp > 1 else ""
+        return "2 * cfg.cp" + (" * cfg.tp" if spec.tp > 1 else "")
+    return "cfg.tp" if spec.tp > 1 else ""
+
+
+def _collate_args(spec: Spec) -> str:
+    """collate's padding argument (`_row_multiple`)."""
+    multiple = _row_multiple(spec)
+    return f", pad_to_multiple_of={multiple}" if multiple else ""
 
 
 def _parallelize_steps(spec: Spec) -> str:
@@ -189,6 +196,7 @@ def build_answers(spec: Spec) -> dict:
         "mesh_args": (", cp=cfg.cp" if spec.cp > 1 else "")
         + (", tp=cfg.tp" if spec.tp > 1 else ""),
         "collate_args": _collate_args(spec),
+        "row_multiple": _row_multiple(spec),
         # FSDP's shard dim: under cp the cp ranks hold weight shards too (torchtitan's dp_shard_cp)
         "fsdp_shard_dim": "dp_shard_cp" if spec.cp > 1 else "dp_shard",
         # decoding feeds 1 token per step, which sequence / context parallel cannot split

@@ -102,6 +102,14 @@ _DPO_TP_REFUSED_TRICKS = {
     "packing": "not built yet for DPO: packed preference rows (collate_preference_packs) are not "
     "padded to a multiple of tp for sequence parallel",
 }
+# ... and on the GRPO skeleton (grpo, grpo-lora, ppo), whose log-probs take the model's own
+# forward on whole padded rows
+_GRPO_TP_REFUSED_TRICKS = {
+    "lce": "not built yet for the GRPO skeleton: the chunked completion log-probs "
+    "(runtime.completion_logprobs) have no vocab-parallel path",
+    "packing": "not built yet for the GRPO skeleton: packed rollout rows (runtime.pack_rollouts) "
+    "are not padded to a multiple of tp for sequence parallel",
+}
 
 
 def model_config(spec: Spec) -> dict:
@@ -140,11 +148,13 @@ def _validate_parallel(spec: Spec) -> None:
             f"(dp_shard = world / that must be a whole number >= 1); choose degrees whose product "
             f"divides {world}: one of {valid}"
         )
-    if spec.tp > spec.gpus:
+    per_node = world // spec.nodes  # GRPO's trainer: the GPUs its engines do not take
+    if spec.tp > 1 and spec.tp > per_node:  # (none left: the engine layout's check says so)
+        gpus = f"--gpus {spec.gpus}" if per_node == spec.gpus else f"{per_node} trainer GPUs"
         raise SpecError(
-            f"--tp {spec.tp} > --gpus {spec.gpus} (per node): tensor parallel all-gathers and "
+            f"--tp {spec.tp} > {gpus} (per node): tensor parallel all-gathers and "
             "reduce-scatters activations in every block, which needs the intra-node links "
-            f"(NVLink); keep tp <= {spec.gpus} and scale across nodes with data parallel"
+            f"(NVLink); keep tp <= {per_node} and scale across nodes with data parallel"
         )
     for option, value, fallback in (
         ("--tp", spec.tp, "--tp 1 (FSDP over all GPUs"),
@@ -177,6 +187,8 @@ def _validate_parallel(spec: Spec) -> None:
         table = dict(_TP_REFUSED_TRICKS)
         if ALGOS[spec.algo].skeleton == "dpo":
             table.update(_DPO_TP_REFUSED_TRICKS)
+        if ALGOS[spec.algo].skeleton == "grpo":
+            table.update(_GRPO_TP_REFUSED_TRICKS)
         if spec.algo == "kd":
             table["lce"] = (
                 "not built yet for kd: the chunked KL (runtime.chunked_kd_loss) has no "
@@ -385,6 +397,14 @@ _CP_REFUSED_TRICKS = {
     "cpu-offload": "FSDP2 CPU offload over the dp_shard x cp mesh is not tested here",
 }
 
+# ... and on the GRPO skeleton, whose rows are sharded in `context_parallel_rows`
+_GRPO_CP_REFUSED_TRICKS = {
+    "lce": "not built yet for the GRPO skeleton: the chunked completion log-probs "
+    "(runtime.completion_logprobs) are not sharded over the cp ranks",
+    "packing": "not built yet for the GRPO skeleton: a packed row's sequence ids and document "
+    "mask would need sharding with its tokens",
+}
+
 
 # ... and on the DPO skeleton, whose sequence sums are completed over the cp ranks
 _DPO_CP_REFUSED_TRICKS = {
@@ -400,6 +420,8 @@ def _validate_cp(spec: Spec, world: int) -> None:
     table = dict(_CP_REFUSED_TRICKS)
     if ALGOS[spec.algo].skeleton == "dpo":
         table.update(_DPO_CP_REFUSED_TRICKS)
+    if ALGOS[spec.algo].skeleton == "grpo":
+        table.update(_GRPO_CP_REFUSED_TRICKS)
     refused = [t for t in spec.tricks if t in table]
     if refused:
         raise SpecError(
@@ -420,6 +442,8 @@ def _validate_cp(spec: Spec, world: int) -> None:
             "is tested on dense models only (the MoE router and its load-balancing loss see "
             "each rank's tokens); use --cp 1"
         )
+    if ALGOS[spec.algo].skeleton == "grpo":
+        return  # rows are padded to a multiple of 2*cp*tp per micro-batch: no fixed length to divide
     entry = MODELS.get(spec.model)
     max_seq_len = (
         entry.default_max_seq_len if entry else min(2048, config["max_position_embeddings"])

@@ -961,3 +961,32 @@ def test_rm_hsdp_and_tp_simulations_match_four_gloo_ranks(plan, tiny_model_dir, 
     args = (json.dumps(asdict(spec)), str(tiny_model_dir), 1, 128, str(tmp_path / "rm"))
     for rank_result in spawn(_real_rank, world_size=4, args=args):
         _assert_agrees(sim, rank_result)
+
+
+def test_grpo_tp_and_cp_simulations_match_four_gloo_ranks(tiny_real_vocab_dir, tmp_path):
+    """The GRPO skeleton's TP and CP plans (engines sharing the trainer's 4 GPUs): grpo and ppo
+    under TP 2 x FSDP 2 (vocab-sharded log-probs; ppo's value head replicated over tp, sharded
+    over dp_shard), ppo under CP 2 x FSDP 2 in the ring mode (the value
+    head and the log-probs gathered into whole rows), grpo-lora under CP 2 all-gather. Under TP
+    the simulated rank is within the tolerance of every real gloo rank; under CP the ranks
+    differ (cp rank 0 holds each row's end, so every completion's logits), and the simulated
+    rank is the busiest: within the tolerance of the largest real peak, none above it."""
+    m = tiny_real_vocab_dir
+    specs = [
+        _grpo_spec(m, gpus=4, engine_gpus=0, tp=2),
+        _grpo_spec(m, algo="ppo", gpus=4, engine_gpus=0, tp=2),
+        _grpo_spec(m, algo="ppo", gpus=4, engine_gpus=0, cp=2, cp_mode="ring"),
+        _grpo_spec(m, algo="grpo-lora", gpus=4, engine_gpus=0, cp=2),
+    ]
+    for i, spec in enumerate(specs):
+        (sim,) = simulate([spec], GRPO_MBS, GRPO_SEQ)
+        assert sim.world_size == 4 and sim.rollout["rollouts_on_rank"] == 64 // 2  # dp = 2
+        args = (json.dumps(asdict(spec)), str(m), str(tmp_path / f"c{i}"))
+        ranks = spawn(_real_grpo_rank, world_size=4, args=args)
+        if spec.cp == 1:
+            for rank_result in ranks:
+                _assert_agrees(sim, rank_result)
+        else:
+            busiest = max(ranks, key=lambda r: r["peak"])
+            _assert_agrees(sim, busiest)
+            assert all(r["peak"] <= sim.peak * (1 + TOLERANCE) for r in ranks)

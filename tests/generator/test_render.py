@@ -340,10 +340,10 @@ def test_list_and_help():
     assert all(rows[t] == ["yes"] * 10 for t in TRICKS if t not in (*precision, *refused))
     assert rows["bf16-sr"] == ["yes", "no", "no", "yes", "no", "yes", "no", "yes", "yes", "yes"]
     assert rows["cpu-offload"] == ["yes", "no", "no", "yes", "no", "yes", "no", "yes", "yes", "yes"]
-    # TP and CP: the SFT and DPO skeletons, full parameters and LoRA; not qlora (NF4) or the GRPO
-    # skeleton (grpo, grpo-lora, ppo); the reward model takes TP, not CP
-    assert rows["--tp"] == ["yes", "yes", "no", "yes", "yes", "no", "no", "no", "yes", "yes"]
-    assert rows["--cp"] == ["yes", "yes", "no", "yes", "yes", "no", "no", "no", "no", "yes"]
+    # TP and CP: every skeleton, full parameters and LoRA; not qlora (NF4); the reward model takes
+    # TP, not CP
+    assert rows["--tp"] == ["yes", "yes", "no", "yes", "yes", "yes", "yes", "yes", "yes", "yes"]
+    assert rows["--cp"] == ["yes", "yes", "no", "yes", "yes", "yes", "yes", "yes", "no", "yes"]
     assert rows["--dp-replicate"] == ["yes"] * 10  # HSDP: every algorithm, rm too
     assert rows["--ep"] == ["yes", "no", "no", "yes", "no", "yes", "no", "yes", "no", "yes"]
     assert any(line.strip().startswith("no: --tp with qlora: torchao") for line in support)
@@ -403,10 +403,11 @@ def test_grpo_renders_its_skeleton_and_engine_choice():
     assert 'engine: str = "vllm"' in big and "torchrun --nproc-per-node 8" in big
     with_ac = render(Spec(algo="grpo", tricks=("ac",), dataset="chain_sum.jsonl", out="o"))
     assert "checkpoint(layer)" in with_ac
-    with pytest.raises(
-        SpecError, match="--algo grpo with --tp 2: not wired into the GRPO skeleton"
-    ):
-        render(Spec(algo="grpo", gpus=2, tp=2, out="o"))
+    # TP over the trainer's ranks (the GPUs the engines leave): loss-parallel log-probs
+    tp = render(Spec(algo="grpo", model="qwen3-0.6b", gpus=4, engine_gpus=0, tp=2, out="o"))
+    assert "target_logprobs(logits, targets)" in tp and "tp: int = 2" in tp
+    with pytest.raises(SpecError, match=r"--tp 2 > 1 trainer GPUs \(per node\)"):
+        render(Spec(algo="grpo", model="qwen3-0.6b", gpus=4, nodes=2, engine_gpus=3, tp=2, out="o"))
 
 
 def test_new_picks_the_algorithms_demo_dataset(tmp_path):

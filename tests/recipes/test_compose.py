@@ -178,8 +178,9 @@ def test_compile_gives_the_plain_losses(algo, tmp_path, tiny_model_dir, small_da
 PLAN_SPECS = {
     "--gpus N": dict(gpus=2),
     "--dp-replicate": dict(gpus=4, dp_replicate=2),
-    "--tp": dict(model="qwen3-0.6b", gpus=2, tp=2),
-    "--cp": dict(gpus=2, cp=2),
+    # 4 GPUs: a GRPO-skeleton spec's engines take half, its trainer the other 2
+    "--tp": dict(model="qwen3-0.6b", gpus=4, tp=2),
+    "--cp": dict(gpus=4, cp=2),
     "--ep": dict(model="qwen3-30b-a3b", gpus=2, ep=2),
 }
 

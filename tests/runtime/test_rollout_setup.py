@@ -273,7 +273,7 @@ def _share(rank: int, world_size: int) -> tuple:
 
 def test_share_rollouts_broadcasts_rank_0s_groups_and_position():
     groups = _groups([0, 2])
-    assert rs.share_rollouts(groups, (0, 2), dp_size=1) == (groups, (0, 2))  # one rank: as is
+    assert rs.share_rollouts(groups, (0, 2), world_size=1) == (groups, (0, 2))  # one rank: as is
     want = [[(r.completion_ids, r.policy_version) for r in g] for g in groups]
     assert spawn(_share, world_size=2) == [(want, (1, 6))] * 2
 
