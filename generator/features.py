@@ -249,9 +249,8 @@ _NF4_TP = (
     "along dim 1; use --algo lora (a bf16 base takes TP) or FSDP/HSDP for qlora"
 )
 _ADAPTERS_CP = (
-    "CP is built and tested for sft, lora, kd, dpo and dpo-lora; an NF4 base under the "
-    "dp_shard x cp "
-    "FSDP mesh is not tested yet"
+    "CP is built and tested for sft, lora, kd, dpo, dpo-lora, grpo, grpo-lora and ppo; an NF4 "
+    "base under the dp_shard x cp FSDP mesh is not tested yet"
 )
 
 

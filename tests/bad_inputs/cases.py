@@ -480,7 +480,7 @@ CASES = [
            r"keep_last_checkpoints=0: must be >= 1"),
     # --- DPO and distillation ----------------------------------------------------------------------
     scaffold("new-qlora-with-cp", ["new", "--algo", "qlora", "--cp", "2", "--gpus", "2", "--out", "{tmp}/o"],
-             r"--algo qlora with --cp 2: CP is built and tested for sft, lora, kd, dpo and dpo-lora", r"use --cp 1"),
+             r"--algo qlora with --cp 2: CP is built and tested for sft, lora, kd, dpo, dpo-lora, grpo, grpo-lora and ppo", r"use --cp 1"),
     script("dpo-missing-rejected", ["--dataset", "{tmp}/pairs.json"],
            r"{tmp}/pairs\.json row 1: missing key `rejected`", r"found: \['chosen', 'prompt'\]",
            files={"pairs.json": json.dumps([PAIR, {"prompt": "Hi", "chosen": "Hello"}])},

@@ -252,7 +252,7 @@ def test_new_writes_spec_and_base_and_refuses_overwrite(tmp_path):
         (["--peft", "dora"], "--peft dora needs an adapter algorithm (--algo lora or qlora or"),
         (
             ["--algo", "qlora", "--gpus", "2", "--cp", "2"],
-            "--algo qlora with --cp 2: CP is built and tested for sft, lora, kd, dpo and dpo-lora",
+            "--algo qlora with --cp 2: CP is built and tested for sft, lora, kd, dpo, dpo-lora, grpo, grpo-lora and ppo",
         ),
         (
             [
