@@ -9,10 +9,11 @@ the same seed, lr and rollouts per step. GRPO: --prompts_per_step x --num_genera
 completions per step; PPO: prompts_per_step x num_generations prompts, one completion each (its
 critic needs no group), so both train on the same number of completions per step.
 
-Reported per variant, from its metrics.jsonl: mean reward (0..1.2) of the first 3 and the last
-5 steps, the answer accuracy (math_answer_reward) and format share of the same steps, the mean
-completion length, the clip fraction, completion tokens per second of step wall time, and
-seconds per step.
+Reported per variant, from its metrics.jsonl, over rollout batches (--steps of them; a variant
+with --num_iterations N trains N optimizer steps on each): mean reward (0..1.2) of the first 3
+and the last 5 batches, the answer accuracy (math_answer_reward) and format share of the same
+batches, the mean completion length, the clip fraction (over every optimizer step), completion
+tokens sampled per second of wall time (batch 1 left out), and seconds per batch.
 
 Usage (from the repo root, with the venv; about 4 s per step per variant on 2 quiet cores):
     python benchmarks/grpo_math_cpu.py --steps 25 --out benchmarks/RESULTS.md
@@ -47,7 +48,8 @@ def run_variant(variant: str, args: argparse.Namespace, out_dir: Path) -> list[d
     """One variant's run in its own process; returns its metrics.jsonl rows (one per step)."""
     name, *extra = shlex.split(variant)
     common = [
-        "--rollout", "sync", "--dtype", "fp32", "--max_steps", str(args.steps),
+        "--rollout", "sync", "--dtype", "fp32",
+        "--max_steps", str(args.steps * iterations(variant)),
         "--max_new_tokens", str(args.max_new_tokens), "--lr", str(args.lr),
         "--warmup_steps", str(args.warmup_steps), "--micro_batch_size", str(args.micro_batch_size),
         "--seed", str(args.seed), "--save_final_model", "false", "--save_every_steps", "0",
@@ -72,17 +74,27 @@ def run_variant(variant: str, args: argparse.Namespace, out_dir: Path) -> list[d
     return [row for row in rows if "reward" in row]
 
 
+def iterations(variant: str) -> int:
+    """The variant's num_iterations: optimizer steps per rollout batch (1 unless it sets it)."""
+    flags = shlex.split(variant)
+    return int(flags[flags.index("--num_iterations") + 1]) if "--num_iterations" in flags else 1
+
+
 def mean(rows: list[dict], key: str) -> float:
     return statistics.fmean(row[key] for row in rows)
 
 
 def summarise(variant: str, rows: list[dict], rollouts: int) -> str:
-    """One table row; `rollouts` = completions per step."""
-    first, last = rows[:3], rows[-5:]
+    """One table row over rollout batches (a batch's num_iterations optimizer steps log its
+    rewards each; its last step's row stands for it); `rollouts` = completions per batch. The
+    clip fraction is the mean over every optimizer step."""
+    mu = iterations(variant)
+    batches = rows[mu - 1 :: mu]
+    first, last = batches[:3], batches[-5:]
     math_key, format_key = "rewards/math_answer_reward/mean", "rewards/format_reward/mean"
-    timed = rows[1:]  # step 1 carries the engine's start and first weight sync
+    timed = batches[1:]  # batch 1 carries the engine's start and first weight sync
     tokens = sum(row["completions/mean_length"] * rollouts for row in timed)
-    seconds = sum(row["step_time_s"] for row in timed)
+    seconds = sum(row["step_time_s"] for row in rows[mu:])
     return (
         f"| {variant} | {mean(first, 'reward'):.3f} | **{mean(last, 'reward'):.3f}** | "
         f"{mean(first, math_key):.2f} -> {mean(last, math_key):.2f} | "
@@ -122,11 +134,11 @@ def main() -> None:
         f"`{command.strip()}`",
         "",
         f"SmolLM2-135M (real weights), chain_sum prompts, {args.prompts_per_step} x "
-        f"{args.num_generations} completions of <= {args.max_new_tokens} tokens per step, "
-        f"{args.steps} sync steps, lr {args.lr:g} (warmup {args.warmup_steps}), fp32, seed {args.seed}.",
+        f"{args.num_generations} completions of <= {args.max_new_tokens} tokens per batch, "
+        f"{args.steps} sync rollout batches, lr {args.lr:g} (warmup {args.warmup_steps}), fp32, seed {args.seed}.",
         "",
-        "| variant | reward, steps 1-3 | reward, last 5 steps | answer accuracy, first 3 -> last 5 "
-        "| format share, first 3 -> last 5 | completion length | clip fraction | tokens/s | s/step |",
+        "| variant | reward, batches 1-3 | reward, last 5 batches | answer accuracy, first 3 -> last 5 "
+        "| format share, first 3 -> last 5 | completion length | clip fraction | tokens/s | s/batch |",
         "|---|---|---|---|---|---|---|---|---|",
         *lines,
     ])  # fmt: skip
