@@ -69,6 +69,16 @@ def context_parallel_chunks(cp_rank: int, cp_size: int) -> tuple[int, int]:
     return cp_rank, 2 * cp_size - 1 - cp_rank
 
 
+def _local_chunks(t: torch.Tensor, cp_rank: int, cp_size: int) -> torch.Tensor:
+    """[B, S, ...] -> [B, S / cp, ...]: chunks r and 2*cp-1-r (of 2*cp along dim 1) of every row,
+    concatenated in that order."""
+    L = t.shape[1] // (2 * cp_size)
+    first, second = context_parallel_chunks(cp_rank, cp_size)
+    return torch.cat(
+        (t[:, first * L : (first + 1) * L], t[:, second * L : (second + 1) * L]), dim=1
+    )
+
+
 def shard_for_context_parallel(batch: dict, cp_rank: int, cp_size: int) -> dict:
     """This cp rank's share of a collated batch: chunks r and 2*cp-1-r of every row.
 
@@ -99,14 +109,9 @@ def shard_for_context_parallel(batch: dict, cp_rank: int, cp_size: int) -> dict:
     if "position_ids" not in out:
         positions = torch.arange(S, device=batch["input_ids"].device)
         out["position_ids"] = positions.expand(B, S)  # [S] -> [B, S]
-    L = S // (2 * cp_size)
-    first, second = context_parallel_chunks(cp_rank, cp_size)
     for key in CP_SEQUENCE_KEYS:
         if key in out:
-            t = out[key]
-            out[key] = torch.cat(
-                (t[:, first * L : (first + 1) * L], t[:, second * L : (second + 1) * L]), dim=1
-            )  # [B, S] -> [B, 2 * L] = [B, S_loc]
+            out[key] = _local_chunks(out[key], cp_rank, cp_size)  # [B, S] -> [B, S_loc]
     if "num_tokens" in out and cp_rank != 0:
         out["num_tokens"] = torch.zeros_like(out["num_tokens"])
     return out
@@ -254,12 +259,7 @@ class _GatherOverContextParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        L = grad.shape[1] // (2 * ctx.cp)
-        first, second = context_parallel_chunks(ctx.rank, ctx.cp)
-        local = torch.cat(
-            (grad[:, first * L : (first + 1) * L], grad[:, second * L : (second + 1) * L]), dim=1
-        )
-        return local, None
+        return _local_chunks(grad, ctx.rank, ctx.cp), None
 
 
 def context_parallel_gather(local: torch.Tensor, cp_group: dist.ProcessGroup) -> torch.Tensor:

@@ -96,18 +96,23 @@ def _run(script: Path, world_size: int, out: Path, common: list[str], plan: list
     return [r for r in rows if "loss" in r], load_file(out / "model" / "model.safetensors"), layouts
 
 
+def _three_step_args(model_dir: Path, pairs: Path, lr: float) -> list[str]:
+    """The plan tests' flags: 3 steps, fp32, warmup 1, centring 0.1, no validation, fresh."""
+    return [
+        "--model", str(model_dir), "--dataset", str(pairs), "--dtype", "fp32",
+        "--device", "cpu", "--max_seq_len", "192", "--max_steps", "3", "--lr", str(lr),
+        "--warmup_steps", "1", "--val_fraction", "0", "--eval_every_steps", "0",
+        "--center_rewards_coefficient", "0.1", "--resume", "none",
+    ]  # fmt: skip
+
+
 def test_hsdp_two_by_two_equals_one_process_over_three_steps(tiny_model_dir, short_pairs, tmp_path):
     """HSDP 2 x 2 (dp_replicate 2 x dp_shard 2, 4 gloo ranks, 1 pair each) runs 3 steps of the
     example's main() as 1 process does with 4 pairs per micro-batch: gradients reduce-scattered in
     each replica group and all-reduced across them (not divided: the loss is over the global pair
     count), the clipped norm over the 2-D mesh, the score head sharded like any weight. Losses
     and accuracies rel 1e-5, grad norms rel 1e-4, the saved model (score.weight too) abs 1e-5."""
-    common = [
-        "--model", str(tiny_model_dir), "--dataset", str(short_pairs), "--dtype", "fp32",
-        "--device", "cpu", "--max_seq_len", "192", "--max_steps", "3", "--lr", "1e-3",
-        "--warmup_steps", "1", "--val_fraction", "0", "--eval_every_steps", "0",
-        "--center_rewards_coefficient", "0.1", "--resume", "none",
-    ]  # fmt: skip
+    common = _three_step_args(tiny_model_dir, short_pairs, lr=1e-3)
     script = REPO / "examples" / "rm_smollm2" / "train.py"
     one, one_model, _ = _run(script, 1, tmp_path / "one", common, ["--micro_batch_size", "4"])
     plan = ["--micro_batch_size", "1", "--dp_replicate", "2"]
@@ -142,12 +147,7 @@ def test_tp_two_and_tp_two_by_fsdp_two_equal_one_process(tiny_model_dir, short_p
     script.parent.mkdir()
     spec = Spec(algo="rm", model=str(tiny_model_dir), gpus=2, tp=2, out=str(script.parent))
     script.write_text(render(spec))
-    common = [
-        "--model", str(tiny_model_dir), "--dataset", str(short_pairs), "--dtype", "fp32",
-        "--device", "cpu", "--max_seq_len", "192", "--max_steps", "3", "--lr", "1e-4",
-        "--warmup_steps", "1", "--val_fraction", "0", "--eval_every_steps", "0",
-        "--center_rewards_coefficient", "0.1", "--resume", "none", "--save_every_steps", "0",
-    ]  # fmt: skip
+    common = [*_three_step_args(tiny_model_dir, short_pairs, lr=1e-4), "--save_every_steps", "0"]
     one, one_model, _ = _run(
         script, 1, tmp_path / "one", common, ["--tp", "1", "--micro_batch_size", "4"]
     )

@@ -365,6 +365,18 @@ def run_rl(
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
+def killed_after_3_and_resumed(run_to, ref_out: Path, out: Path) -> tuple[dict, dict]:
+    """The RL kill tests' sequence: `run_to(out_dir, kill=...)` runs uninterrupted into ref_out,
+    then into out killed after step 3 and resumed (from the step-2 checkpoint, which the resumed
+    run must name); returns both runs' `steps_logged`."""
+    assert_ok(run_to(ref_out))
+    assert_killed(run_to(out, kill=("after_step", 3)))
+    proc = run_to(out)
+    assert_ok(proc)
+    assert "step_000002" in proc.stdout
+    return steps_logged(ref_out), steps_logged(out)
+
+
 def test_grpo_cpu_offload_resumes_exactly(ray_session, even_model_dir, chain_sum_64, tmp_path):
     """GRPO with cpu-offload (the policy and its KL reference offloaded; sync rollouts, the
     weights gathered from the CPU shards and pushed to the engine after every step), warmup over
@@ -381,12 +393,7 @@ def test_grpo_cpu_offload_resumes_exactly(ray_session, even_model_dir, chain_sum
         args = rl_args(ray_session, even_model_dir, chain_sum_64, out_dir, steps)
         return run_rl(script, [*args, "--warmup_steps", "3", "--kl_coef", "0.1"], kill)
 
-    assert_ok(grpo(ref_out))
-    assert_killed(grpo(out, kill=("after_step", 3)))
-    proc = grpo(out)
-    assert_ok(proc)
-    assert "step_000002" in proc.stdout
-    ref, got = steps_logged(ref_out), steps_logged(out)
+    ref, got = killed_after_3_and_resumed(grpo, ref_out, out)
     keys = ("reward", "lr", "loss", "kl", "grad_norm")
     for step in range(1, steps + 1):
         assert [got[step][k] for k in keys] == [ref[step][k] for k in keys], step
@@ -494,12 +501,7 @@ def test_ppo_resumes_exactly_after_kill(ray_session, even_model_dir, chain_sum_6
         args = rl_args(ray_session, even_model_dir, chain_sum_64, out_dir, steps)
         return run_rl(script, [*args, "--num_iterations", "2", "--kl_coef", "0.05"], kill)
 
-    assert_ok(ppo(ref_out))
-    assert_killed(ppo(out, kill=("after_step", 3)))
-    proc = ppo(out)
-    assert_ok(proc)
-    assert "step_000002" in proc.stdout
-    ref, got = steps_logged(ref_out), steps_logged(out)
+    ref, got = killed_after_3_and_resumed(ppo, ref_out, out)
     keys = ("reward", "loss", "loss/value_avg", "val/explained_variance", "objective/kl",
             "grad_norm", "lr")  # fmt: skip
     for step in range(1, steps + 1):
