@@ -242,15 +242,11 @@ PLANS = {
 }
 
 # What the SFT, DPO and GRPO skeletons' algorithms do not take yet, and why (HSDP is built for all
-# of them, TP and CP for all but qlora).
+# of them, CP for all but rm, TP for all but qlora).
 _NF4_TP = (
     "torchao 0.18's NF4Tensor splits only along dim 0 (aten.split on another dim raises "
     "NotImplementedError), and the rowwise TP plan of o_proj and down_proj shards their weight "
     "along dim 1; use --algo lora (a bf16 base takes TP) or FSDP/HSDP for qlora"
-)
-_ADAPTERS_CP = (
-    "CP is built and tested for sft, lora, kd, dpo, dpo-lora, grpo, grpo-lora and ppo; an NF4 "
-    "base under the dp_shard x cp FSDP mesh is not tested yet"
 )
 
 
@@ -289,7 +285,6 @@ def _refusals() -> dict[tuple[str, str], str]:
             )
         if name == "qlora":
             out["--tp", name] = _NF4_TP
-            out["--cp", name] = _ADAPTERS_CP
         if algo.template == "lora":  # the full-parameter ones (dpo, kd, grpo, ppo) take EP
             out["--ep", name] = (
                 "expert parallel is built for the full-parameter algorithms (sft, dpo, kd, "

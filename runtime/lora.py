@@ -413,6 +413,10 @@ def nf4_params_fsdp_cannot_shard(model: nn.Module, shard_world_size: int) -> set
       There is nothing to shard at 1 process anyway.
     - N processes: those whose rows, 64-weight blocks or scaler blocks do not split evenly over N
       (NF4 shards cannot be padded as FSDP pads plain tensors).
+
+    Args:
+        shard_world_size: the ranks FSDP shards over: the size of its mesh's shard dim (dp_shard,
+            or dp_shard x cp under context parallel; HSDP replicates over the other dim).
     """
     ignored = set()
     for _, module in lora_modules(model):

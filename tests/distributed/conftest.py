@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import TINY_CONFIG
+from tests.helpers import SMALL_VOCAB, TINY_CONFIG
 
 
 @pytest.fixture(scope="module")
@@ -30,4 +30,19 @@ def tiny_dirs(tmp_path_factory) -> dict[str, str]:
                         p.normal_(0, 0.02, generator=torch.Generator().manual_seed(1))
         save_hf_checkpoint(model, d, args.to_hf_config())
         out[name] = str(d)
+    return out
+
+
+@pytest.fixture(scope="module")
+def shardable_model_dir(tmp_path_factory, small_tokenizer_dir):
+    """A 2-layer Llama whose every projection's NF4 blocks split evenly over 2 ranks (hidden 256)."""
+    from runtime import ModelArgs, build_model, copy_tokenizer_files, save_hf_checkpoint
+
+    out = tmp_path_factory.mktemp("tiny_256")
+    dims = dict(hidden_size=256, intermediate_size=512, head_dim=64, vocab_size=SMALL_VOCAB)
+    args = ModelArgs(**{**TINY_CONFIG, **dims}, rope_theta=1e5, tie_word_embeddings=True)
+    model = build_model(args, device="cpu")
+    model.init_weights(generator=torch.Generator().manual_seed(0))
+    save_hf_checkpoint(model, out, args.to_hf_config())
+    copy_tokenizer_files(small_tokenizer_dir, out)
     return out

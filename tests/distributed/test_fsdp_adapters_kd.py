@@ -68,21 +68,6 @@ def _train(rank, world_size, script_name, model_dir, data_path, out_dir, overrid
     return losses
 
 
-@pytest.fixture(scope="module")
-def shardable_model_dir(tmp_path_factory, small_tokenizer_dir):
-    """A 2-layer Llama whose every projection's NF4 blocks split evenly over 2 ranks (hidden 256)."""
-    from runtime import ModelArgs, build_model, copy_tokenizer_files, save_hf_checkpoint
-
-    out = tmp_path_factory.mktemp("tiny_256")
-    dims = dict(hidden_size=256, intermediate_size=512, head_dim=64, vocab_size=SMALL_VOCAB)
-    args = ModelArgs(**{**TINY_CONFIG, **dims}, rope_theta=1e5, tie_word_embeddings=True)
-    model = build_model(args, device="cpu")
-    model.init_weights(generator=torch.Generator().manual_seed(0))
-    save_hf_checkpoint(model, out, args.to_hf_config())
-    copy_tokenizer_files(small_tokenizer_dir, out)
-    return out
-
-
 @pytest.mark.parametrize(
     "script_name, use_dora, layouts",
     [

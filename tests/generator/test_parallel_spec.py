@@ -41,7 +41,6 @@ pytestmark = pytest.mark.fast  # in `make test-fast` (tests/README.md)
         (Spec(tp=0), ["--tp 0: must be >= 1"]),
         # HSDP, TP and CP are wired into the SFT and DPO skeletons but not everywhere: the
         # support table's reasons (generator.features.refusal)
-        (Spec(algo="qlora", gpus=2, cp=2), ["--algo qlora with --cp 2", "an NF4 base under the dp_shard x cp", "use --cp 1 (FSDP over all GPUs, or HSDP with --dp-replicate)"]),
         # dpo under TP: the chunked per-token log-probs and packed pairs are not built for it
         (Spec(algo="dpo", model="qwen3-0.6b", gpus=2, tp=2, tricks=("lce",), dataset="dpo_en_demo.json"), ["--tricks lce with --tp 2", "runtime.token_logprobs", "or use --tp 1"]),
         (Spec(algo="dpo", model="qwen3-0.6b", gpus=2, tp=2, tricks=("packing", "ac"), dataset="dpo_en_demo.json"), ["--tricks packing with --tp 2", "collate_preference_packs", "drop it (--tricks ac)"]),
@@ -81,6 +80,7 @@ def test_valid_plans_pass_and_command_prints_non_defaults():
         for a, m in (("dpo", "allgather"), ("dpo-lora", "ring"))
     ]
     cp_lora = Spec(algo="lora", gpus=2, cp=2, out="o")
+    cp_qlora = Spec(algo="qlora", gpus=2, cp=2, cp_mode="ring", out="o")
     cp_kd = Spec(algo="kd", gpus=2, cp=2, out="o")
     tp_kd = Spec(algo="kd", model="qwen3-0.6b", gpus=2, tp=2, tricks=("ac",), out="o")
     tp_adapters = [
@@ -108,6 +108,7 @@ def test_valid_plans_pass_and_command_prints_non_defaults():
         *tp_adapters,
         *cp_dpo,
         cp_lora,
+        cp_qlora,
         cp_kd,
         tp_kd,
     ):

@@ -251,8 +251,8 @@ def test_new_writes_spec_and_base_and_refuses_overwrite(tmp_path):
         (["--gpus", "0"], "--gpus 0 and --nodes 1 must both be >= 1"),
         (["--peft", "dora"], "--peft dora needs an adapter algorithm (--algo lora or qlora or"),
         (
-            ["--algo", "qlora", "--gpus", "2", "--cp", "2"],
-            "--algo qlora with --cp 2: CP is built and tested for sft, lora, kd, dpo, dpo-lora, grpo, grpo-lora and ppo",
+            ["--algo", "qlora", "--model", "qwen3-0.6b", "--gpus", "2", "--tp", "2"],
+            "--algo qlora with --tp 2: torchao 0.18's NF4Tensor splits only along dim 0",
         ),
         (
             [
@@ -340,10 +340,10 @@ def test_list_and_help():
     assert all(rows[t] == ["yes"] * 10 for t in TRICKS if t not in (*precision, *refused))
     assert rows["bf16-sr"] == ["yes", "no", "no", "yes", "no", "yes", "no", "yes", "yes", "yes"]
     assert rows["cpu-offload"] == ["yes", "no", "no", "yes", "no", "yes", "no", "yes", "yes", "yes"]
-    # TP and CP: every skeleton, full parameters and LoRA; not qlora (NF4); the reward model takes
-    # TP, not CP
+    # TP and CP: every skeleton, full parameters and LoRA; TP not for qlora (NF4 splits on dim 0);
+    # the reward model takes TP, not CP
     assert rows["--tp"] == ["yes", "yes", "no", "yes", "yes", "yes", "yes", "yes", "yes", "yes"]
-    assert rows["--cp"] == ["yes", "yes", "no", "yes", "yes", "yes", "yes", "yes", "no", "yes"]
+    assert rows["--cp"] == ["yes", "yes", "yes", "yes", "yes", "yes", "yes", "yes", "no", "yes"]
     assert rows["--dp-replicate"] == ["yes"] * 10  # HSDP: every algorithm, rm too
     assert rows["--ep"] == ["yes", "no", "no", "yes", "no", "yes", "no", "yes", "no", "yes"]
     assert any(line.strip().startswith("no: --tp with qlora: torchao") for line in support)
