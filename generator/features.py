@@ -242,7 +242,7 @@ PLANS = {
 }
 
 # What the SFT, DPO and GRPO skeletons' algorithms do not take yet, and why (HSDP is built for all
-# of them, CP for all but rm, TP for all but qlora).
+# of them, CP for all, TP for all but qlora).
 _NF4_TP = (
     "torchao 0.18's NF4Tensor splits only along dim 0 (aten.split on another dim raises "
     "NotImplementedError), and the rowwise TP plan of o_proj and down_proj shards their weight "
@@ -268,13 +268,13 @@ def _refusals() -> dict[tuple[str, str], str]:
     for name, algo in ALGOS.items():
         if algo.skeleton == "rm":
             # HSDP: the score head is one more FSDP-sharded weight on the 2-D mesh; TP: the
-            # decoder's plan, the score head replicated on the tp ranks (runtime.replicate_over_mesh)
-            for plan in ("--cp", "--ep"):
-                out[plan, name] = (
-                    "not wired into the RM skeleton yet (the score head's placement and the "
-                    "pooled last token under this plan are untested); FSDP over --gpus, HSDP "
-                    "(--dp-replicate) and TP (--tp) only"
-                )
+            # decoder's plan, the score head replicated on the tp ranks (runtime.replicate_over_mesh);
+            # CP: each row scored on the cp rank holding its last token, summed over the cp ranks
+            out["--ep", name] = (
+                "not wired into the RM skeleton yet (the score head's placement and the "
+                "pooled last token under this plan are untested); FSDP over --gpus, HSDP "
+                "(--dp-replicate), TP (--tp) and CP (--cp) only"
+            )
             out["packing", name] = (
                 "not built for reward models yet: a packed row would need one scored position "
                 "per document and a per-document score gather"

@@ -34,8 +34,8 @@ What is simulated, and what is not:
 - The synthetic batch: micro_batch_size rows of max_seq_len tokens (the options, else the
   script's Config defaults), every position supervised (the largest logits a batch of that size
   can produce), gradient_accumulation_steps = 1. Under --cp, train_step is called as the
-  script's main() calls it (cp rank and size, the dp x cp group), so the rank keeps its 2 of the
-  2*cp chunks of every row; the attention is the Config's cp_mode (all-gather or ring), and the
+  script's main() calls it (cp rank and size, the dp x cp group; the RM script's cuts the chunks
+  itself), so the rank keeps its 2 of the 2*cp chunks of every row; the attention is the Config's cp_mode (all-gather or ring), and the
   all-gather's bottom-right causal mask is a GPU's (no mask tensor: `_causal_bias_outside_modes`).
 - GRPO: the trainer's step on synthetic rollouts, built as the script's loop builds them:
   prompts_per_step * num_generations `Rollout`s of max_prompt_len prompt and max_new_tokens
@@ -843,12 +843,13 @@ def measure_step(
         propagation = _separate_propagation_fake_mode() if fake else contextlib.nullcontext()
         dp_group = mesh["dp"].get_group()
         cp_args = ()
-        if getattr(cfg, "cp", 1) > 1:  # as the script's main(): this rank's chunks of every row
+        # as the script's main(): SFT's train_step takes this rank's chunks of every row and the
+        # dp x cp group; the RM's reduces over dp and cuts its cp chunks inside (`pair_rewards`)
+        if getattr(cfg, "cp", 1) > 1 and not rm:
             dp_group = mesh["dp_cp"].get_group()
             cp_args = (mesh["cp"].get_local_rank(), cfg.cp)
         with propagation, tracker, answers, _causal_bias_outside_modes(fake):
-            # the RM script reduces over every rank (FSDP only: no dp group or cp chunks to pass)
-            groups = () if rm else (dp_group, *cp_args)
+            groups = (dp_group, *cp_args)
             for _ in range(2):  # step 1 creates the optimizer state; step 2 holds it
                 script.train_step(
                     model, optimizer, scheduler, [batch], cfg, dist_info.device, *groups

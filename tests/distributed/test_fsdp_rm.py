@@ -68,7 +68,10 @@ def test_fsdp2_two_ranks_equal_one_for_reward_model(tiny_model_dir, tmp_path):
 
 def _main(rank, world_size, script, argv) -> dict[str, tuple]:
     """`script`'s main(argv); returns how `parallelize` left the embedding and the score head:
-    {name: (mesh dim names, placements)}, () for a plain tensor (the plan is really applied)."""
+    {name: (mesh dim names, placements)}, () for a plain tensor (the plan is really applied),
+    and "cp_attention": the name of the attention layers' context-parallel attention (None
+    without cp)."""
+    from runtime.models.llama import LlamaAttention
     from tests.helpers import import_script
 
     module = import_script(Path(script), "rm_plan_" + Path(script).parent.name)
@@ -81,6 +84,8 @@ def _main(rank, world_size, script, argv) -> dict[str, tuple]:
             p = model.get_parameter(name)
             mesh = getattr(p, "device_mesh", None)
             layouts[name] = (mesh.mesh_dim_names, tuple(map(str, p.placements))) if mesh else ()
+        attention = next(m for m in model.modules() if isinstance(m, LlamaAttention))
+        layouts["cp_attention"] = getattr(attention.cp_attention, "__name__", None)
 
     module.parallelize = recording
     module.main(argv)
@@ -106,6 +111,21 @@ def _three_step_args(model_dir: Path, pairs: Path, lr: float) -> list[str]:
     ]  # fmt: skip
 
 
+def _assert_runs_equal(one, one_model, got, got_model, what, abs_tol: float = 1e-7) -> None:
+    """`_run`'s step rows and saved model of a parallel plan (`got`) equal the 1-process run's:
+    steps 1-3, 4 pairs counted per step (over dp only), loss / accuracy / margin / mean_reward rel
+    1e-5 (abs `abs_tol`), grad_norm rel 1e-4, every saved tensor (score.weight too) abs 1e-5."""
+    assert [r["step"] for r in got] == [r["step"] for r in one] == [1, 2, 3]
+    for a, b in zip(one, got, strict=True):
+        assert b["num_pairs"] == a["num_pairs"] == 4, what
+        for key in ("loss", "accuracy", "margin", "mean_reward"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=abs_tol), (what, key)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), what
+    assert one_model.keys() == got_model.keys() and "score.weight" in one_model
+    for key, want in one_model.items():
+        torch.testing.assert_close(got_model[key], want, atol=1e-5, rtol=0, msg=key)
+
+
 def test_hsdp_two_by_two_equals_one_process_over_three_steps(tiny_model_dir, short_pairs, tmp_path):
     """HSDP 2 x 2 (dp_replicate 2 x dp_shard 2, 4 gloo ranks, 1 pair each) runs 3 steps of the
     example's main() as 1 process does with 4 pairs per micro-batch: gradients reduce-scattered in
@@ -118,17 +138,9 @@ def test_hsdp_two_by_two_equals_one_process_over_three_steps(tiny_model_dir, sho
     plan = ["--micro_batch_size", "1", "--dp_replicate", "2"]
     four, four_model, layouts = _run(script, 4, tmp_path / "four", common, plan)
     assert layouts["score.weight"][0] == ("dp_replicate", "dp_shard")  # HSDP's 2-D mesh
-    assert [r["step"] for r in four] == [r["step"] for r in one] == [1, 2, 3]
-    for a, b in zip(one, four, strict=True):
-        assert b["num_pairs"] == a["num_pairs"] == 4
-        for key in ("loss", "accuracy", "margin", "mean_reward"):
-            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    _assert_runs_equal(one, one_model, four, four_model, "hsdp")
     # AdamW moves each weight by about lr (1e-3) a step, 100x the weight tolerance
     assert one[2]["loss"] != pytest.approx(one[0]["loss"], rel=1e-3)
-    assert one_model.keys() == four_model.keys() and "score.weight" in one_model
-    for key, want in one_model.items():
-        torch.testing.assert_close(four_model[key], want, atol=1e-5, rtol=0, msg=key)
 
 
 def test_tp_two_and_tp_two_by_fsdp_two_equal_one_process(tiny_model_dir, short_pairs, tmp_path):
@@ -162,12 +174,54 @@ def test_tp_two_and_tp_two_by_fsdp_two_equal_one_process(tiny_model_dir, short_p
         ):
             dims, placements = layouts[name]
             assert placements[dims.index("tp")] == want, (world_size, name, layouts[name])
-        assert [r["step"] for r in got] == [r["step"] for r in one] == [1, 2, 3]
-        for a, b in zip(one, got, strict=True):
-            assert b["num_pairs"] == a["num_pairs"] == 4, world_size  # counted over dp only
-            for key in ("loss", "accuracy", "margin", "mean_reward"):
-                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (world_size, key)
-            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), world_size
-        assert one_model.keys() == got_model.keys() and "score.weight" in one_model
-        for key, want in one_model.items():
-            torch.testing.assert_close(got_model[key], want, atol=1e-5, rtol=0, msg=key)
+        _assert_runs_equal(one, one_model, got, got_model, world_size)
+
+
+def test_cp_two_in_both_modes_and_with_tp_two_equals_one_process(tiny_model_dir, tmp_path):
+    """The script `scaffold new --algo rm --gpus 4 --tp 2 --cp 2` renders, 3 steps of its main():
+    CP 2 on 2 gloo ranks (--tp 1; dp 1: both cp ranks read the 4 training pairs; every row
+    padded to a multiple of 4 and cut into 4 chunks, 2 per rank), K/V all-gathered and in a ring,
+    and CP 2 x TP 2 on 4 in the ring (the ring over tp-sharded heads), equal the same script with
+    --tp 1 --cp 1 on 1 process. The rows end at different chunks, so both cp ranks hold scored
+    tokens (measured: the training batch's scored tokens in chunks 1, 2 and 3). Losses,
+    accuracies, margins and mean rewards rel 1e-5 / abs 1e-6, grad norms rel 1e-4, the held-out
+    val_loss, val_accuracy and val_margin (4 pairs, evaluated after step 3) rel 1e-5 / abs 1e-6,
+    the saved model (score.weight too) abs 1e-5."""
+    from generator.render import render
+    from generator.spec import Spec
+
+    # 8 pairs, 4 held out: long chosen replies (up to ~70 tokens), short rejected ones
+    rows = [
+        {"prompt": f"Count to {3 * i + 1}.", "chosen": " ".join(map(str, range(1, 3 * i + 2))),
+         "rejected": "No." if i % 2 else f"{i}?", "margin": 0.25 * i}
+        for i in range(8)
+    ]  # fmt: skip
+    data = tmp_path / "pairs.json"
+    data.write_text(json.dumps(rows))
+    script = tmp_path / "rm_cp2" / "train.py"
+    script.parent.mkdir()
+    script.write_text(render(Spec(algo="rm", model=str(tiny_model_dir), gpus=4, tp=2, cp=2)))
+    common = [
+        *_three_step_args(tiny_model_dir, data, lr=1e-4), "--val_fraction", "0.5",
+        "--micro_batch_size", "4", "--save_every_steps", "0",
+    ]  # fmt: skip
+    single = ["--tp", "1", "--cp", "1"]
+    one, one_model, one_layouts = _run(script, 1, tmp_path / "one", common, single)
+    assert one_layouts["cp_attention"] is None
+    plans = [
+        (2, ["--tp", "1", "--cp_mode", "allgather"], "context_parallel_attention"),
+        (2, ["--tp", "1", "--cp_mode", "ring"], "ring_attention"),
+        (4, ["--cp_mode", "ring"], "ring_attention"),
+    ]
+    for world_size, plan, attention in plans:
+        what = f"{world_size} ranks {plan}"
+        out = tmp_path / f"{world_size}_{plan[-1]}"
+        got, got_model, layouts = _run(script, world_size, out, common, plan)
+        assert layouts["cp_attention"] == attention, (what, layouts)  # the plan is applied
+        dims, placements = layouts["score.weight"]
+        assert dims[0] == "dp_shard_cp" and placements[-1] == ("R" if world_size == 4 else "S(0)")
+        # abs 1e-6: a margin is a difference of rewards of size ~0.1 and rounds as they do
+        # (measured up to 5.4e-8 on a margin of 0.007, where 1e-7 would leave 2x)
+        _assert_runs_equal(one, one_model, got, got_model, what, abs_tol=1e-6)
+        for key in ("val_loss", "val_accuracy", "val_margin"):
+            assert got[-1][key] == pytest.approx(one[-1][key], rel=1e-5, abs=1e-6), (what, key)

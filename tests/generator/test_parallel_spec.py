@@ -80,7 +80,13 @@ def test_valid_plans_pass_and_command_prints_non_defaults():
         for a, m in (("dpo", "allgather"), ("dpo-lora", "ring"))
     ]
     cp_lora = Spec(algo="lora", gpus=2, cp=2, out="o")
-    cp_qlora = Spec(algo="qlora", gpus=2, cp=2, cp_mode="ring", out="o")
+    cp_qlora_rm = [
+        Spec(algo=a, gpus=2, cp=2, cp_mode=m, dataset=d, out="o")
+        for a, m, d in (
+            ("qlora", "ring", "alpaca_en_demo.json"),
+            ("rm", "allgather", "dpo_en_demo.json"),
+        )
+    ]
     cp_kd = Spec(algo="kd", gpus=2, cp=2, out="o")
     tp_kd = Spec(algo="kd", model="qwen3-0.6b", gpus=2, tp=2, tricks=("ac",), out="o")
     tp_adapters = [
@@ -108,7 +114,7 @@ def test_valid_plans_pass_and_command_prints_non_defaults():
         *tp_adapters,
         *cp_dpo,
         cp_lora,
-        cp_qlora,
+        *cp_qlora_rm,
         cp_kd,
         tp_kd,
     ):

@@ -340,10 +340,9 @@ def test_list_and_help():
     assert all(rows[t] == ["yes"] * 10 for t in TRICKS if t not in (*precision, *refused))
     assert rows["bf16-sr"] == ["yes", "no", "no", "yes", "no", "yes", "no", "yes", "yes", "yes"]
     assert rows["cpu-offload"] == ["yes", "no", "no", "yes", "no", "yes", "no", "yes", "yes", "yes"]
-    # TP and CP: every skeleton, full parameters and LoRA; TP not for qlora (NF4 splits on dim 0);
-    # the reward model takes TP, not CP
+    # TP and CP: every skeleton, full parameters and LoRA; TP not for qlora (NF4 splits on dim 0)
     assert rows["--tp"] == ["yes", "yes", "no", "yes", "yes", "yes", "yes", "yes", "yes", "yes"]
-    assert rows["--cp"] == ["yes", "yes", "yes", "yes", "yes", "yes", "yes", "yes", "no", "yes"]
+    assert rows["--cp"] == ["yes"] * 10
     assert rows["--dp-replicate"] == ["yes"] * 10  # HSDP: every algorithm, rm too
     assert rows["--ep"] == ["yes", "no", "no", "yes", "no", "yes", "no", "yes", "no", "yes"]
     assert any(line.strip().startswith("no: --tp with qlora: torchao") for line in support)
