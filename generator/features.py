@@ -241,8 +241,8 @@ PLANS = {
     "--ep": "expert parallel (MoE)",
 }
 
-# What the SFT, DPO and GRPO skeletons' algorithms do not take yet, and why (HSDP is built for all
-# of them, CP for all, TP for all but qlora).
+# What the SFT, DPO and GRPO skeletons' algorithms do not take yet, and why (HSDP, CP and EP are
+# built for all of them, TP for all but qlora).
 _NF4_TP = (
     "torchao 0.18's NF4Tensor splits only along dim 0 (aten.split on another dim raises "
     "NotImplementedError), and the rowwise TP plan of o_proj and down_proj shards their weight "
@@ -269,12 +269,8 @@ def _refusals() -> dict[tuple[str, str], str]:
         if algo.skeleton == "rm":
             # HSDP: the score head is one more FSDP-sharded weight on the 2-D mesh; TP: the
             # decoder's plan, the score head replicated on the tp ranks (runtime.replicate_over_mesh);
-            # CP: each row scored on the cp rank holding its last token, summed over the cp ranks
-            out["--ep", name] = (
-                "not wired into the RM skeleton yet (the score head's placement and the "
-                "pooled last token under this plan are untested); FSDP over --gpus, HSDP "
-                "(--dp-replicate), TP (--tp) and CP (--cp) only"
-            )
+            # CP: each row scored on the cp rank holding its last token, summed over the cp ranks;
+            # EP: the experts sharded as for a causal LM, the score head FSDP-sharded beside them
             out["packing", name] = (
                 "not built for reward models yet: a packed row would need one scored position "
                 "per document and a per-document score gather"
@@ -285,12 +281,6 @@ def _refusals() -> dict[tuple[str, str], str]:
             )
         if name == "qlora":
             out["--tp", name] = _NF4_TP
-        if algo.template == "lora":  # the full-parameter ones (dpo, kd, grpo, ppo) take EP
-            out["--ep", name] = (
-                "expert parallel is built for the full-parameter algorithms (sft, dpo, kd, "
-                "grpo, ppo); frozen experts under EP beside adapters (their merged export and "
-                "weight sync) are not built yet"
-            )
         if name == "ppo":
             out["lce", name] = (
                 "not built yet: the value head reads the same final hidden states as lm_head, and "

@@ -6,9 +6,9 @@ Bradley-Terry loss; this module is its bookkeeping: which padding token the chec
 which token of a row is scored, loading a causal LM's decoder under a fresh head, the save in
 Hugging Face layout, and `RewardModelFunction` (a saved RM as a plain reward function).
 
-Pooling, as transformers' `GenericForSequenceClassification` (Llama, Qwen2, Qwen3): the score of
-a row is the head at the rightmost token that is not `config.pad_token_id` (left or right
-padding alike). A padding token the chat template itself writes (SmolLM2's pad is its
+Pooling, as transformers' `GenericForSequenceClassification` (Llama, Qwen2, Qwen3, Qwen3-MoE):
+the score of a row is the head at the rightmost token that is not `config.pad_token_id` (left or
+right padding alike). A padding token the chat template itself writes (SmolLM2's pad is its
 end-of-turn `<|im_end|>`) could be the last real token of a row; `reward_pad_token_id` picks one
 the template never writes, and the saved tokenizer pads with it too.
 

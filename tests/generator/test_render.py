@@ -286,10 +286,6 @@ def test_new_writes_spec_and_base_and_refuses_overwrite(tmp_path):
             "FSDP-sharded over all; choose --ep among [1, 2, 3, 6]",
         ),
         (
-            ["--model", "qwen3-30b-a3b", "--ep", "2", "--gpus", "2", "--algo", "lora"],
-            "--algo lora with --ep 2: expert parallel is built for the full-parameter algorithms",
-        ),
-        (
             ["--model", "qwen3-30b-a3b", "--ep", "2", "--gpus", "2", "--tricks", "optim-in-bwd"],
             "--ep 2 and --tricks optim-in-bwd cannot be combined",
         ),
@@ -344,7 +340,7 @@ def test_list_and_help():
     assert rows["--tp"] == ["yes", "yes", "no", "yes", "yes", "yes", "yes", "yes", "yes", "yes"]
     assert rows["--cp"] == ["yes"] * 10
     assert rows["--dp-replicate"] == ["yes"] * 10  # HSDP: every algorithm, rm too
-    assert rows["--ep"] == ["yes", "no", "no", "yes", "no", "yes", "no", "yes", "no", "yes"]
+    assert rows["--ep"] == ["yes"] * 10  # EP: every algorithm on a MoE model
     assert any(line.strip().startswith("no: --tp with qlora: torchao") for line in support)
     helped = runner.invoke(cli, ["new", "--help"])
     assert helped.exit_code == 0 and "--model" in helped.output and "--tricks" in helped.output

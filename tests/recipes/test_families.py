@@ -84,14 +84,15 @@ def test_lora_on_a_mixture_of_experts_names_why_the_experts_are_not_adapted():
         add_lora(model, ["q_proj", "gate_proj"], rank=2, alpha=4.0)
 
 
-@pytest.mark.parametrize("algo", ["lora", "dpo", "kd", "grpo"])
+@pytest.mark.parametrize("algo", ["lora", "qlora", "dpo", "dpo-lora", "kd", "rm", "grpo"])
 def test_every_algorithm_trains_a_mixture_of_experts(
     algo, tiny_moe_dir, tmp_path, small_dataset, short_pairs, chain_sum_64, ray_session
 ):
-    """MoE for every algorithm (FSDP plans; EP is SFT's): each skeleton's script for a qwen3_moe
-    model trains on it. LoRA, DPO and KD repeat one batch, whose loss must fall; GRPO's engine
-    samples from the trained experts after each weight sync (3 steps, the loss finite and the
-    policy versions advancing)."""
+    """MoE for every algorithm, 1 process (EP on ranks: tests/distributed/test_expert_parallel.py):
+    each skeleton's script for a qwen3_moe model trains on it. LoRA, QLoRA, DPO, DPO-LoRA, KD and
+    the reward model repeat one batch, whose loss must fall; GRPO's engine samples from the
+    trained experts after each weight sync (3 steps, the loss finite and the policy versions
+    advancing); grpo-lora's MoE run is test_expert_parallel's 1-process reference."""
     run = tmp_path / "run"
     result = CliRunner().invoke(
         cli, ["new", "--algo", algo, "--model", str(tiny_moe_dir), "--dtype", "fp32", "--out", str(run)]
@@ -108,15 +109,17 @@ def test_every_algorithm_trains_a_mixture_of_experts(
         assert [m["policy_versions"] for m in history] == [[v] * 8 for v in (0, 1, 2)]
         assert all(math.isfinite(m["loss"]) and m["grad_norm"] > 0 for m in history)
         return
-    data = short_pairs if algo == "dpo" else tmp_path / "four.json"
-    if algo != "dpo":  # 4 real rows, micro-batch 4: every step sees the same batch
+    pairs = algo in ("dpo", "dpo-lora", "rm")  # short_pairs: 4 pairs, micro-batch 4
+    data = short_pairs if pairs else tmp_path / "four.json"
+    if not pairs:  # 4 real rows, micro-batch 4: every step sees the same batch
         data.write_text(json.dumps(json.loads(small_dataset.read_text())[:4]))
-    extra = {"kd": ["--teacher", str(tiny_moe_dir)], "dpo": ["--max_seq_len", "192"]}.get(algo, [])
-    lr = {"lora": "2e-2", "dpo": "1e-3", "kd": "2e-3"}[algo]
+    extra = ["--teacher", str(tiny_moe_dir)] if algo == "kd" else []
+    extra += [] if algo == "rm" else ["--sample_max_new_tokens", "0"]  # an RM does not sample
+    lr = {"lora": "2e-2", "qlora": "2e-2", "dpo": "1e-3", "dpo-lora": "2e-2", "kd": "2e-3", "rm": "1e-3"}[algo]  # fmt: skip
     script.main(
         ["--max_steps", "3", "--warmup_steps", "0", "--lr", lr, "--dataset", str(data),
-         "--micro_batch_size", "4", "--val_fraction", "0", "--sample_max_new_tokens", "0",
-         "--out_dir", out, *(["--max_seq_len", "64"] if algo != "dpo" else []), *extra]
+         "--micro_batch_size", "4", "--val_fraction", "0", "--out_dir", out,
+         "--max_seq_len", "192" if pairs else "64", *extra]
     )  # fmt: skip
     losses = [r["loss"] for r in read_metrics(run / "out")]
     assert len(losses) == 3 and losses[2] < losses[0], losses
