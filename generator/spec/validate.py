@@ -102,14 +102,6 @@ _DPO_TP_REFUSED_TRICKS = {
     "packing": "not built yet for DPO: packed preference rows (collate_preference_packs) are not "
     "padded to a multiple of tp for sequence parallel",
 }
-# ... and on the GRPO skeleton (grpo, grpo-lora, ppo), whose log-probs take the model's own
-# forward on whole padded rows
-_GRPO_TP_REFUSED_TRICKS = {
-    "lce": "not built yet for the GRPO skeleton: the chunked completion log-probs "
-    "(runtime.completion_logprobs) have no vocab-parallel path",
-    "packing": "not built yet for the GRPO skeleton: packed rollout rows (runtime.pack_rollouts) "
-    "are not padded to a multiple of tp for sequence parallel",
-}
 
 
 def model_config(spec: Spec) -> dict:
@@ -187,8 +179,6 @@ def _validate_parallel(spec: Spec) -> None:
         table = dict(_TP_REFUSED_TRICKS)
         if ALGOS[spec.algo].skeleton == "dpo":
             table.update(_DPO_TP_REFUSED_TRICKS)
-        if ALGOS[spec.algo].skeleton == "grpo":
-            table.update(_GRPO_TP_REFUSED_TRICKS)
         if spec.algo == "kd":
             table["lce"] = (
                 "not built yet for kd: the chunked KL (runtime.chunked_kd_loss) has no "
@@ -397,15 +387,6 @@ _CP_REFUSED_TRICKS = {
     "cpu-offload": "FSDP2 CPU offload over the dp_shard x cp mesh is not tested here",
 }
 
-# ... and on the GRPO skeleton, whose rows are sharded in `context_parallel_rows`
-_GRPO_CP_REFUSED_TRICKS = {
-    "lce": "not built yet for the GRPO skeleton: the chunked completion log-probs "
-    "(runtime.completion_logprobs) are not sharded over the cp ranks",
-    "packing": "not built yet for the GRPO skeleton: a packed row's sequence ids and document "
-    "mask would need sharding with its tokens",
-}
-
-
 # ... and on the DPO skeleton, whose sequence sums are completed over the cp ranks
 _DPO_CP_REFUSED_TRICKS = {
     "packing": "not built yet for DPO: a packed row's sequence_ids would need sharding with its "
@@ -420,8 +401,6 @@ def _validate_cp(spec: Spec, world: int) -> None:
     table = dict(_CP_REFUSED_TRICKS)
     if ALGOS[spec.algo].skeleton == "dpo":
         table.update(_DPO_CP_REFUSED_TRICKS)
-    if ALGOS[spec.algo].skeleton == "grpo":
-        table.update(_GRPO_CP_REFUSED_TRICKS)
     refused = [t for t in spec.tricks if t in table]
     if refused:
         raise SpecError(

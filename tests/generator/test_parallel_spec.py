@@ -52,9 +52,9 @@ pytestmark = pytest.mark.fast  # in `make test-fast` (tests/README.md)
         (Spec(algo="dpo-lora", gpus=2, cp=2, tricks=("lce", "ac"), dataset="dpo_en_demo.json"), ["--tricks lce with --cp 2", "runtime.token_logprobs", "drop it (--tricks ac)"]),
         # GRPO's mesh is the trainer's ranks: the GPUs its engines leave
         (Spec(algo="grpo", gpus=4, engine_gpus=2, dp_replicate=4, dataset="chain_sum.jsonl"), ["(--gpus 4 - --engine-gpus 2) x --nodes 1 = 2 trainer processes", "not divisible by dp_replicate*cp*tp = 4*1*1", "one of [1, 2]"]),
-        # GRPO under TP / CP: packed rollout rows and the chunked log-probs are not built for it
-        (Spec(algo="grpo", model="qwen3-0.6b", gpus=4, engine_gpus=0, tp=2, tricks=("packing",), dataset="chain_sum.jsonl"), ["--tricks packing with --tp 2", "runtime.pack_rollouts", "or use --tp 1"]),
-        (Spec(algo="grpo-lora", gpus=4, engine_gpus=0, cp=2, tricks=("ac", "lce"), dataset="chain_sum.jsonl"), ["--tricks lce with --cp 2", "not sharded over the cp ranks", "drop it (--tricks ac)"]),
+        # GRPO under CP: packed rollout rows need the ring's document mask; PPO takes no packing
+        (Spec(algo="grpo-lora", gpus=4, engine_gpus=0, cp=2, tricks=("ac", "packing"), dataset="chain_sum.jsonl"), ["--tricks packing with --cp 2 --cp-mode allgather", "add --cp-mode ring", "(--tricks ac)"]),
+        (Spec(algo="ppo", model="qwen3-0.6b", gpus=4, engine_gpus=0, tp=2, tricks=("packing",), dataset="chain_sum.jsonl"), ["--algo ppo does not take --tricks packing", "GAE"]),
         # compile of DTensor blocks is not tested here
         (Spec(model="qwen3-0.6b", gpus=2, tp=2, tricks=("compile",)), ["--tricks compile with --tp 2"]),
     ],
@@ -100,7 +100,13 @@ def test_valid_plans_pass_and_command_prints_non_defaults():
     hsdp_cp = Spec(gpus=8, cp=2, dp_replicate=2, out="o")
     tp_cp = Spec(model="qwen3-0.6b", gpus=8, cp=2, tp=2, out="o")
     ring_packing = Spec(gpus=2, cp=2, cp_mode="ring", tricks=("packing", "ac"), out="o")
+    grpo_tricks = [  # lce and packing on the GRPO skeleton under TP and ring CP
+        Spec(algo=a, model="qwen3-0.6b", gpus=4, engine_gpus=0, dataset="chain_sum.jsonl", out="o", **plan)
+        for a in ("grpo", "grpo-lora")
+        for plan in ({"tp": 2, "tricks": ("lce", "packing")}, {"cp": 2, "cp_mode": "ring", "tricks": ("lce", "packing")})
+    ]  # fmt: skip
     for spec in (
+        *grpo_tricks,
         tp,
         hsdp,
         cp,
