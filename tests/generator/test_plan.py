@@ -1017,7 +1017,7 @@ def _real_moe_rank(rank, world_size, balanced, kind, *args):
     or, balanced False, the router's own top-k on the random model."""
     from generator.plan_harness import balanced_routing
 
-    measure = {"sft": _real_rank, "grpo": _real_grpo_rank}[kind]
+    measure = {"sft": _real_rank, "grpo": _real_grpo_rank, "dpo": _real_dpo_rank}[kind]
     with balanced_routing() if balanced else contextlib.nullcontext():
         return measure(rank, world_size, *args)
 
@@ -1025,8 +1025,9 @@ def _real_moe_rank(rank, world_size, balanced, kind, *args):
 def test_moe_simulations_match_four_gloo_ranks(tmp_path):
     """A tiny Qwen3-MoE on 4 ranks: sft under EP 2 x FSDP 2 (each rank holds 4 of the 8 experts
     whole; dispatch and combine by all-to-all) and FSDP 4 (the experts sharded like any weight),
-    and grpo under EP 2 x FSDP 2. The real gloo ranks run with the plan's routing assumption
-    (`balanced_routing`: every expert gets tokens * top_k / num_experts assignments), so each is
+    grpo and dpo (its separate reference) under EP 2 x FSDP 2. The real gloo ranks run with the
+    plan's routing assumption (`balanced_routing`: every expert gets tokens * top_k /
+    num_experts assignments), so each is
     within the tolerance of the simulated rank, resident rows exact; EP holds more expert bytes
     per rank than FSDP 4 (4 whole experts vs a quarter of 8). The same ranks with the router's
     own top-k (random weights) measure the assumption's own error under EP, printed (when
@@ -1038,15 +1039,18 @@ def test_moe_simulations_match_four_gloo_ranks(tmp_path):
         ("sft", Spec(model=str(m), gpus=4, ep=2), (2, 256)),
         ("sft", Spec(model=str(m), gpus=4), (2, 256)),
         ("grpo", _grpo_spec(m, gpus=4, engine_gpus=0, ep=2), ()),
+        ("dpo", _dpo_spec(m, gpus=4, ep=2), ()),  # its separate reference's experts split too
     ]
     ep_sft, fsdp_sft = simulate([spec for _, spec, _ in cases[:2]], 2, 256)
     (grpo,) = simulate([cases[2][1]], GRPO_MBS, GRPO_SEQ)
+    (dpo,) = simulate([cases[3][1]], DPO_MBS, DPO_SEQ)
     assert ep_sft.categories["parameters"] > fsdp_sft.categories["parameters"]
     for i, ((kind, spec, sizes), sim) in enumerate(
-        zip(cases, [ep_sft, fsdp_sft, grpo], strict=True)
+        zip(cases, [ep_sft, fsdp_sft, grpo, dpo], strict=True)
     ):
-        for balanced in (True, False) if spec.ep > 1 else (True,):
+        for balanced in (True, False) if kind in ("sft", "grpo") and spec.ep > 1 else (True,):
             args = (json.dumps(asdict(spec)), str(m), *sizes, str(tmp_path / f"c{i}{balanced}"))
+            args += ("separate",) if kind == "dpo" else ()
             ranks = spawn(_real_moe_rank, world_size=4, args=(balanced, kind, *args))
             if balanced:
                 for rank_result in ranks:
