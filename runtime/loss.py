@@ -409,7 +409,16 @@ def _chunk_token_logprobs(
     h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, logits_transform=None
 ):
     """log softmax(h @ weight.T)[targets] for one chunk: [C, D], [V, D], [C] -> [C] fp32;
-    `logits_transform(logits [C, V], targets [C]) -> [C, V]` runs before the softmax."""
+    `logits_transform(logits [C, V], targets [C]) -> [C, V]` runs before the softmax. A
+    tp vocab-sharded `weight` (DTensor Shard(0)) gives vocab-sharded [C, V] logits, reduced by
+    `target_logprobs` over the tp ranks."""
+    if _is_tp_vocab_sharded(weight):
+        from torch.distributed.tensor import DTensor, Replicate
+
+        # h is the same on every tp rank: as a Replicate DTensor, the matmul's backward all-reduces
+        # the per-shard partial gradients of h (as linear_cross_entropy's grad_hidden all-reduce)
+        h = DTensor.from_local(h, weight.device_mesh, [Replicate()], run_check=False)
+        return target_logprobs(h @ weight.T, targets)  # [C, V] Shard(-1) -> [C] plain
     logits = (h @ weight.T).to(torch.promote_types(h.dtype, torch.float32))  # [C, V] fp32
     if logits_transform is not None:
         logits = logits_transform(logits, targets)
@@ -443,13 +452,31 @@ def token_logprobs(
             to each chunk's logits before the log-softmax (GRPO's top-k / top-p truncation,
             `runtime.generate.truncate_logits`); it runs again in the backward's recomputation.
 
+    Loss parallel: when `weight` is a DTensor sharded on the vocab dim over the mesh named "tp"
+    (lm_head under `runtime.parallel.llama_tp_plan`), each chunk's logits stay vocab-sharded
+    ([C, V/tp] per rank) and `target_logprobs` combines the row max, sum of exp and target logit
+    with all-reduces of [C] vectors; `hidden` must then be the same [B, S, D] on every tp rank
+    (its gradient is summed over tp). No `logits_transform` there.
+
     Returns:
         [B, S] fp32 (fp64 for fp64 inputs) log-probabilities, 0.0 at ignored positions; `.sum(-1)` is the sequence
-        log-probability of the supervised tokens (DPO's log pi(y|x)).
+        log-probability of the supervised tokens (DPO's log pi(y|x)). With grad enabled it is in
+        hidden's graph even when no position is supervised (zero gradients).
+
+    Raises:
+        ValueError: as `linear_cross_entropy`, or a `logits_transform` with a tp-sharded weight.
     """
     from torch.utils.checkpoint import checkpoint
 
-    _check_lce_inputs(hidden, weight, labels, num_chunks, chunk_size)
+    if _is_tp_vocab_sharded(weight):
+        if logits_transform is not None:  # top-k / top-p need the whole vocab row
+            raise ValueError(
+                "token_logprobs: logits_transform with a vocab-sharded (tensor-parallel) weight "
+                "is not built; the transform needs every vocab entry of a row"
+            )
+        _check_lce_inputs(hidden, weight.to_local(), labels, num_chunks, chunk_size)
+    else:
+        _check_lce_inputs(hidden, weight, labels, num_chunks, chunk_size)
     flat_labels = labels.reshape(-1)  # [B*S]
     valid = (flat_labels != IGNORE_INDEX).nonzero().squeeze(1)  # [T]
     hidden_valid = hidden.reshape(-1, hidden.shape[-1]).index_select(0, valid)  # [T, D]
@@ -457,7 +484,9 @@ def token_logprobs(
     size = _chunk_sizes(targets.numel(), num_chunks, chunk_size)
     pieces = []
     with torch.autocast(hidden.device.type, enabled=False):
-        for start in range(0, targets.numel(), size):
+        # no supervised token: one empty chunk, so the output still hangs off hidden's graph (a cp
+        # rank whose chunks hold no reply token sums zeros and still runs the backward)
+        for start in range(0, max(targets.numel(), 1), size):
             chunk = (hidden_valid[start : start + size], weight, targets[start : start + size])
             args = (*chunk, logits_transform)
             if torch.is_grad_enabled():
@@ -466,8 +495,7 @@ def token_logprobs(
                 pieces.append(_chunk_token_logprobs(*args))
     acc_dtype = torch.promote_types(hidden.dtype, torch.float32)  # fp32 (fp64 for gradcheck)
     out = torch.zeros(flat_labels.numel(), dtype=acc_dtype, device=hidden.device)
-    if pieces:
-        out = out.index_put((valid,), torch.cat(pieces))  # out of place: autograd
+    out = out.index_put((valid,), torch.cat(pieces).to(acc_dtype))  # out of place: autograd
     return out.view(labels.shape)
 
 

@@ -31,6 +31,20 @@ HSDP = {"dp_replicate": 2, "tp": 1, "cp": 1}
 TP = {"dp_replicate": 1, "tp": 2, "cp": 1}
 CP = {"dp_replicate": 1, "tp": 1, "cp": 2, "cp_mode": "allgather"}
 RING = {"dp_replicate": 1, "tp": 1, "cp": 2, "cp_mode": "ring"}
+# the step's logged means (TRL's names), compared step by step
+METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
+# scripts rendered with tricks (the `trick_scripts` keys) and the reference each run takes
+TRICK_SPECS = {"dpo+packing": ("dpo", ("packing",)), "dpo+lce": ("dpo", ("lce",)),
+               "dpo-lora+packing,lce": ("dpo-lora", ("packing", "lce"))}  # fmt: skip
+TRICK_CASES = [("dpo+packing", "separate"), ("dpo+packing", "precomputed"),
+               ("dpo+lce", "separate"), ("dpo+lce", "precomputed"),
+               ("dpo-lora+packing,lce", "adapters-off")]  # fmt: skip
 
 
 def run_case(script_path: str, model_dir: str, data: str, ref_mode: str, plan: dict) -> dict:
@@ -39,7 +53,12 @@ def run_case(script_path: str, model_dir: str, data: str, ref_mode: str, plan: d
 
     import torch.distributed as dist
 
-    from runtime import Tokenizer, data_parallel, precompute_reference_logprobs
+    from runtime import (
+        Tokenizer,
+        data_parallel,
+        precompute_reference_logprobs,
+        shard_for_context_parallel,
+    )
     from tests.helpers import import_script
 
     script = import_script(Path(script_path), f"dpo_plan_{Path(script_path).parent.name}")
@@ -51,13 +70,31 @@ def run_case(script_path: str, model_dir: str, data: str, ref_mode: str, plan: d
     dist_info, mesh = script.setup_distributed(cfg)
     dp_rank, dp_size, dp_group = data_parallel(mesh)
     tokenizer = Tokenizer.from_dir(model_dir)
-    pairs = script.build_datasets(cfg, tokenizer)[0][:4]  # the same global batch everywhere
-    collate = functools.partial(script.collate, pad_token_id=tokenizer.pad_token_id)
+    examples = script.build_datasets(cfg, tokenizer)[0]
+    packed = hasattr(script, "collate_preference_packs")  # rendered with the packing trick
+    if packed:  # the 4 pairs packed in rows of up to 2 * max_seq_len tokens
+        assert sum(len(row["sample_ids"]) for row in examples) == 4
+        assert max(len(row["sample_ids"]) for row in examples) >= 2, "no row holds 2+ pairs"
+        assert len(examples) >= dp_size, "each dp rank needs a row"
+        collate = script.collate_preference_packs
+    else:
+        examples = examples[:4]  # the same global batch everywhere
+        collate = script.collate
+    collate = functools.partial(collate, pad_token_id=tokenizer.pad_token_id)
     # sequence parallel splits S over tp, context parallel into 2*cp chunks: rows padded to a
     # multiple, as the script's main pads them
     multiple = plan.get("tp", 1) * 2 * plan.get("cp", 1)
-    micro_batches = [collate([p], pad_to_multiple_of=multiple) for p in pairs[dp_rank::dp_size]]
-    if plan.get("cp", 1) > 1:  # every row reaches past this rank's share: its sums span the ranks
+    micro_batches = [
+        collate([ex], pad_to_multiple_of=multiple) for ex in examples[dp_rank::dp_size]
+    ]
+    if plan.get("cp", 1) > 1 and packed:  # a sequence of each row has tokens on both cp ranks
+        for mb in micro_batches:
+            on = [
+                set(s["sequence_ids"][s["labels"] != -100].tolist())
+                for s in (shard_for_context_parallel(mb, r, plan["cp"]) for r in range(plan["cp"]))
+            ]
+            assert on[0] & on[1], on
+    elif plan.get("cp", 1) > 1:  # every row reaches past this rank's share: its sums span the ranks
         for mb in micro_batches:
             last = (mb["labels"] != -100).int().cumsum(-1).argmax(-1)  # last supervised position
             assert (last >= mb["labels"].shape[1] // 2).all(), last
@@ -83,13 +120,13 @@ def run_case(script_path: str, model_dir: str, data: str, ref_mode: str, plan: d
         reference = script.build_reference(cfg, Path(model_dir), mesh, dist_info.device)
     elif ref_mode == "precomputed":
         table = precompute_reference_logprobs(
-            model, pairs, lambda m, b: script.sequence_logprobs(m, b, cfg)[0],
+            model, examples, lambda m, b: script.sequence_logprobs(m, b, cfg)[0],
             functools.partial(collate, pad_to_multiple_of=multiple),
             cfg.micro_batch_size, dp_rank, dp_size, "cpu", dp_group,
         )  # fmt: skip
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    losses, norms = [], []
+    losses, norms, metrics = [], [], []
     for _ in range(STEPS):
         m = script.train_step(
             model, reference, table, opt, sched, micro_batches, cfg, "cpu", dp_group
@@ -97,20 +134,22 @@ def run_case(script_path: str, model_dir: str, data: str, ref_mode: str, plan: d
         assert m["num_pairs"] == 4, "the pair count must be over the dp ranks only"
         losses.append(m["loss"])
         norms.append(m["grad_norm"])
+        metrics.append([m[k] for k in METRICS])
     params = {
         n: full_tensor(p.detach()).clone() for n, p in model.named_parameters() if p.requires_grad
     }
     del model, reference, opt, sched
     gc.collect()
     dist.barrier()
-    return {"losses": losses, "grad_norms": norms, "params": params}
+    return {"losses": losses, "grad_norms": norms, "metrics": metrics, "params": params}
 
 
 def _worker(rank, world_size, scripts, model_dir, data, cases):
-    """cases: [(algo, ref_mode, plan)]; the results keyed by them."""
+    """cases: [(algo, ref_mode, plan)]; the results keyed by them. data: the pairs' file, or
+    {algo: its file}."""
     return {
         (algo, ref_mode, tuple(plan.items())): run_case(
-            scripts[algo], model_dir, data, ref_mode, plan
+            scripts[algo], model_dir, data[algo] if isinstance(data, dict) else data, ref_mode, plan
         )
         for algo, ref_mode, plan in cases
     }
@@ -123,6 +162,20 @@ def pairs_path(tmp_path_factory) -> str:
         for i in range(4)
     ]  # fmt: skip
     path = tmp_path_factory.mktemp("dpo_plans") / "pairs.json"
+    path.write_text(json.dumps(rows))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def trick_pairs_path(tmp_path_factory) -> str:
+    """The packed scripts' 4 pairs, which pack (max_seq_len 64: rows of 128) as [pairs 0, 1], [2],
+    [3], each row with a reply whose tokens fall on both cp ranks (checked in `run_case`); the
+    unpacked ones take `pairs_path` (each row's replies reach past its first half)."""
+    rows = [
+        {"prompt": f"Count to {6 * i + 3}.", "chosen": " ".join(map(str, range(1, 6 * i + 4))), "rejected": "No."}
+        for i in range(4)
+    ]  # fmt: skip
+    path = tmp_path_factory.mktemp("dpo_trick_plans") / "pairs.json"
     path.write_text(json.dumps(rows))
     return str(path)
 
@@ -147,10 +200,44 @@ def dpo_scripts(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def one_process(dpo_scripts, tiny_model_dir, pairs_path) -> dict:
-    cases = [(algo, ref_mode, {**ONE, "tp": 1, "cp": 1}) for algo, ref_mode in CASES]
-    (ref,) = spawn(_worker, 1, args=(dpo_scripts, str(tiny_model_dir), pairs_path, cases))
+def trick_scripts(tmp_path_factory) -> dict[str, str]:
+    """`TRICK_SPECS`' scripts, rendered for TP 2 x CP 2 (ring: packing's document mask)."""
+    from generator.render import render
+    from generator.spec import Spec
+
+    out = {}
+    for key, (algo, tricks) in TRICK_SPECS.items():
+        spec = Spec(
+            algo=algo, model="qwen3-0.6b", gpus=4, tp=2, cp=2, cp_mode="ring", tricks=tricks,
+            dataset="dpo_en_demo.json",
+        )  # fmt: skip
+        d = tmp_path_factory.mktemp(key.replace(",", "_").replace("+", "_"))
+        (d / "train.py").write_text(render(spec))
+        out[key] = str(d / "train.py")
+    return out
+
+
+def _one_process(scripts: dict, model_dir, data: str | dict, cases: list) -> dict:
+    """The 1-process runs of `cases` [(script key, ref_mode)], keyed by them."""
+    plans = [(algo, ref_mode, {**ONE, "tp": 1, "cp": 1}) for algo, ref_mode in cases]
+    (ref,) = spawn(_worker, 1, args=(scripts, str(model_dir), data, plans))
     return {(algo, ref_mode): r for (algo, ref_mode, _), r in ref.items()}
+
+
+@pytest.fixture(scope="module")
+def one_process(dpo_scripts, tiny_model_dir, pairs_path) -> dict:
+    return _one_process(dpo_scripts, tiny_model_dir, pairs_path, CASES)
+
+
+@pytest.fixture(scope="module")
+def trick_data(pairs_path, trick_pairs_path) -> dict[str, str]:
+    """Each `TRICK_SPECS` script's pairs file (`trick_pairs_path`'s docstring)."""
+    return {key: trick_pairs_path if "packing" in key else pairs_path for key in TRICK_SPECS}
+
+
+@pytest.fixture(scope="module")
+def one_process_tricks(trick_scripts, tiny_model_dir, trick_data) -> dict:
+    return _one_process(trick_scripts, tiny_model_dir, trick_data, TRICK_CASES)
 
 
 def _check(results: dict, reference: dict) -> None:
@@ -161,6 +248,8 @@ def _check(results: dict, reference: dict) -> None:
         torch.testing.assert_close(
             got["grad_norms"], ref["grad_norms"], rtol=1e-4, atol=0, msg=where
         )
+        # rewards are 0 at step 1 (the policy is the reference): an absolute floor of 1e-6
+        torch.testing.assert_close(got["metrics"], ref["metrics"], rtol=1e-5, atol=1e-6, msg=where)
         assert got["params"].keys() == ref["params"].keys(), where
         for name, p in ref["params"].items():
             torch.testing.assert_close(
@@ -168,10 +257,10 @@ def _check(results: dict, reference: dict) -> None:
             )
 
 
-def test_one_process_reference_trains(one_process):
+def test_one_process_reference_trains(one_process, one_process_tricks):
     """The reference runs move the weights far past the tolerance and lower the loss, so the
     parity checks below compare real updates."""
-    for (algo, ref_mode), r in one_process.items():
+    for (algo, ref_mode), r in {**one_process, **one_process_tricks}.items():
         assert r["losses"][1] < r["losses"][0], (algo, ref_mode, r["losses"])
         assert min(r["grad_norms"]) * LR > 1e-3, (algo, ref_mode, r["grad_norms"])
 
@@ -202,6 +291,25 @@ def test_tp_and_cp_two_ranks_equal_one(dpo_scripts, tiny_model_dir, pairs_path, 
     cases += [("dpo", "separate", {**CP, "ref_device": "cpu"})]  # a whole reference: whole rows
     for r in spawn(_worker, 2, args=(dpo_scripts, str(tiny_model_dir), pairs_path, cases)):
         _check(r, one_process)
+
+
+def test_packing_and_lce_two_ranks_equal_one(
+    trick_scripts, tiny_model_dir, trick_data, one_process_tricks
+):
+    """packing and lce under CP 2 and TP 2 (dp 1). Packing: the 4 pairs in 3 packed rows (2 pairs
+    in the first; in each, a reply with tokens on both cp ranks); under CP (ring) each rank keeps
+    its chunks of the row's sequence_ids and document_ids, attention is block-causal by document
+    over the ring, and the per-sequence sums are completed over the cp ranks; under TP the row is
+    padded to a multiple of tp. lce: the chunked per-token log-probs on each cp rank's chunks, and
+    under TP on vocab-sharded chunks of lm_head (`token_logprobs`' loss-parallel path)."""
+    cases = [
+        ("dpo+packing", "separate", RING), ("dpo+packing", "precomputed", TP),
+        ("dpo+lce", "precomputed", CP), ("dpo+lce", "separate", TP),
+        ("dpo-lora+packing,lce", "adapters-off", RING),
+        ("dpo-lora+packing,lce", "adapters-off", TP),
+    ]  # fmt: skip
+    for r in spawn(_worker, 2, args=(trick_scripts, str(tiny_model_dir), trick_data, cases)):
+        _check(r, one_process_tricks)
 
 
 def _main_rank(rank, world_size, script, args):
@@ -274,3 +382,42 @@ def test_target_logprobs_of_vocab_sharded_logits_equal_log_softmax():
     for got, grad in spawn(_target_logprobs_rank, 2):
         torch.testing.assert_close(got, expected.detach().float(), atol=1e-6, rtol=0)
         torch.testing.assert_close(grad, logits.grad, atol=1e-6, rtol=0)
+
+
+def _token_logprobs_rank(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from runtime import token_logprobs
+
+    hidden, weight, labels, coeff = _lce_inputs()
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    sharded = distribute_tensor(weight.detach(), mesh, [Shard(0)]).requires_grad_()
+    got = token_logprobs(hidden, sharded, labels, chunk_size=3)
+    (got * coeff).sum().backward()
+    return got.detach(), hidden.grad, sharded.grad.full_tensor()
+
+
+def _lce_inputs():
+    """hidden [2, 6, 4] and weight [8, 4] fp32 (leaves), labels [2, 6] (some ignored, targets in
+    both vocab halves), a random upstream gradient [2, 6]."""
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 6, 4, generator=g).requires_grad_()
+    weight = (2 * torch.randn(8, 4, generator=g)).requires_grad_()
+    labels = torch.tensor([[-100, 0, 3, 4, 7, -100], [-100, -100, 5, 1, 6, 2]])
+    return hidden, weight, labels, torch.randn(2, 6, generator=g)
+
+
+def test_token_logprobs_of_vocab_sharded_weight_equal_one_process():
+    """`token_logprobs` with lm_head's weight sharded Shard(0) over 2 tp ranks (3-token chunks):
+    the log-probs and the gradients of hidden (summed over tp) and of the whole weight equal the
+    1-process `token_logprobs` (fp32 sums in another order: atol 1e-6, rtol 1e-5)."""
+    from runtime import token_logprobs
+
+    hidden, weight, labels, coeff = _lce_inputs()
+    want = token_logprobs(hidden, weight, labels, chunk_size=3)
+    (want * coeff).sum().backward()
+    for got, g_hidden, g_weight in spawn(_token_logprobs_rank, 2):
+        torch.testing.assert_close(got, want.detach(), atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(g_hidden, hidden.grad, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(g_weight, weight.grad, atol=1e-6, rtol=1e-5)
