@@ -1,7 +1,9 @@
 """Parallel plans of the emitted DPO scripts (dpo, dpo-lora) over gloo equal one process: HSDP 2x2
 (dp_replicate=2, dp_shard=2), TP 2 (sequence parallel, vocab-sharded log-probs), TP 2 x FSDP 2,
 CP 2 (both cp modes; every row longer than one rank's chunk, so each sequence's log-prob is a sum
-over both cp ranks) and CP 2 x FSDP 2.
+over both cp ranks) and CP 2 x FSDP 2; with the tricks packing (CP 2 ring, TP 2: packed rows, 2
+pairs in one, replies spanning the cp ranks) and lce (CP 2, TP 2: the chunked per-token log-probs
+on each rank's chunks and on vocab-sharded lm_head chunks).
 
 Each case runs the script's own `setup_distributed`, `setup_model`, reference (a sharded separate
 copy, the precomputed table, or the adapters-off base) and `train_step` for 2 SGD steps on the
@@ -39,7 +41,8 @@ METRICS = (
     "logps/chosen",
     "logps/rejected",
 )
-# scripts rendered with tricks (the `trick_scripts` keys) and the reference each run takes
+# the scripts rendered with tricks: `trick_scripts` key -> (algo, tricks); TRICK_CASES the
+# (script, ref_mode) runs of their 1-process reference
 TRICK_SPECS = {"dpo+packing": ("dpo", ("packing",)), "dpo+lce": ("dpo", ("lce",)),
                "dpo-lora+packing,lce": ("dpo-lora", ("packing", "lce"))}  # fmt: skip
 TRICK_CASES = [("dpo+packing", "separate"), ("dpo+packing", "precomputed"),
