@@ -156,8 +156,8 @@ def new(
 
 
 def _simulable_without_cpu_offload(spec: Spec, mbs, seq) -> bool:
-    """The estimate covers what the planner covers (not kd's unsharded teacher, MoE experts,
-    qlora's NF4 base, ...): print it for cpu-offload only where the rest of the spec is plannable."""
+    """The estimate covers what the planner covers (not MoE experts, ...): print it for
+    cpu-offload only where the rest of the spec is plannable."""
     from dataclasses import replace
 
     from generator.plan import PlanError, check_simulable
@@ -329,8 +329,10 @@ def plan(
     something the simulation can tell apart, so the verdict is the arithmetic estimate's, of
     the GPU's share and of the offloaded shards per node against a 2 TB node's host memory.
     --tricks compile and offload are not simulated (inductor's fusion, a side stream's host
-    copies): plan says so, and the plan without them is an upper bound; nor are --algo qlora
-    and kd, or mixture-of-experts models.
+    copies): plan says so, and the plan without them is an upper bound; nor are
+    mixture-of-experts models. --algo qlora counts its NF4 base as torchao stores it, --algo
+    kd its teacher (the script's Config teacher: the student itself unless DIR's spec or
+    `scaffold new --teacher` names one) whole on every rank.
 
     \b
     With DIR (a directory `scaffold new` wrote): DIR's spec and DIR/train.py as you edited it,
