@@ -68,14 +68,6 @@ def cli():
 @cli.command()
 @spec_options
 @click.option(
-    "--ep",
-    default=1,
-    show_default=True,
-    type=int,
-    help="Expert-parallel degree for MoE models (qwen3_moe): each rank holds num_experts/ep "
-    "experts; must equal --gpus x --nodes.",
-)
-@click.option(
     "--dataset",
     default=None,
     help="A .json/.jsonl/.parquet file, a file in $SCAFFOLD_HOME/data, or a HF dataset name "
@@ -312,7 +304,7 @@ def _plan_summary(spec: Spec, gpu: tuple[str, float] | None, text: str) -> None:
 )
 @_friendly
 def plan(
-    directory, algo, peft, model, tricks, gpus, nodes, tp, cp, cp_mode, dp_replicate, dtype,
+    directory, algo, peft, model, tricks, gpus, nodes, tp, cp, cp_mode, dp_replicate, ep, dtype,
     engine_gpus, engine_tp, layout, micro_batch_size, max_seq_len, kl_coef, gpu_memory, suggest,
 ):  # fmt: skip
     """Per-GPU peak memory of the script `scaffold new` would write (or of DIR/train.py), simulated.
@@ -329,10 +321,12 @@ def plan(
     something the simulation can tell apart, so the verdict is the arithmetic estimate's, of
     the GPU's share and of the offloaded shards per node against a 2 TB node's host memory.
     --tricks compile and offload are not simulated (inductor's fusion, a side stream's host
-    copies): plan says so, and the plan without them is an upper bound; nor are
-    mixture-of-experts models. --algo qlora counts its NF4 base as torchao stores it, --algo
-    kd its teacher (the script's Config teacher: the student itself unless DIR's spec or
-    `scaffold new --teacher` names one) whole on every rank.
+    copies): plan says so, and the plan without them is an upper bound. --algo qlora counts
+    its NF4 base as torchao stores it, --algo kd its teacher (the script's Config teacher: the
+    student itself unless DIR's spec or `scaffold new --teacher` names one) whole on every rank.
+    Mixture-of-experts models (experts FSDP-sharded, or --ep) are simulated with every
+    expert getting tokens x top_k / num_experts of a rank's tokens (balanced routing, said on
+    the report line): a real router's imbalance adds to it under --ep.
 
     \b
     With DIR (a directory `scaffold new` wrote): DIR's spec and DIR/train.py as you edited it,
@@ -362,7 +356,7 @@ def plan(
         build_answers(spec)  # validates the spec
     else:
         spec = spec_from_options(
-            algo, peft, model, tricks, gpus, nodes, tp, cp, dp_replicate, 1, dtype, None, None,
+            algo, peft, model, tricks, gpus, nodes, tp, cp, dp_replicate, ep, dtype, None, None,
             engine_gpus, engine_tp, layout=layout, fit_gpu=(gpu_label, gpu_gib), cp_mode=cp_mode,
         )  # fmt: skip
         if spec.fit_for:

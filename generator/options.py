@@ -10,7 +10,7 @@ import click
 from generator.features import ALGOS, PEFT_ALGOS, PEFT_METHODS, TRICKS
 from generator.spec import Spec, SpecError, resolve_engine_layout
 
-# In --help order. `new` adds --ep, --dataset, --out, --teacher, --force and --gpu-memory;
+# In --help order. `new` adds --dataset, --out, --teacher, --force and --gpu-memory;
 # `plan` adds the batch shape, --kl-coef, --gpu-memory and --suggest.
 SPEC_OPTIONS = [
     click.option(
@@ -68,6 +68,16 @@ SPEC_OPTIONS = [
         show_default=True,
         type=int,
         help="HSDP replica groups; FSDP shards over the rest: gpus*nodes / (dp_replicate*cp*tp).",
+    ),
+    click.option(
+        "--ep",
+        default=1,
+        show_default=True,
+        type=int,
+        help="Expert-parallel degree for MoE models (qwen3_moe): groups of ep ranks each hold "
+        "num_experts/ep whole experts per layer, tokens reach them by all-to-all; any divisor of "
+        "the (trainer) ranks that divides num_experts (EP x FSDP: the experts' replicas over "
+        "ranks / ep sum their gradients).",
     ),
     click.option(
         "--engine-gpus",

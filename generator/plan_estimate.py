@@ -61,6 +61,12 @@ ESTIMATE_TOLERANCE = 0.15
 # of 0.93 on all five but 70B: 0.98).
 ACT_PER_TOKEN = (17.8, 7.7, 10.0)
 LORA_ACT_SHARE = 0.93
+# Mixture of experts: bytes per token per block per (slot x hidden) element, bf16, beside the
+# dense terms (with I the active width, top-k x moe_intermediate_size): x_sorted, the experts'
+# inputs, outputs and their weighted sum, [T * k, D] each, so four bf16 tensors. With it the
+# estimate of Qwen3-30B-A3B is within 5% of the simulation in the matrix of
+# tests/generator/test_plan_speed.py (EP 8 and EP 4 x FSDP 2, sft, grpo, dpo).
+MOE_SLOT_PER_TOKEN = 8.0
 AC_PER_TOKEN = 2.0  # ac: a block keeps its bf16 input (x hidden); one block is recomputed
 # bf16-sr: torchao's per-parameter AdamW step (compiled, fallback_random on) holds fp32 buffers of
 # the parameter it steps (its fp32 copy, gradient, moments, the rounding's random bits, ...): the
@@ -185,31 +191,45 @@ def estimate(
     adapters = "lora" in spec.algo or spec.algo in ("qlora", "dora")
     unwrapped = world == 1 and spec.dtype == "fp32"  # the 1-process fp32 script: no FSDP
 
+    # --ep: a rank holds num_experts / ep experts whole (replicated over the world / ep ep
+    # groups), the other parameters FSDP-sharded over every rank; `pshard` is the ranks the
+    # parameters are split over in effect
+    ep_experts = d["experts"] if spec.ep > 1 else 0
+    pshard = d["params"] / ((d["params"] - ep_experts) / shard + ep_experts / spec.ep)
     trained = adapter_params(d, cfg) if adapters else d["params"]
     frozen = d["params"] if adapters else 0
-    frozen_bytes, block_bytes = dtype * frozen, 2 * d["block"]  # the base; a gathered block
+    frozen_bytes, nf4_saved = dtype * frozen, 0  # the base; bytes NF4 saves per gathered block
     dequantized = 0
     if spec.algo == "qlora":  # the targeted base weights in NF4 (`nf4_bytes`), the rest in dtype
         dense, nf4 = _nf4_base(d, cfg, dtype)
         frozen_bytes = dtype * (frozen - d["L"] * dense) + d["L"] * nf4
-        block_bytes = 2 * (d["block"] - dense) + nf4
+        nf4_saved = 2 * dense - nf4
         # each NF4 linear is dequantized to the dtype in its forward and again in its backward:
         # one dense copy of the largest at a time
         dequantized = dtype * max(d["I"], d["q"], d["kv"]) * d["D"]
+    tshard = shard if adapters else pshard
     master, state_bytes = trained_bytes(tricks)  # fp32 master weights, or bf16 under bf16-sr
-    params = (master * trained + frozen_bytes) / shard
-    grads = 0 if "optim-in-bwd" in tricks else master * trained / shard
-    state = state_bytes * trained / shard
+    params = master * trained / tshard + frozen_bytes / pshard
+    grads = 0 if "optim-in-bwd" in tricks else master * trained / tshard
+    state = state_bytes * trained / tshard
     # cpu-offload (FSDP2 CPUOffloadPolicy): the sharded weights, their gradients (each block's
     # reduce-scatter output is copied out) and the optimizer state, whose step runs on the CPU,
     # live in host memory; the GPU keeps the gathered blocks, activations and loss work
     on_gpu = 0 if "cpu-offload" in tricks else 1
     host = (1 - on_gpu) * (params + grads + state)
     params, grads, state = on_gpu * params, on_gpu * grads, on_gpu * state
-    gathered = 0 if unwrapped else (2 * d["root"] + 2 * block_bytes) / spec.tp + dequantized
+    # FSDP gathers two blocks in flight (under --ep without their experts, which it ignores;
+    # qlora's NF4 weights as their NF4 bytes)
+    gathered_block = 2 * (d["block"] - (d["expert_block"] if ep_experts else 0)) - nf4_saved
+    gathered = 0 if unwrapped else (2 * d["root"] + 2 * gathered_block) / spec.tp + dequantized
+    if ep_experts and dtype == 2:  # the experts' bf16 casts, saved for backward (`MoeExpert`):
+        # every block's (one block's, recomputed, under ac)
+        gathered += 2 * d["experts"] / spec.ep / (d["L"] if "ac" in tricks else 1)
 
     a, b, c = ACT_PER_TOKEN
-    per_block = (a * d["D"] + b * d["I"] + c * d["kv"]) * dtype / 2 / spec.tp
+    per_block = (a * d["D"] + b * d["I_active"] + c * d["kv"]) * dtype / 2 / spec.tp
+    if d["experts"]:  # a token's top-k slots: gathered, sorted, dispatched and weighted copies
+        per_block += MOE_SLOT_PER_TOKEN * d["k"] * d["D"] * dtype / 2
     per_block *= LORA_ACT_SHARE if adapters else 1
     if "ac" in tricks:
         acts = tokens * (AC_PER_TOKEN * d["D"] * dtype / 2 * d["L"]) + tokens * per_block

@@ -77,6 +77,17 @@ What is simulated, and what is not:
   micro_batch_size examples, their completions and KL sequences in the same 2 x micro_batch_size
   rows, half of them desirable. `scaffold new` plans the rendered default, loss_type "sigmoid"
   (with a reference); a script run with `--loss_type simpo` needs less than that plan says.
+- Mixture of experts (qwen3_moe; experts FSDP-sharded like any weight, or --ep: EP x FSDP,
+  each ep group's ranks holding num_experts / ep whole experts): which expert a token goes to is
+  the router's run-time choice, so the expert batches and the all-to-all sizes are data fake
+  tensors do not have. The plan fixes them by an assumption, balanced routing
+  (`balanced_routing`): the router runs, but token t's k slots go to experts t*k .. t*k+k-1
+  (mod E), so every expert gets tokens * k / E of a rank's assignments, the expectation under a
+  load-balanced router; the report says so. Checked against real gloo ranks run under the same
+  routing (tests/generator/test_plan.py: exact); a real router's imbalance puts more tokens on
+  the ranks holding its favourite experts (a tiny random model: their peak 9-15% above the
+  plan's under --ep; no difference with the experts FSDP-sharded, where every rank runs every
+  expert on its own tokens).
 - Data-dependent branches take the path of a healthy step: `torch.isfinite(grad_norm)` is True
   (the optimizer steps), a boolean mask selects every position (GRPO's label mask: the
   completion tokens, as many as its rows have), and a number read on the host (the step's
@@ -125,7 +136,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from generator.features import ALGOS, PEFT_ALGOS
-from generator.spec import ScaffoldError, Spec, model_config, trainer_gpus, validate_spec
+from generator.spec import ScaffoldError, Spec, trainer_gpus, validate_spec
 
 GIB = 2**30
 # GRPO: micro-batches per step the plan runs. The second and every later one hold the same
@@ -172,18 +183,35 @@ def trained_bytes(tricks) -> tuple[int, float]:
 
 
 def model_dims(config: dict) -> dict:
-    """A dense decoder's shapes and parameter counts from its HF config (`plan_estimate` and
+    """A decoder's shapes and parameter counts from its HF config (`plan_estimate` and
     `engine_layout`): hidden D, intermediate I, kv / q widths, layers L, vocab V, elements per
-    block, of the root (embedding, head, final norm) and in all."""
+    block (the mean over the blocks), of the root (embedding, head, final norm) and in all.
+
+    A mixture of experts (qwen3_moe, `ModelArgs.is_moe_layer`'s rule) counts every expert and
+    the router of its MoE blocks: "experts" is the experts' elements (what --ep shards),
+    "expert_block" one MoE block's, and "I_active" the MLP width a token passes through
+    (num_experts_per_tok x moe_intermediate_size; the dense I elsewhere)."""
     D, heads = config["hidden_size"], config["num_attention_heads"]
     head_dim = config.get("head_dim") or D // heads
     kv = config.get("num_key_value_heads", heads) * head_dim
     L, inter, V = config["num_hidden_layers"], config["intermediate_size"], config["vocab_size"]
     tied = config.get("tie_word_embeddings", False)
-    block = D * heads * head_dim * 2 + D * kv * 2 + 3 * D * inter + 2 * D  # q, o, k, v, mlp, norms
+    attention = D * heads * head_dim * 2 + D * kv * 2 + 2 * D  # q, o, k, v, norms
+    E = config.get("num_experts") or 0
+    dense_mlp = 3 * D * inter
+    moe_layers, expert_block, active = 0, 0, inter
+    if E:
+        step, dense_only = config.get("decoder_sparse_step", 1), config.get("mlp_only_layers", [])
+        moe_layers = sum(1 for i in range(L) if i not in dense_only and (i + 1) % step == 0)
+        expert_block = E * 3 * D * config["moe_intermediate_size"]
+        active = config["num_experts_per_tok"] * config["moe_intermediate_size"]
+    mlps = moe_layers * (expert_block + E * D) + (L - moe_layers) * dense_mlp  # + routers
     root = V * D * (1 if tied else 2) + D
-    return {"D": D, "I": inter, "kv": kv, "q": heads * head_dim, "L": L, "V": V, "block": block,
-            "root": root, "params": root + L * block}  # fmt: skip
+    return {"D": D, "I": inter, "kv": kv, "q": heads * head_dim, "L": L, "V": V,
+            "block": attention + mlps / L, "root": root, "params": root + L * attention + mlps,
+            "experts": moe_layers * expert_block, "expert_block": expert_block,
+            "k": config.get("num_experts_per_tok", 0) if E else 0,
+            "I_active": active if moe_layers == L else inter}  # fmt: skip
 
 
 def adapter_params(d: dict, cfg: dict) -> int:
@@ -315,13 +343,9 @@ def check_simulable(
             f"{them} ({f'--tricks {kept}' if kept else 'no --tricks'}): the memory without {them} "
             "is an upper bound"
         )
-    if model_config(spec).get("num_experts", 0):
-        raise PlanError(
-            f"scaffold plan does not simulate mixture-of-experts models (--model {spec.model}): "
-            "the router decides at run time how many tokens each expert gets (the expert "
-            "batches and all-to-all sizes are data that fake tensors do not have)"
-        )
-    # checked against real gloo runs: FSDP2, TP (+ sequence and loss parallel), TP x FSDP, HSDP, CP
+    # checked against real gloo runs: FSDP2, TP (+ sequence and loss parallel), TP x FSDP, HSDP,
+    # CP, and mixture-of-experts models with experts FSDP-sharded or EP x FSDP, under the
+    # balanced-routing assumption (`balanced_routing`)
     if (micro_batch_size is not None and micro_batch_size < 1) or (
         max_seq_len is not None and max_seq_len < 1
     ):
@@ -332,7 +356,12 @@ def check_simulable(
 
 def describe_spec(spec: Spec) -> str:
     tricks = ",".join(spec.tricks) or "no tricks"
-    degrees = (("tp", spec.tp), ("cp", spec.cp), ("dp_replicate", spec.dp_replicate))
+    degrees = (
+        ("tp", spec.tp),
+        ("cp", spec.cp),
+        ("dp_replicate", spec.dp_replicate),
+        ("ep", spec.ep),
+    )
     mesh = "".join(f", {name} {n}" for name, n in degrees if n > 1)
     if spec.cp > 1:  # the two modes hold different K/V: say which one was planned
         mesh = mesh.replace(f", cp {spec.cp}", f", cp {spec.cp} ({spec.cp_mode})", 1)
@@ -359,8 +388,10 @@ def _data_dependent_answers(
     """A dispatch mode that answers the questions fake tensors cannot: a boolean mask selects
     `true_fraction` (numerator, denominator) of its elements (`nonzero`, boolean indexing; all of
     them by default), every boolean host sync (`if torch.isfinite(x)`) is True, and a number read
-    on the host (`.item()`, `.tolist()`: the step's metrics) is 0. So the script's train_step
-    runs unchanged, host syncs included.
+    on the host (`.item()`, `.tolist()`: the step's metrics) is 0, except the numbers queued in
+    the mode's `host_reads` (a list, read from the front): a mixture-of-experts block's token
+    counts per expert (`balanced_routing`), whose `torch.bincount` returns [minlength]. So the
+    script's train_step runs unchanged, host syncs included.
 
     GRPO passes (max_new_tokens, max_prompt_len + max_new_tokens): its only masks are the label
     masks of collated rollout rows, whose completion positions are that share of each row. Under
@@ -403,13 +434,111 @@ def _data_dependent_answers(
                     else:
                         expanded.append(i)
                 return func(x, expanded)
+            if func is aten.bincount.default:  # an MoE block's counts per expert: [E] int64
+                minlength = kwargs.get("minlength", args[2] if len(args) > 2 else 0)
+                assert minlength > 0, "bincount without minlength: its length is data"
+                return torch.zeros(minlength, dtype=torch.long, device=args[0].device)
             if func is aten._local_scalar_dense.default:
+                if self.host_reads:  # a count the routing assumption fixes (sizes a split)
+                    return self.host_reads.pop(0)
                 # bool: the healthy-step branch; a number (.item() of a metric, .tolist() of
                 # sample ids): 0, a placeholder the step only reports (nothing is sized by it)
                 return True if args[0].dtype is torch.bool else 0
             return func(*args, **kwargs)
 
-    return DataDependentAnswers()
+    mode = DataDependentAnswers()
+    mode.host_reads = []
+    return mode
+
+
+def balanced_expert_ids(tokens: int, top_k: int, num_experts: int, device=None):
+    """The planner's routing assumption: [tokens, top_k] int64 expert ids, assignment i of the
+    token-major (token, slot) order (i = t * top_k + j) going to expert i % num_experts.
+
+    Every expert then gets tokens * top_k / num_experts assignments (the first
+    tokens * top_k % num_experts experts one more): the expectation under a router that its
+    load-balancing loss keeps balanced. A token's top_k slots are top_k consecutive experts
+    (mod num_experts), so distinct, as top-k's are. Each rank routes its tokens the same way, so
+    under expert parallel every rank also receives the same count per local expert from each
+    rank of its ep group."""
+    import torch
+
+    i = torch.arange(tokens * top_k, device=device)
+    return (i % num_experts).view(tokens, top_k)
+
+
+def balanced_counts(tokens: int, top_k: int, num_experts: int) -> list[int]:
+    """[num_experts] assignments per expert under `balanced_expert_ids`."""
+    base, extra = divmod(tokens * top_k, num_experts)
+    return [base + (e < extra) for e in range(num_experts)]
+
+
+def _routing(answers):
+    """The simulation's routing (`balanced_routing`, answering `answers`); nothing on real
+    tensors (answers a nullcontext), whose callers choose (the tests' real steps)."""
+    if isinstance(answers, contextlib.nullcontext):
+        return contextlib.nullcontext()
+    return balanced_routing(answers)
+
+
+@contextlib.contextmanager
+def balanced_routing(answers=None):
+    """Route every mixture-of-experts token by the planner's assumption (`balanced_expert_ids`)
+    instead of the router's top-k, so the expert batches and the all-to-all sizes are concrete.
+
+    The router still runs (its [T, E] logits, the softmax and the load-balancing loss are
+    computed as in a real step) and each token's weights are its router probabilities of the
+    assigned experts, renormalised like `route_top_k`'s; only which experts is fixed. Patches
+    `runtime.models.moe.route_top_k`. The simulation runs under it; the tests run the real
+    steps they compare with under it too, so the comparison checks the simulation, and apart
+    from it measure how far a real router's step is from the assumption.
+
+    answers: the simulation's `_data_dependent_answers` mode, whose `host_reads` receive, before
+    each block's `run_experts`, the counts it reads on the host: its [E] counts per expert, and
+    under expert parallel the [E] counts it receives per (source rank, local expert), which
+    every rank routing alike makes its own counts of its local experts. A block that reads
+    other numbers than those fails the simulation (the runtime changed under the planner).
+    """
+    import torch
+    import torch.nn.functional as F
+
+    import runtime.models.moe as moe
+
+    route, run_experts = moe.route_top_k, moe.SparseMoeBlock.run_experts
+
+    def balanced_route_top_k(router_logits, top_k, norm_topk_prob):
+        experts = balanced_expert_ids(
+            router_logits.shape[0], top_k, router_logits.shape[1], router_logits.device
+        )
+        probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)  # [T, E]
+        weights = probs.gather(1, experts)  # [T, k]
+        if norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(router_logits.dtype), experts
+
+    def run_experts_reading_counts(block, x, experts, weights):
+        counts = balanced_counts(experts.shape[0], experts.shape[1], block.num_experts)
+        reads = list(counts)
+        if block.ep_group is not None:  # dispatch_to_experts: [send counts, receive counts]
+            n_local = block.num_experts // block.ep_size
+            mine = counts[block.ep_rank * n_local : (block.ep_rank + 1) * n_local]
+            reads += mine * block.ep_size
+        answers.host_reads[:] = reads
+        out = run_experts(block, x, experts, weights)
+        if answers.host_reads:
+            raise PlanError(
+                f"the MoE block read {len(reads) - len(answers.host_reads)} counts on the host "
+                f"where the planner expected {len(reads)} (runtime/models/moe.py changed)"
+            )
+        return out
+
+    moe.route_top_k = balanced_route_top_k
+    if answers is not None:
+        moe.SparseMoeBlock.run_experts = run_experts_reading_counts
+    try:
+        yield
+    finally:
+        moe.route_top_k, moe.SparseMoeBlock.run_experts = route, run_experts
 
 
 @contextlib.contextmanager
@@ -440,7 +569,8 @@ def _separate_propagation_fake_mode():
 @contextlib.contextmanager
 def _real_mesh_ops():
     """Build the meshes FSDP derives while wrapping (`DeviceMesh._concatenate` of the dp and tp
-    meshes for a TP-sharded parameter) on real tensors.
+    meshes for a TP-sharded parameter) and expert parallel's (`expert_meshes`' `_unflatten`) on
+    real tensors.
 
     A DeviceMesh is a small int tensor of ranks plus this rank's coordinates, found with
     `nonzero`; under the planner's FakeTensorMode that is a data-dependent op on a real tensor
@@ -449,17 +579,23 @@ def _real_mesh_ops():
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.device_mesh import DeviceMesh
 
-    concatenate = DeviceMesh._concatenate
+    concatenate, unflatten = DeviceMesh._concatenate, DeviceMesh._unflatten
 
     def real_concatenate(meshes):
         with unset_fake_temporarily():
             return concatenate(meshes)
 
+    def real_unflatten(mesh, *args, **kwargs):  # EP x FSDP's (dp_shard / ep, ep) split
+        with unset_fake_temporarily():
+            return unflatten(mesh, *args, **kwargs)
+
     DeviceMesh._concatenate = staticmethod(real_concatenate)
+    DeviceMesh._unflatten = real_unflatten
     try:
         yield
     finally:
         DeviceMesh._concatenate = staticmethod(concatenate)
+        DeviceMesh._unflatten = unflatten
 
 
 def _local_nbytes(t) -> int:
@@ -510,22 +646,27 @@ def _fake_to_empty():
     """`Module.to_empty` and `Module.to` for a model built on meta under FakeTensorMode.
 
     The 1-process fp32 script leaves its model unwrapped and calls `model.to_empty(device)`;
-    kd's teacher (whole on each rank, never wrapped) is `to_empty` then `.to(dtype)` (a model
-    under fully_shard, with DTensor parameters, keeps PyTorch's own methods).
+    kd's teacher (whole on each rank, never wrapped) is `to_empty` then `.to(dtype)`.
     PyTorch swaps fake parameters in place (`torch.utils.swap_tensors`), which refuses a tied
-    parameter (embed_tokens.weight is lm_head.weight). These replacements give every parameter
-    and buffer a new tensor of the same shape (uninitialised on `device`; `to`: converted as
-    `Module.to` converts it, floating-point tensors to its dtype), keeping ties (one new tensor
-    per original): the bytes the real methods allocate on a real device.
+    parameter (embed_tokens.weight is lm_head.weight) and one referenced elsewhere (expert
+    parallel's experts, which fully_shard keeps as ignored_params). These replacements give every
+    such parameter and buffer a new tensor of the same shape (`to_empty`: uninitialised on
+    `device`; `to`: converted as `Module.to` converts it, floating-point tensors to its dtype),
+    keeping ties (one new tensor per original): the bytes the real methods allocate on a real
+    device. A module whose own parameters are FSDP2's DTensors keeps PyTorch's path, which works
+    there (`to`: a model with any).
     """
     import torch
     from torch.distributed.tensor import DTensor
 
     original_to_empty, original_to = torch.nn.Module.to_empty, torch.nn.Module.to
 
-    def replace_tensors(module, make, recurse: bool = True):
+    def replace_tensors(module, make, recurse: bool = True, sharded=None):
         new = {}
         for sub in module.modules() if recurse else [module]:
+            if sharded and any(isinstance(p, DTensor) for p in sub._parameters.values()):
+                sharded(sub)
+                continue
             for name, t in [*sub._parameters.items(), *sub._buffers.items()]:
                 if t is None:
                     continue
@@ -537,16 +678,14 @@ def _fake_to_empty():
                 table[name] = new[id(t)]
         return module
 
-    def sharded(module) -> bool:
-        return any(isinstance(p, DTensor) for p in module.parameters())
-
     def to_empty(module, *, device, recurse=True):
-        if sharded(module):  # FSDP2: its own path works
-            return original_to_empty(module, device=device, recurse=recurse)
-        return replace_tensors(module, lambda t: torch.empty_like(t, device=device), recurse)
+        return replace_tensors(
+            module, lambda t: torch.empty_like(t, device=device), recurse,
+            lambda sub: original_to_empty(sub, device=device, recurse=False),
+        )  # fmt: skip
 
     def to(module, *args, **kwargs):
-        if sharded(module):
+        if any(isinstance(p, DTensor) for p in module.parameters()):  # FSDP2: its own path works
             return original_to(module, *args, **kwargs)
         device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
 
@@ -926,7 +1065,7 @@ def measure_step(
         if getattr(cfg, "cp", 1) > 1 and not rm:
             dp_group = mesh["dp_cp"].get_group()
             cp_args = (mesh["cp"].get_local_rank(), cfg.cp)
-        with propagation, tracker, answers, _causal_bias_outside_modes(fake):
+        with propagation, tracker, answers, _causal_bias_outside_modes(fake), _routing(answers):
             groups = (dp_group, *cp_args)
             for _ in range(2):  # step 1 creates the optimizer state; step 2 holds it
                 script.train_step(
@@ -1085,7 +1224,7 @@ def measure_dpo_step(
         propagation = _separate_propagation_fake_mode() if fake else contextlib.nullcontext()
         ref_cache = None
         # context parallel (all-gather mode): the bottom-right causal mask as the SFT step has it
-        with propagation, tracker, answers, _causal_bias_outside_modes(fake):
+        with propagation, tracker, answers, _causal_bias_outside_modes(fake), _routing(answers):
             if stages:
                 tracker.start_stage(REFERENCE_PASS)
                 if hasattr(script, "base_logprobs"):  # dpo-lora: the base, adapters off
@@ -1356,7 +1495,7 @@ def measure_grpo_step(
             else contextlib.nullcontext()
         )
         propagation = _separate_propagation_fake_mode() if fake else contextlib.nullcontext()
-        with propagation, tracker, answers, _causal_bias_outside_modes(fake):
+        with propagation, tracker, answers, _causal_bias_outside_modes(fake), _routing(answers):
             for _ in range(2):  # step 1 creates the optimizer state; step 2 holds it
                 targets = {}
                 if hasattr(script, "ppo_targets"):  # ppo: main()'s no-grad pass before a batch
@@ -1560,12 +1699,15 @@ def _measure_here(
 
 def _identical_blocks(model_dir: Path) -> bool:
     """The model's decoder blocks are all of one kind (same shapes, same attention), so its step
-    memory is a line in its depth: no per-layer lists (sliding windows, dense-only layers)."""
+    memory is a line in its depth: no per-layer lists (sliding windows, dense-only layers), and
+    a mixture of experts in every block or in none (decoder_sparse_step 1: under the balanced
+    routing every MoE block holds the same bytes)."""
     from runtime import read_hf_config
 
     cfg = read_hf_config(model_dir)
     kinds = set(cfg.get("layer_types") or ["one"])
-    return len(kinds) == 1 and not cfg.get("mlp_only_layers") and not cfg.get("num_experts")
+    mixed = cfg.get("num_experts") and cfg.get("decoder_sparse_step", 1) != 1
+    return len(kinds) == 1 and not cfg.get("mlp_only_layers") and not mixed
 
 
 def _reduced_model_dir(model_dir: Path, depth: int, tmp: Path) -> Path:

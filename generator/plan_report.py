@@ -304,6 +304,15 @@ def format_result(result: PlanResult, gpu_label: str, gpu_gib: float) -> str:
             f"; simulated {r.script} as it is (its Config defaults that differ from a fresh "
             f"render: {edits or 'none'})"
         )
+    moe = model_config(r.spec)
+    if moe.get("num_experts"):  # the figure rests on the routing assumption: say which
+        E, k = moe["num_experts"], moe["num_experts_per_tok"]
+        head += (
+            f"; mixture of experts routed as balanced (the plan's assumption: each of the {E} "
+            f"experts gets tokens x {k} / {E} of a rank's (token, expert) assignments, the "
+            "expectation under a load-balanced router; a real router's imbalance adds to the "
+            "expert batches and, under --ep, to the tokens a rank receives)"
+        )
     if r.simulated_depths:  # `extrapolate_depth`: exact for identical blocks
         a, b = r.simulated_depths
         head += f"; the decoder blocks extrapolated from simulations of {a} and {b} blocks"

@@ -430,8 +430,15 @@ class CausalLM(nn.Module):
         `register_fsdp_forward_method(model, "forward_hidden")` so the root's all-gather hooks
         run for this method too.
         """
+        self._keep_router_logits(output_router_logits)
         hidden = self.model(input_ids, position_ids, attention_mask, kv_cache)
         return (hidden, self.router_logits()) if output_router_logits else hidden
+
+    def _keep_router_logits(self, keep: bool) -> None:
+        """Have the MoE blocks keep their router logits (and graphs) only when asked for."""
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, SparseMoeBlock):
+                layer.mlp.keep_router_logits = keep
 
     def router_logits(self) -> tuple[torch.Tensor, ...]:
         """Each MoE layer's [T, E] router logits from the latest forward, in layer order.
@@ -476,6 +483,7 @@ class CausalLM(nn.Module):
             router_logits), router_logits being L tensors [B*S, E] (empty for dense models),
             for `load_balancing_loss`.
         """
+        self._keep_router_logits(output_router_logits)
         hidden = self.model(input_ids, position_ids, attention_mask, kv_cache)  # [B, S, D]
         if logits_mask is not None:
             hidden = hidden[logits_mask]  # [T, D]

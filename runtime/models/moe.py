@@ -49,8 +49,17 @@ class MoeExpert(nn.Module):
         self.down_proj = _ExpertLinear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [N, D] tokens routed here -> [N, D]."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        """x: [N, D] tokens routed here -> [N, D], in x's dtype.
+
+        The weights are cast to x's dtype: under expert parallel FSDP ignores the experts, so
+        no mixed-precision policy casts their fp32 master weights to the bf16 compute dtype as
+        it does every other weight's (a bf16 run then failed its first forward on the dtype
+        mismatch). The bf16 copies are kept for backward; the gradient reaches the fp32 weights
+        through the cast. Where FSDP has cast them already (or in fp32) the cast is a no-op."""
+        gate, up, down = (
+            p.weight.to(x.dtype) for p in (self.gate_proj, self.up_proj, self.down_proj)
+        )
+        return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
 
 def route_top_k(
@@ -110,6 +119,12 @@ class SparseMoeBlock(nn.Module):
             [MoeExpert(hidden_size, moe_intermediate_size) for _ in range(num_experts)]
         )
         self.router_logits: torch.Tensor | None = None
+        # whether forward keeps router_logits; `CausalLM` sets it to its output_router_logits.
+        # Kept logits hold their autograd graph, and under activation checkpointing the
+        # backward's recompute stores new ones whose graph holds the block's recomputed tensors:
+        # every block's stayed alive to the end of backward (Qwen3-30B-A3B, 2048 tokens, ac: 7.3
+        # GiB per rank, simulated), for a load-balancing loss no script asked for.
+        self.keep_router_logits = True
         # expert parallel (`runtime.expert_parallel.apply_expert_parallel`): `experts` then holds
         # only this rank's experts, as a ModuleDict keyed by their global ids (so keys stay HF
         # keys), and `ep_dispatch(block, x_sorted, counts)` runs them on the tokens of every ep
@@ -123,12 +138,13 @@ class SparseMoeBlock(nn.Module):
         self.ep_replicate_group: torch.distributed.ProcessGroup | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [B, S, D] -> [B, S, D]; also sets `self.router_logits` [T, E]."""
+        """x: [B, S, D] -> [B, S, D]; also sets `self.router_logits` [T, E] (None unless
+        `keep_router_logits`)."""
         B, S, D = x.shape
         x_flat = x.reshape(-1, D)  # [B, S, D] -> [T, D]
         router_logits = self.gate(x_flat)  # [T, E]
         weights, experts = route_top_k(router_logits, self.top_k, self.norm_topk_prob)
-        self.router_logits = router_logits
+        self.router_logits = router_logits if self.keep_router_logits else None
         return self.run_experts(x_flat, experts, weights).view(B, S, D)
 
     def run_experts(

@@ -248,14 +248,21 @@ def test_ep_two_by_fsdp_two_on_four_ranks_equals_one_process(tmp_path):
         torch.testing.assert_close(ep4[key], one[key], atol=1e-5, rtol=1e-4, msg=key)
 
 
-@pytest.mark.parametrize("gpus", [2, 4], ids=["ep2", "ep2xfsdp2"])
+@pytest.mark.parametrize(
+    "gpus,dtype", [(2, "fp32"), (4, "fp32"), (2, "bf16")], ids=["ep2", "ep2xfsdp2", "ep2-bf16"]
+)
 def test_emitted_script_with_ep_matches_one_process(
-    gpus, small_tokenizer_dir, small_dataset, tmp_path
+    gpus, dtype, small_tokenizer_dir, small_dataset, tmp_path
 ):
     """`scaffold new --model <tiny Qwen3-MoE dir> --gpus 2|4 --ep 2`: the script run by torchrun
     on 2 gloo ranks (experts split 2 + 2) or 4 (EP 2 x FSDP 2: two ep groups, the experts'
     replicas summing their gradients) logs the losses of the same script in 1 process (--ep 1,
-    global batch 4 every way) and saves the same HF weights."""
+    global batch 4 every way) and saves the same HF weights. bf16 (the default dtype; FSDP
+    ignores the experts, so they cast their own fp32 weights, `MoeExpert`): the losses and
+    gradient norms within bf16's summation-order noise (rel 1e-3; measured 1.2e-6 and 1.8e-4);
+    not the weights, since AdamW's first steps move an element by about lr whatever its
+    gradient's size, so bf16 noise on a near-zero gradient flips a 1e-3 step."""
+    fp32 = dtype == "fp32"
     from generator.render import render
     from generator.spec import Spec
 
@@ -264,19 +271,28 @@ def test_emitted_script_with_ep_matches_one_process(
     script.write_text(render(Spec(model=str(model_dir), gpus=gpus, ep=2, out=str(tmp_path))))
     argv = [
         "--dataset", str(small_dataset), "--device", "cpu",
-        "--dtype", "fp32", "--max_steps", "2", "--warmup_steps", "0", "--lr", "1e-3",
+        "--dtype", dtype, "--max_steps", "2", "--warmup_steps", "0", "--lr", "1e-3",
         "--max_seq_len", "64", "--val_fraction", "0", "--eval_every_steps", "0",
         "--sample_max_new_tokens", "0",
     ]  # fmt: skip
     # the 1-process reference: the script's main() here
     reference = ["--ep", "1", "--micro_batch_size", "4", "--out_dir", str(tmp_path / "one")]
     import_script(script, "ep_reference_train").main([*argv, *reference])
-    one = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "one") if "loss" in r}
+    one = {
+        r["step"]: (r["loss"], r["grad_norm"])
+        for r in read_metrics(tmp_path / "one")
+        if "loss" in r
+    }
     rows = _torchrun(script, [*argv, "--micro_batch_size", str(4 // gpus)], gpus, tmp_path / "ep2")
-    two = {r["step"]: r["loss"] for r in rows}
+    two = {r["step"]: (r["loss"], r["grad_norm"]) for r in rows}
     assert sorted(two) == [1, 2]
     for step in (1, 2):
-        assert abs(two[step] - one[step]) <= 1e-5 * one[step], (step, two[step], one[step])
+        (loss, norm), (ref_loss, ref_norm) = two[step], one[step]
+        assert abs(loss - ref_loss) <= (1e-5 if fp32 else 1e-3) * ref_loss, (step, loss, ref_loss)
+        if not fp32:
+            assert abs(norm - ref_norm) <= 1e-3 * ref_norm, (step, norm, ref_norm)
+    if not fp32:
+        return
     a = load_file(tmp_path / "one/model/model.safetensors")
     b = load_file(tmp_path / "ep2/model/model.safetensors")
     assert a.keys() == b.keys() and any(".mlp.experts.3." in k for k in a)

@@ -32,11 +32,36 @@ DEEP_TINY = dict(
 )  # fmt: skip
 
 
+# The same with a mixture of experts in every block (Qwen3-MoE: 8 experts of width 32, top 2)
+DEEP_TINY_MOE = dict(
+    DEEP_TINY, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=8,
+    num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+)  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def deep_tiny_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("deep_tiny")
     (out / "config.json").write_text(json.dumps(DEEP_TINY))
     return out
+
+
+def test_extrapolated_moe_simulation_equals_the_full_one(tmp_path):
+    """A 6-block mixture of experts (every block MoE, routed as balanced): sft with the experts
+    FSDP-sharded over 2 ranks, under EP 2 x FSDP 2 with ac + lce, and grpo under EP 2: every
+    category and the peak equal."""
+    (tmp_path / "config.json").write_text(json.dumps(DEEP_TINY_MOE))
+    m = str(tmp_path)
+    grpo = dict(algo="grpo", model=m, dataset="chain_sum.jsonl", engine_gpus=0)
+    for group, mbs, seq, config in (
+        ([Spec(model=m, gpus=2), Spec(model=m, gpus=4, ep=2, tricks=("ac", "lce"))], 2, 64, None),
+        ([Spec(**grpo, gpus=2, ep=2)], 2, 288, {"max_prompt_len": 256}),
+    ):
+        fast = simulate(group, mbs, seq, config=config)
+        full = simulate(group, mbs, seq, full_depth=True, config=config)
+        for f, s in zip(fast, full, strict=True):
+            assert f.simulated_depths == [3, 4] and s.simulated_depths is None
+            assert (f.categories, f.peak, f.logits) == (s.categories, s.peak, s.logits), f.spec
 
 
 def test_extrapolated_simulation_equals_the_full_one(deep_tiny_dir):
@@ -167,6 +192,12 @@ ESTIMATE_MATRIX = [
     Spec(algo="qlora", model="llama3.3-70b", gpus=8, tricks=("ac",)),
     Spec(algo="kd", model="llama3.2-1b", teacher="llama3.1-8b", gpus=8),
     Spec(algo="kd", model="llama3.1-8b", gpus=8, tricks=("ac", "lce")),
+    # mixture of experts (routed as balanced): every expert counted, whole on its rank under
+    # --ep (EP 8; EP 4 x FSDP 2), FSDP-sharded without (simulated by hand: 128 experts per
+    # block run on every rank, 2.5 minutes)
+    Spec(model="qwen3-30b-a3b", gpus=8, ep=8, tricks=("ac", "lce")),
+    Spec(model="qwen3-30b-a3b", gpus=8, ep=4, tricks=("lce",)),
+    _grpo("qwen3-30b-a3b", 8, ep=4, tricks=("ac", "lce")),
 ]
 
 
@@ -182,6 +213,7 @@ DPO_ESTIMATE_MATRIX = [
     (_dpo("llama3.1-8b", 8, algo="dpo-lora"), "adapters-off"),
     (_dpo("llama3.1-8b", 8, tricks=("ac", "lce")), "separate"),
     (_dpo("llama3.2-1b", 1, tricks=("lce",)), "separate"),
+    (_dpo("qwen3-30b-a3b", 8, ep=8, tricks=("ac", "lce")), "separate"),
 ]
 
 

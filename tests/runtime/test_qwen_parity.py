@@ -203,6 +203,21 @@ def test_unused_expert_gets_zero_grad_not_none():
         assert torch.equal(expert.up_proj.weight.grad, torch.zeros(32, 64))
 
 
+def test_router_logits_are_kept_only_when_asked_for():
+    """Under activation checkpointing a forward that did not ask for router logits leaves no
+    block holding any after backward (the recompute's graph would keep every block's recomputed
+    tensors alive to the end of backward); one that asks gets them."""
+    from torch.distributed._composable import checkpoint
+
+    model = ours_from_hf(hf_tiny_model("qwen3_moe"))
+    for layer in model.model.layers:
+        checkpoint(layer)
+    model(IDS).sum().backward()
+    assert all(layer.mlp.router_logits is None for layer in model.model.layers)
+    _, router_logits = model(IDS, output_router_logits=True)
+    assert len(router_logits) == 2 and all(r.grad_fn is not None for r in router_logits)
+
+
 @pytest.mark.parametrize("with_mask", [False, True])
 def test_load_balancing_loss_matches_hf(with_mask):
     gen = torch.Generator().manual_seed(3)
