@@ -256,6 +256,10 @@ def test_new_prints_the_plan_summary(tiny_real_vocab_dir, tmp_path):
     )
     assert result.exit_code == 0 and (tmp_path / "c" / "train.py").exists(), result.output
     assert "verdict: fits on 24 GiB" in result.output
+    # kd with a --teacher, which `scaffold plan` options cannot say: planned from its directory
+    kd = ["new", "--algo", "kd", *model, "--teacher", "smollm2-135m", "--out", str(tmp_path / "k")]
+    result = CliRunner().invoke(cli, kd)
+    assert f"`scaffold plan {tmp_path / 'k'} --gpu-memory h100-80` simulates it" in result.output
     result = CliRunner().invoke(
         cli,
         ["new", *model, "--tricks", "compile", "--out", str(tmp_path / "e"), "--gpu-memory", "24"],
