@@ -56,8 +56,9 @@ __all__ = [
     "shard_for_context_parallel",
 ]
 
-# Batch entries laid out [B, S] over the sequence: these are sharded, everything else is kept.
-CP_SEQUENCE_KEYS = ("input_ids", "labels", "position_ids", "document_ids")
+# Batch entries laid out [B, S] over the sequence: these are sharded, everything else is kept
+# (sequence_ids: packed DPO rows' sequence of each token, `collate_preference_packs`).
+CP_SEQUENCE_KEYS = ("input_ids", "labels", "position_ids", "document_ids", "sequence_ids")
 # How attention reaches the other cp ranks' K/V (module docstring): the Config's cp_mode.
 CP_MODES = ("allgather", "ring")
 
@@ -84,7 +85,8 @@ def shard_for_context_parallel(batch: dict, cp_rank: int, cp_size: int) -> dict:
 
     Args:
         batch: input_ids [B, S] int64, labels [B, S] int64 (pre-shifted, so a label stays with its
-            input token), optional position_ids / document_ids [B, S], num_tokens scalar int64 (the
+            input token), optional position_ids / document_ids / sequence_ids [B, S] (packed
+            rows: each token's document and sequence go with it), num_tokens scalar int64 (the
             non-padding tokens of the rows), and anything else (kept as is).
         cp_rank: this rank's index in the cp mesh dim.
         cp_size: cp degree; S must be a multiple of 2 * cp_size.

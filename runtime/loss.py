@@ -409,8 +409,23 @@ def _chunk_token_logprobs(
     h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, logits_transform=None
 ):
     """log softmax(h @ weight.T)[targets] for one chunk: [C, D], [V, D], [C] -> [C] fp32;
-    `logits_transform(logits [C, V], targets [C]) -> [C, V]` runs before the softmax."""
-    logits = (h @ weight.T).to(torch.promote_types(h.dtype, torch.float32))  # [C, V] fp32
+    `logits_transform(logits [C, V], targets [C]) -> [C, V]` runs before the softmax. weight may
+    be the tp vocab-sharded DTensor (`token_logprobs`' loss parallel)."""
+    acc_dtype = torch.promote_types(h.dtype, torch.float32)  # fp32 (fp64 for gradcheck)
+    if _is_tp_vocab_sharded(weight):
+        from torch.distributed.tensor import DTensor, Replicate
+
+        # h is the same on every tp rank (Replicate), as lm_head's ColwiseParallel input: the
+        # backward all-reduces its gradient (each rank's vocab rows give a part of it)
+        h = DTensor.from_local(h, weight.device_mesh, [Replicate()], run_check=False)
+        logits = (h @ weight.T).to(acc_dtype)  # DTensor [C, V] Shard(-1): this rank's [C, V/tp]
+        if logits_transform is None:  # all-reduces of [C] vectors, no [C, V] gather
+            return target_logprobs(logits, targets)
+        # top-k / top-p cut each whole row: this chunk's [C, V] on every tp rank (its backward
+        # keeps this rank's vocab slice of the gradient, every rank computing the same loss)
+        logits = logits.full_tensor()
+    else:
+        logits = (h @ weight.T).to(acc_dtype)  # [C, V] fp32
     if logits_transform is not None:
         logits = logits_transform(logits, targets)
     return logits.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
@@ -435,7 +450,11 @@ def token_logprobs(
     Args:
         hidden: [B, S, D] final hidden states (pre lm_head), fp32 or bf16.
         weight: [V, D] lm_head.weight (the tied embedding when tied), same dtype as hidden;
-            unsharded under FSDP2 (see `linear_cross_entropy`).
+            unsharded under FSDP2 (see `linear_cross_entropy`). Loss parallel: the DTensor
+            sharded on the vocab dim over the mesh named "tp"; `hidden` is then the same on
+            every tp rank (its gradient is all-reduced over tp) and each chunk reduces its
+            [C, V/tp] logits with all-reduces of [C] vectors, or, with a `logits_transform`
+            (which needs whole rows), all-gathers that chunk's [C, V] on every tp rank.
         labels: [B, S] int64, pre-shifted, IGNORE_INDEX = not supervised.
         num_chunks: split the supervised tokens into this many chunks (ignored if chunk_size).
         chunk_size: tokens per chunk.
@@ -443,13 +462,24 @@ def token_logprobs(
             to each chunk's logits before the log-softmax (GRPO's top-k / top-p truncation,
             `runtime.generate.truncate_logits`); it runs again in the backward's recomputation.
 
+    Loss parallel: when `weight` is a DTensor sharded on the vocab dim over the mesh named "tp"
+    (lm_head under `runtime.parallel.llama_tp_plan`), each chunk's logits stay vocab-sharded
+    ([C, V/tp] per rank) and `target_logprobs` combines the row max, sum of exp and target logit
+    with all-reduces of [C] vectors; `hidden` must then be the same [B, S, D] on every tp rank
+    (its gradient is summed over tp). No `logits_transform` there.
+
     Returns:
         [B, S] fp32 (fp64 for fp64 inputs) log-probabilities, 0.0 at ignored positions; `.sum(-1)` is the sequence
-        log-probability of the supervised tokens (DPO's log pi(y|x)).
+        log-probability of the supervised tokens (DPO's log pi(y|x)). With grad enabled it is in
+        hidden's graph even when no position is supervised (zero gradients).
+
+    Raises:
+        ValueError: as `linear_cross_entropy`, or a `logits_transform` with a tp-sharded weight.
     """
     from torch.utils.checkpoint import checkpoint
 
-    _check_lce_inputs(hidden, weight, labels, num_chunks, chunk_size)
+    local_weight = weight.to_local() if _is_tp_vocab_sharded(weight) else weight
+    _check_lce_inputs(hidden, local_weight, labels, num_chunks, chunk_size)
     flat_labels = labels.reshape(-1)  # [B*S]
     valid = (flat_labels != IGNORE_INDEX).nonzero().squeeze(1)  # [T]
     hidden_valid = hidden.reshape(-1, hidden.shape[-1]).index_select(0, valid)  # [T, D]
@@ -457,7 +487,10 @@ def token_logprobs(
     size = _chunk_sizes(targets.numel(), num_chunks, chunk_size)
     pieces = []
     with torch.autocast(hidden.device.type, enabled=False):
-        for start in range(0, targets.numel(), size):
+        # no supervised token: one empty chunk still, so the output reaches hidden and weight in
+        # autograd (a zero gradient for every parameter: FSDP's reduce-scatters pair up across
+        # ranks) and loss parallel's tp ranks run the same collectives
+        for start in range(0, max(1, targets.numel()), size):
             chunk = (hidden_valid[start : start + size], weight, targets[start : start + size])
             args = (*chunk, logits_transform)
             if torch.is_grad_enabled():
@@ -466,8 +499,7 @@ def token_logprobs(
                 pieces.append(_chunk_token_logprobs(*args))
     acc_dtype = torch.promote_types(hidden.dtype, torch.float32)  # fp32 (fp64 for gradcheck)
     out = torch.zeros(flat_labels.numel(), dtype=acc_dtype, device=hidden.device)
-    if pieces:
-        out = out.index_put((valid,), torch.cat(pieces))  # out of place: autograd
+    out = out.index_put((valid,), torch.cat(pieces).to(acc_dtype))  # out of place: autograd
     return out.view(labels.shape)
 
 

@@ -285,7 +285,9 @@ def _padded_rows(packs: list[dict], S: int, pad_token_id: int) -> dict:
     return {"input_ids": input_ids, "labels": labels, **packed_position_ids(packs, S)}
 
 
-def collate_preference_packs(packs: list[dict], pad_token_id: int, pad_to: int = 0) -> dict:
+def collate_preference_packs(
+    packs: list[dict], pad_token_id: int, pad_to: int = 0, pad_to_multiple_of: int = 1
+) -> dict:
     """Right-pad packs of preference pairs into one batch that keeps the unpacked batch's order.
 
     The unpacked DPO batch is the P chosen sequences, then their P rejected ones ([2P] rows);
@@ -296,6 +298,8 @@ def collate_preference_packs(packs: list[dict], pad_token_id: int, pad_to: int =
         packs: from `pack_preference_pairs`.
         pad_token_id: written into padding.
         pad_to: pad to at least this length (fixed shapes); 0 = the longest pack.
+        pad_to_multiple_of: S is rounded up to a multiple of it (sequence parallel splits rows
+            over tp, context parallel into 2*cp chunks); the padding is one more document.
 
     Returns:
         input_ids [B, S] int64 (pad_token_id on padding); labels [B, S] int64 (IGNORE_INDEX on
@@ -306,9 +310,13 @@ def collate_preference_packs(packs: list[dict], pad_token_id: int, pad_to: int =
         sample_ids [P] int64, the pairs' ids in order.
 
     Raises:
-        ValueError: a pack without two sequences per pair (e.g. one from `pack_examples`).
+        ValueError: a pack without two sequences per pair (e.g. one from `pack_examples`), or
+            pad_to_multiple_of < 1.
     """
+    if pad_to_multiple_of < 1:
+        raise ValueError(f"pad_to_multiple_of={pad_to_multiple_of}: must be >= 1")
     S = max(pad_to, max(len(p["input_ids"]) for p in packs))
+    S = -(-S // pad_to_multiple_of) * pad_to_multiple_of
     P = sum(len(p["sample_ids"]) for p in packs)
     batch = _padded_rows(packs, S, pad_token_id)
     sequence_ids = torch.full((len(packs), S), -1, dtype=torch.long)
@@ -339,6 +347,7 @@ def pack_rollouts(
     max_len: int,
     pad_token_id: int = 0,
     pad_to: int = 0,
+    pad_to_multiple_of: int = 1,
 ) -> dict[str, torch.Tensor]:
     """Greedily pack rollouts (prompt + completion), in order, into right-padded rows.
 
@@ -356,20 +365,24 @@ def pack_rollouts(
         pad_token_id: written into padding.
         pad_to: pad the rows to at least this length (fixed shapes, e.g. compiled blocks); 0 =
             the longest row.
+        pad_to_multiple_of: S rounded up to a multiple of it (sequence parallel splits rows over
+            tp ranks, context parallel into 2*cp chunks); the padding is its row's last document.
 
     Returns:
         input_ids [R, S] int64, labels [R, S] int64, position_ids [R, S] int64, document_ids
         [R, S] int32, sequence_ids [R, S] int64 (rollout i's positions hold i, padding -1); R rows,
-        S the longest row (<= max_len), or pad_to if larger. Lay the sampler's per-token log-probs on it with
+        S the longest row (<= max_len), or pad_to if larger, rounded up to pad_to_multiple_of. Lay the sampler's per-token log-probs on it with
         `packed_completion_values`, per-rollout values with `expand_to_tokens`, and reduce per
         rollout with `sequence_sums`.
 
     Raises:
-        ValueError: max_len < 1, prompts and completions of different counts, an empty prompt,
-            or a rollout longer than max_len.
+        ValueError: max_len < 1, pad_to_multiple_of < 1, prompts and completions of different
+            counts, an empty prompt, or a rollout longer than max_len.
     """
     if max_len < 1:
         raise ValueError(f"max_len={max_len}; it must be >= 1.")
+    if pad_to_multiple_of < 1:
+        raise ValueError(f"pad_to_multiple_of={pad_to_multiple_of}; it must be >= 1.")
     if len(prompts) != len(completions):
         raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
     documents = []
@@ -385,6 +398,7 @@ def pack_rollouts(
         documents.append({"input_ids": list(p) + list(c), "labels": labels})
     packs = pack_examples(documents, max_len)  # none is empty or too long: none skipped or cut
     S = max(pad_to, max(len(pack["input_ids"]) for pack in packs))
+    S = -(-S // pad_to_multiple_of) * pad_to_multiple_of
     batch = _padded_rows(packs, S, pad_token_id)
     sequence_ids = torch.full((len(packs), S), -1, dtype=torch.long)
     i = 0

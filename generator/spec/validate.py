@@ -95,21 +95,6 @@ _TP_REFUSED_TRICKS = {
     "bf16-sr": "bf16 weights with the stochastic-rounding AdamW are tested under FSDP only",
     "cpu-offload": "FSDP2 CPU offload of tensor-parallel shards is not tested here",
 }
-# ... and on the DPO skeleton, whose log-probs are per token, not one summed cross-entropy
-_DPO_TP_REFUSED_TRICKS = {
-    "lce": "not built yet for DPO: the chunked per-token log-probs (runtime.token_logprobs) have "
-    "no vocab-parallel path (the SFT loss, linear_cross_entropy, has one)",
-    "packing": "not built yet for DPO: packed preference rows (collate_preference_packs) are not "
-    "padded to a multiple of tp for sequence parallel",
-}
-# ... and on the GRPO skeleton (grpo, grpo-lora, ppo), whose log-probs take the model's own
-# forward on whole padded rows
-_GRPO_TP_REFUSED_TRICKS = {
-    "lce": "not built yet for the GRPO skeleton: the chunked completion log-probs "
-    "(runtime.completion_logprobs) have no vocab-parallel path",
-    "packing": "not built yet for the GRPO skeleton: packed rollout rows (runtime.pack_rollouts) "
-    "are not padded to a multiple of tp for sequence parallel",
-}
 
 
 def model_config(spec: Spec) -> dict:
@@ -185,10 +170,6 @@ def _validate_parallel(spec: Spec) -> None:
                 "splits over the tp ranks (not built); use --peft lora or --tp 1"
             )
         table = dict(_TP_REFUSED_TRICKS)
-        if ALGOS[spec.algo].skeleton == "dpo":
-            table.update(_DPO_TP_REFUSED_TRICKS)
-        if ALGOS[spec.algo].skeleton == "grpo":
-            table.update(_GRPO_TP_REFUSED_TRICKS)
         if spec.algo == "kd":
             table["lce"] = (
                 "not built yet for kd: the chunked KL (runtime.chunked_kd_loss) has no "
@@ -397,31 +378,10 @@ _CP_REFUSED_TRICKS = {
     "cpu-offload": "FSDP2 CPU offload over the dp_shard x cp mesh is not tested here",
 }
 
-# ... and on the GRPO skeleton, whose rows are sharded in `context_parallel_rows`
-_GRPO_CP_REFUSED_TRICKS = {
-    "lce": "not built yet for the GRPO skeleton: the chunked completion log-probs "
-    "(runtime.completion_logprobs) are not sharded over the cp ranks",
-    "packing": "not built yet for the GRPO skeleton: a packed row's sequence ids and document "
-    "mask would need sharding with its tokens",
-}
-
-
-# ... and on the DPO skeleton, whose sequence sums are completed over the cp ranks
-_DPO_CP_REFUSED_TRICKS = {
-    "packing": "not built yet for DPO: a packed row's sequence_ids would need sharding with its "
-    "tokens (runtime.CP_SEQUENCE_KEYS) and the sums over documents split across the cp ranks",
-    "lce": "not built yet for DPO: the chunked per-token log-probs (runtime.token_logprobs) are "
-    "not tested on the cp ranks' chunks",
-}
-
 
 def _validate_cp(spec: Spec, world: int) -> None:
     """--cp: dense models; rows split into 2*cp equal chunks (times tp under TP)."""
     table = dict(_CP_REFUSED_TRICKS)
-    if ALGOS[spec.algo].skeleton == "dpo":
-        table.update(_DPO_CP_REFUSED_TRICKS)
-    if ALGOS[spec.algo].skeleton == "grpo":
-        table.update(_GRPO_CP_REFUSED_TRICKS)
     refused = [t for t in spec.tricks if t in table]
     if refused:
         raise SpecError(

@@ -1,7 +1,9 @@
 """Parallel plans of the emitted DPO scripts (dpo, dpo-lora) over gloo equal one process: HSDP 2x2
 (dp_replicate=2, dp_shard=2), TP 2 (sequence parallel, vocab-sharded log-probs), TP 2 x FSDP 2,
 CP 2 (both cp modes; every row longer than one rank's chunk, so each sequence's log-prob is a sum
-over both cp ranks) and CP 2 x FSDP 2.
+over both cp ranks) and CP 2 x FSDP 2; with the tricks packing (CP 2 ring, TP 2: packed rows, 2
+pairs in one, replies spanning the cp ranks) and lce (CP 2, TP 2: the chunked per-token log-probs
+on each rank's chunks and on vocab-sharded lm_head chunks).
 
 Each case runs the script's own `setup_distributed`, `setup_model`, reference (a sharded separate
 copy, the precomputed table, or the adapters-off base) and `train_step` for 2 SGD steps on the
@@ -31,6 +33,21 @@ HSDP = {"dp_replicate": 2, "tp": 1, "cp": 1}
 TP = {"dp_replicate": 1, "tp": 2, "cp": 1}
 CP = {"dp_replicate": 1, "tp": 1, "cp": 2, "cp_mode": "allgather"}
 RING = {"dp_replicate": 1, "tp": 1, "cp": 2, "cp_mode": "ring"}
+# the step's logged means (TRL's names), compared step by step
+METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
+# the scripts rendered with tricks: `trick_scripts` key -> (algo, tricks); TRICK_CASES the
+# (script, ref_mode) runs of their 1-process reference
+TRICK_SPECS = {"dpo+packing": ("dpo", ("packing",)), "dpo+lce": ("dpo", ("lce",)),
+               "dpo-lora+packing,lce": ("dpo-lora", ("packing", "lce"))}  # fmt: skip
+TRICK_CASES = [("dpo+packing", "separate"), ("dpo+packing", "precomputed"),
+               ("dpo+lce", "separate"), ("dpo+lce", "precomputed"),
+               ("dpo-lora+packing,lce", "adapters-off")]  # fmt: skip
 
 
 def run_case(script_path: str, model_dir: str, data: str, ref_mode: str, plan: dict) -> dict:
@@ -39,7 +56,12 @@ def run_case(script_path: str, model_dir: str, data: str, ref_mode: str, plan: d
 
     import torch.distributed as dist
 
-    from runtime import Tokenizer, data_parallel, precompute_reference_logprobs
+    from runtime import (
+        Tokenizer,
+        data_parallel,
+        precompute_reference_logprobs,
+        shard_for_context_parallel,
+    )
     from tests.helpers import import_script
 
     script = import_script(Path(script_path), f"dpo_plan_{Path(script_path).parent.name}")
@@ -51,13 +73,31 @@ def run_case(script_path: str, model_dir: str, data: str, ref_mode: str, plan: d
     dist_info, mesh = script.setup_distributed(cfg)
     dp_rank, dp_size, dp_group = data_parallel(mesh)
     tokenizer = Tokenizer.from_dir(model_dir)
-    pairs = script.build_datasets(cfg, tokenizer)[0][:4]  # the same global batch everywhere
-    collate = functools.partial(script.collate, pad_token_id=tokenizer.pad_token_id)
+    examples = script.build_datasets(cfg, tokenizer)[0]
+    packed = hasattr(script, "collate_preference_packs")  # rendered with the packing trick
+    if packed:  # the 4 pairs packed in rows of up to 2 * max_seq_len tokens
+        assert sum(len(row["sample_ids"]) for row in examples) == 4
+        assert max(len(row["sample_ids"]) for row in examples) >= 2, "no row holds 2+ pairs"
+        assert len(examples) >= dp_size, "each dp rank needs a row"
+        collate = script.collate_preference_packs
+    else:
+        examples = examples[:4]  # the same global batch everywhere
+        collate = script.collate
+    collate = functools.partial(collate, pad_token_id=tokenizer.pad_token_id)
     # sequence parallel splits S over tp, context parallel into 2*cp chunks: rows padded to a
     # multiple, as the script's main pads them
     multiple = plan.get("tp", 1) * 2 * plan.get("cp", 1)
-    micro_batches = [collate([p], pad_to_multiple_of=multiple) for p in pairs[dp_rank::dp_size]]
-    if plan.get("cp", 1) > 1:  # every row reaches past this rank's share: its sums span the ranks
+    micro_batches = [
+        collate([ex], pad_to_multiple_of=multiple) for ex in examples[dp_rank::dp_size]
+    ]
+    if plan.get("cp", 1) > 1 and packed:  # a sequence of each row has tokens on both cp ranks
+        for mb in micro_batches:
+            on = [
+                set(s["sequence_ids"][s["labels"] != -100].tolist())
+                for s in (shard_for_context_parallel(mb, r, plan["cp"]) for r in range(plan["cp"]))
+            ]
+            assert on[0] & on[1], on
+    elif plan.get("cp", 1) > 1:  # every row reaches past this rank's share: its sums span the ranks
         for mb in micro_batches:
             last = (mb["labels"] != -100).int().cumsum(-1).argmax(-1)  # last supervised position
             assert (last >= mb["labels"].shape[1] // 2).all(), last
@@ -83,13 +123,13 @@ def run_case(script_path: str, model_dir: str, data: str, ref_mode: str, plan: d
         reference = script.build_reference(cfg, Path(model_dir), mesh, dist_info.device)
     elif ref_mode == "precomputed":
         table = precompute_reference_logprobs(
-            model, pairs, lambda m, b: script.sequence_logprobs(m, b, cfg)[0],
+            model, examples, lambda m, b: script.sequence_logprobs(m, b, cfg)[0],
             functools.partial(collate, pad_to_multiple_of=multiple),
             cfg.micro_batch_size, dp_rank, dp_size, "cpu", dp_group,
         )  # fmt: skip
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    losses, norms = [], []
+    losses, norms, metrics = [], [], []
     for _ in range(STEPS):
         m = script.train_step(
             model, reference, table, opt, sched, micro_batches, cfg, "cpu", dp_group
@@ -97,20 +137,22 @@ def run_case(script_path: str, model_dir: str, data: str, ref_mode: str, plan: d
         assert m["num_pairs"] == 4, "the pair count must be over the dp ranks only"
         losses.append(m["loss"])
         norms.append(m["grad_norm"])
+        metrics.append([m[k] for k in METRICS])
     params = {
         n: full_tensor(p.detach()).clone() for n, p in model.named_parameters() if p.requires_grad
     }
     del model, reference, opt, sched
     gc.collect()
     dist.barrier()
-    return {"losses": losses, "grad_norms": norms, "params": params}
+    return {"losses": losses, "grad_norms": norms, "metrics": metrics, "params": params}
 
 
 def _worker(rank, world_size, scripts, model_dir, data, cases):
-    """cases: [(algo, ref_mode, plan)]; the results keyed by them."""
+    """cases: [(algo, ref_mode, plan)]; the results keyed by them. data: the pairs' file, or
+    {algo: its file}."""
     return {
         (algo, ref_mode, tuple(plan.items())): run_case(
-            scripts[algo], model_dir, data, ref_mode, plan
+            scripts[algo], model_dir, data[algo] if isinstance(data, dict) else data, ref_mode, plan
         )
         for algo, ref_mode, plan in cases
     }
@@ -123,6 +165,20 @@ def pairs_path(tmp_path_factory) -> str:
         for i in range(4)
     ]  # fmt: skip
     path = tmp_path_factory.mktemp("dpo_plans") / "pairs.json"
+    path.write_text(json.dumps(rows))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def trick_pairs_path(tmp_path_factory) -> str:
+    """The packed scripts' 4 pairs, which pack (max_seq_len 64: rows of 128) as [pairs 0, 1], [2],
+    [3], each row with a reply whose tokens fall on both cp ranks (checked in `run_case`); the
+    unpacked ones take `pairs_path` (each row's replies reach past its first half)."""
+    rows = [
+        {"prompt": f"Count to {6 * i + 3}.", "chosen": " ".join(map(str, range(1, 6 * i + 4))), "rejected": "No."}
+        for i in range(4)
+    ]  # fmt: skip
+    path = tmp_path_factory.mktemp("dpo_trick_plans") / "pairs.json"
     path.write_text(json.dumps(rows))
     return str(path)
 
@@ -147,10 +203,44 @@ def dpo_scripts(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def one_process(dpo_scripts, tiny_model_dir, pairs_path) -> dict:
-    cases = [(algo, ref_mode, {**ONE, "tp": 1, "cp": 1}) for algo, ref_mode in CASES]
-    (ref,) = spawn(_worker, 1, args=(dpo_scripts, str(tiny_model_dir), pairs_path, cases))
+def trick_scripts(tmp_path_factory) -> dict[str, str]:
+    """`TRICK_SPECS`' scripts, rendered for TP 2 x CP 2 (ring: packing's document mask)."""
+    from generator.render import render
+    from generator.spec import Spec
+
+    out = {}
+    for key, (algo, tricks) in TRICK_SPECS.items():
+        spec = Spec(
+            algo=algo, model="qwen3-0.6b", gpus=4, tp=2, cp=2, cp_mode="ring", tricks=tricks,
+            dataset="dpo_en_demo.json",
+        )  # fmt: skip
+        d = tmp_path_factory.mktemp(key.replace(",", "_").replace("+", "_"))
+        (d / "train.py").write_text(render(spec))
+        out[key] = str(d / "train.py")
+    return out
+
+
+def _one_process(scripts: dict, model_dir, data: str | dict, cases: list) -> dict:
+    """The 1-process runs of `cases` [(script key, ref_mode)], keyed by them."""
+    plans = [(algo, ref_mode, {**ONE, "tp": 1, "cp": 1}) for algo, ref_mode in cases]
+    (ref,) = spawn(_worker, 1, args=(scripts, str(model_dir), data, plans))
     return {(algo, ref_mode): r for (algo, ref_mode, _), r in ref.items()}
+
+
+@pytest.fixture(scope="module")
+def one_process(dpo_scripts, tiny_model_dir, pairs_path) -> dict:
+    return _one_process(dpo_scripts, tiny_model_dir, pairs_path, CASES)
+
+
+@pytest.fixture(scope="module")
+def trick_data(pairs_path, trick_pairs_path) -> dict[str, str]:
+    """Each `TRICK_SPECS` script's pairs file (`trick_pairs_path`'s docstring)."""
+    return {key: trick_pairs_path if "packing" in key else pairs_path for key in TRICK_SPECS}
+
+
+@pytest.fixture(scope="module")
+def one_process_tricks(trick_scripts, tiny_model_dir, trick_data) -> dict:
+    return _one_process(trick_scripts, tiny_model_dir, trick_data, TRICK_CASES)
 
 
 def _check(results: dict, reference: dict) -> None:
@@ -161,6 +251,8 @@ def _check(results: dict, reference: dict) -> None:
         torch.testing.assert_close(
             got["grad_norms"], ref["grad_norms"], rtol=1e-4, atol=0, msg=where
         )
+        # rewards are 0 at step 1 (the policy is the reference): an absolute floor of 1e-6
+        torch.testing.assert_close(got["metrics"], ref["metrics"], rtol=1e-5, atol=1e-6, msg=where)
         assert got["params"].keys() == ref["params"].keys(), where
         for name, p in ref["params"].items():
             torch.testing.assert_close(
@@ -168,11 +260,15 @@ def _check(results: dict, reference: dict) -> None:
             )
 
 
-def test_one_process_reference_trains(one_process):
-    """The reference runs move the weights far past the tolerance and lower the loss, so the
+def test_one_process_reference_trains(one_process, one_process_tricks):
+    """The reference runs move the weights far past the tolerance and lower the loss (the trick
+    scripts' packed data: lr 1 overshoots, so their loss moves by > 1e-2 either way), so the
     parity checks below compare real updates."""
-    for (algo, ref_mode), r in one_process.items():
-        assert r["losses"][1] < r["losses"][0], (algo, ref_mode, r["losses"])
+    for (algo, ref_mode), r in {**one_process, **one_process_tricks}.items():
+        if (algo, ref_mode) in one_process:
+            assert r["losses"][1] < r["losses"][0], (algo, ref_mode, r["losses"])
+        else:
+            assert abs(r["losses"][1] - r["losses"][0]) > 1e-2, (algo, ref_mode, r["losses"])
         assert min(r["grad_norms"]) * LR > 1e-3, (algo, ref_mode, r["grad_norms"])
 
 
@@ -202,6 +298,25 @@ def test_tp_and_cp_two_ranks_equal_one(dpo_scripts, tiny_model_dir, pairs_path, 
     cases += [("dpo", "separate", {**CP, "ref_device": "cpu"})]  # a whole reference: whole rows
     for r in spawn(_worker, 2, args=(dpo_scripts, str(tiny_model_dir), pairs_path, cases)):
         _check(r, one_process)
+
+
+def test_packing_and_lce_two_ranks_equal_one(
+    trick_scripts, tiny_model_dir, trick_data, one_process_tricks
+):
+    """packing and lce under CP 2 and TP 2 (dp 1). Packing: the 4 pairs in 3 packed rows (2 pairs
+    in the first; in each, a reply with tokens on both cp ranks); under CP (ring) each rank keeps
+    its chunks of the row's sequence_ids and document_ids, attention is block-causal by document
+    over the ring, and the per-sequence sums are completed over the cp ranks; under TP the row is
+    padded to a multiple of tp. lce: the chunked per-token log-probs on each cp rank's chunks, and
+    under TP on vocab-sharded chunks of lm_head (`token_logprobs`' loss-parallel path)."""
+    cases = [
+        ("dpo+packing", "separate", RING), ("dpo+packing", "precomputed", TP),
+        ("dpo+lce", "precomputed", CP), ("dpo+lce", "separate", TP),
+        ("dpo-lora+packing,lce", "adapters-off", RING),
+        ("dpo-lora+packing,lce", "adapters-off", TP),
+    ]  # fmt: skip
+    for r in spawn(_worker, 2, args=(trick_scripts, str(tiny_model_dir), trick_data, cases)):
+        _check(r, one_process_tricks)
 
 
 def _main_rank(rank, world_size, script, args):

@@ -42,6 +42,15 @@ ALGO_ARGS = {
             "--num_iterations", "2", "--kl_coef", "0.05"],
 }  # fmt: skip
 ONE = ["--tp", "1", "--cp", "1"]
+# the memory tricks under TP and ring CP, each script against its own 1-process run (the same
+# tricks): lce's chunked completion log-probs (vocab-parallel per chunk under TP, grpo-lora's
+# top_p gathering each chunk's whole rows; on this rank's chunks under CP) and packing (rows
+# padded to a multiple of tp / 2*cp; under CP the document ids sharded with their tokens)
+TRICKS = {
+    "grpo+lce": ("grpo", ("lce",)),
+    "grpo+packing": ("grpo", ("packing",)),
+    "grpo-lora+lce,packing": ("grpo-lora", ("lce", "packing")),
+}
 PLANS = {
     "tp2": ["--tp", "2", "--cp", "1"],
     "cp2": ["--tp", "1", "--cp", "2", "--cp_mode", "allgather"],
@@ -62,12 +71,14 @@ def drivers(tmp_path_factory) -> dict:
     from generator.spec import Spec
 
     out = {}
-    for algo in ALGO_ARGS:
-        d = tmp_path_factory.mktemp(f"{algo}_parallel")
-        spec = Spec(algo=algo, model="qwen3-0.6b", gpus=8, tp=2, cp=2, dataset="chain_sum.jsonl", out="o")  # fmt: skip
+    for name, (algo, tricks) in {**{a: (a, ()) for a in ALGO_ARGS}, **TRICKS}.items():
+        module = f"{name.replace('-', '_').replace('+', '_').replace(',', '_')}_parallel"
+        d = tmp_path_factory.mktemp(module)
+        # packing under cp needs the ring (its K/V blocks carry the document ids)
+        cp_mode = "ring" if "packing" in tricks else "allgather"
+        spec = Spec(algo=algo, model="qwen3-0.6b", gpus=8, tp=2, cp=2, cp_mode=cp_mode, tricks=tricks, dataset="chain_sum.jsonl", out="o")  # fmt: skip
         (d / "train.py").write_text(render(spec))
-        name = f"{algo.replace('-', '_')}_parallel"
-        out[algo] = write_reward_driver(d / "driver.py", d / "train.py", name)
+        out[name] = write_reward_driver(d / "driver.py", d / "train.py", module)
     return out
 
 
@@ -84,15 +95,16 @@ def _run(tmp, driver, algo, model_dir, data, plan, nproc) -> tuple[list[dict], d
 
 @pytest.fixture(scope="module")
 def one_process(drivers, even_model_dir, chain_sum_64, tmp_path_factory):
-    """`one_process(algo)`: that algorithm's 1-process run (the reference of its three plans),
-    run once, when its first case asks."""
+    """`one_process(name)`: that script's 1-process run (the reference of its plans; name: an
+    algorithm, or a key of TRICKS), run once, when its first case asks."""
     runs = {}
 
-    def get(algo: str) -> tuple[list[dict], dict]:
-        if algo not in runs:
+    def get(name: str) -> tuple[list[dict], dict]:
+        if name not in runs:
+            algo = TRICKS[name][0] if name in TRICKS else name
             tmp = tmp_path_factory.mktemp(f"{algo}_one")
-            runs[algo] = _run(tmp, drivers[algo], algo, even_model_dir, chain_sum_64, ONE, 1)
-        return runs[algo]
+            runs[name] = _run(tmp, drivers[name], algo, even_model_dir, chain_sum_64, ONE, 1)
+        return runs[name]
 
     return get
 
@@ -104,6 +116,23 @@ def test_two_ranks_equal_one(
 ):
     one, one_weights = one_process(algo)
     two, two_weights = _run(tmp_path, drivers[algo], algo, even_model_dir, chain_sum_64, PLANS[plan], 2)  # fmt: skip
+    _check_equal(algo, one, two, one_weights, two_weights)
+
+
+@pytest.mark.parametrize("plan", ["tp2", "ring2"])
+@pytest.mark.parametrize("name", TRICKS)
+def test_tricks_two_ranks_equal_one(
+    drivers, one_process, even_model_dir, chain_sum_64, tmp_path, name, plan
+):
+    """lce and packing under TP 2 and ring CP 2 give the 1-process run of the same script."""
+    algo = TRICKS[name][0]
+    one, one_weights = one_process(name)
+    two, two_weights = _run(tmp_path, drivers[name], algo, even_model_dir, chain_sum_64, PLANS[plan], 2)  # fmt: skip
+    _check_equal(algo, one, two, one_weights, two_weights)
+
+
+def _check_equal(algo: str, one: list, two: list, one_weights: dict, two_weights: dict) -> None:
+    """The 2-rank run's metrics and final tensors equal the 1-process run's (module docstring)."""
     assert [r["step"] for r in two] == [r["step"] for r in one]
     for a, b in zip(one, two, strict=True):
         assert b["reward"] == pytest.approx(
@@ -198,3 +227,47 @@ def test_colocated_tp_with_offloaded_optimizer_equals_one_split(
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-5)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
     assert all(r["engine_slept_mib"] > 0.4 and r["engine_woke_mib"] > 0.4 for r in two[:2])
+
+
+def _chunked_logprobs(rank, world_size, top_p: float) -> tuple[torch.Tensor, ...]:
+    """`token_logprobs` (3 chunks, some positions ignored) of a [32, 16] weight, vocab-sharded
+    over a "tp" mesh of world_size ranks when world_size > 1, under top_p (1.0 = off) as GRPO's
+    completion log-probs take it: the [2, 8] log-probs, the hidden and the weight's (full)
+    gradients of a weighted sum."""
+    import functools
+
+    from runtime.grpo import _truncate_keeping_labels
+    from runtime.loss import IGNORE_INDEX, token_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 8, 16, generator=g).requires_grad_()
+    full = torch.randn(32, 16, generator=g)
+    labels = torch.randint(0, 32, (2, 8), generator=g)
+    labels[0, :3] = labels[1, 6:] = IGNORE_INDEX
+    coeffs = torch.randn(2, 8, generator=g)
+    weight = torch.nn.Parameter(full.clone())
+    if world_size > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+        weight = torch.nn.Parameter(distribute_tensor(full, mesh, [Shard(0)]))
+    truncate = (
+        functools.partial(_truncate_keeping_labels, top_k=0, top_p=top_p) if top_p < 1 else None
+    )
+    out = token_logprobs(hidden, weight, labels, num_chunks=3, logits_transform=truncate)
+    (out * coeffs).sum().backward()
+    grad = weight.grad.full_tensor() if world_size > 1 else weight.grad
+    return out.detach(), hidden.grad, grad
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_chunked_logprobs_vocab_parallel_equal_one(top_p):
+    """lce's chunked log-probs with lm_head's weight vocab-sharded over 2 tp ranks (loss
+    parallel; under top_p each chunk's whole rows gathered) equal one process's: values, the
+    hidden gradient (summed over the vocab shards) and the weight gradient, on both ranks."""
+    one = _chunked_logprobs(0, 1, top_p)
+    assert one[0].ne(0).sum() == 11 and one[1].abs().sum() > 0  # the ignored positions are 0
+    for two in spawn(_chunked_logprobs, 2, args=(top_p,)):
+        for a, b in zip(one, two, strict=True):
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)

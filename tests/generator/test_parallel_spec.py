@@ -41,20 +41,16 @@ pytestmark = pytest.mark.fast  # in `make test-fast` (tests/README.md)
         (Spec(tp=0), ["--tp 0: must be >= 1"]),
         # HSDP, TP and CP are wired into the SFT and DPO skeletons but not everywhere: the
         # support table's reasons (generator.features.refusal)
-        # dpo under TP: the chunked per-token log-probs and packed pairs are not built for it
-        (Spec(algo="dpo", model="qwen3-0.6b", gpus=2, tp=2, tricks=("lce",), dataset="dpo_en_demo.json"), ["--tricks lce with --tp 2", "runtime.token_logprobs", "or use --tp 1"]),
-        (Spec(algo="dpo", model="qwen3-0.6b", gpus=2, tp=2, tricks=("packing", "ac"), dataset="dpo_en_demo.json"), ["--tricks packing with --tp 2", "collate_preference_packs", "drop it (--tricks ac)"]),
         (Spec(algo="qlora", model="qwen3-0.6b", gpus=2, tp=2), ["--algo qlora with --tp 2", "NF4Tensor splits only along dim 0", "use --tp 1 (FSDP over all GPUs, or HSDP with --dp-replicate)"]),
         (Spec(algo="lora", model="qwen3-0.6b", gpus=2, tp=2, peft="dora"), ["--peft dora with --tp 2", "use --peft lora or --tp 1"]),
         (Spec(algo="kd", model="qwen3-0.6b", gpus=2, tp=2, tricks=("lce",)), ["--tricks lce with --tp 2", "runtime.chunked_kd_loss", "or use --tp 1"]),
-        # dpo under CP: packed pairs and the chunked log-probs are not built for it
-        (Spec(algo="dpo", gpus=2, cp=2, cp_mode="ring", tricks=("packing",), dataset="dpo_en_demo.json"), ["--tricks packing with --cp 2", "sequence_ids", "or use --cp 1"]),
-        (Spec(algo="dpo-lora", gpus=2, cp=2, tricks=("lce", "ac"), dataset="dpo_en_demo.json"), ["--tricks lce with --cp 2", "runtime.token_logprobs", "drop it (--tricks ac)"]),
+        # dpo's packed pairs under CP take the ring's document mask, as every packed row does
+        (Spec(algo="dpo", gpus=2, cp=2, tricks=("packing",), dataset="dpo_en_demo.json"), ["--tricks packing with --cp 2 --cp-mode allgather", "--cp-mode ring"]),
         # GRPO's mesh is the trainer's ranks: the GPUs its engines leave
         (Spec(algo="grpo", gpus=4, engine_gpus=2, dp_replicate=4, dataset="chain_sum.jsonl"), ["(--gpus 4 - --engine-gpus 2) x --nodes 1 = 2 trainer processes", "not divisible by dp_replicate*cp*tp = 4*1*1", "one of [1, 2]"]),
-        # GRPO under TP / CP: packed rollout rows and the chunked log-probs are not built for it
-        (Spec(algo="grpo", model="qwen3-0.6b", gpus=4, engine_gpus=0, tp=2, tricks=("packing",), dataset="chain_sum.jsonl"), ["--tricks packing with --tp 2", "runtime.pack_rollouts", "or use --tp 1"]),
-        (Spec(algo="grpo-lora", gpus=4, engine_gpus=0, cp=2, tricks=("ac", "lce"), dataset="chain_sum.jsonl"), ["--tricks lce with --cp 2", "not sharded over the cp ranks", "drop it (--tricks ac)"]),
+        # GRPO under CP: packed rollout rows need the ring's document mask; PPO takes no packing
+        (Spec(algo="grpo-lora", gpus=4, engine_gpus=0, cp=2, tricks=("ac", "packing"), dataset="chain_sum.jsonl"), ["--tricks packing with --cp 2 --cp-mode allgather", "add --cp-mode ring", "(--tricks ac)"]),
+        (Spec(algo="ppo", model="qwen3-0.6b", gpus=4, engine_gpus=0, tp=2, tricks=("packing",), dataset="chain_sum.jsonl"), ["--algo ppo does not take --tricks packing", "GAE"]),
         # compile of DTensor blocks is not tested here
         (Spec(model="qwen3-0.6b", gpus=2, tp=2, tricks=("compile",)), ["--tricks compile with --tp 2"]),
     ],
@@ -74,10 +70,12 @@ def test_valid_plans_pass_and_command_prints_non_defaults():
         Spec(algo=a, gpus=4, dp_replicate=2, dataset="dpo_en_demo.json", out="o")
         for a in ("dpo", "dpo-lora")
     ]
-    tp_dpo = Spec(algo="dpo", model="qwen3-0.6b", gpus=4, tp=2, tricks=("ac",), out="o")
+    tp_dpo = Spec(
+        algo="dpo", model="qwen3-0.6b", gpus=4, tp=2, tricks=("ac", "lce", "packing"), out="o"
+    )
     cp_dpo = [
-        Spec(algo=a, gpus=4, cp=2, cp_mode=m, tricks=("ac",), dataset="dpo_en_demo.json", out="o")
-        for a, m in (("dpo", "allgather"), ("dpo-lora", "ring"))
+        Spec(algo=a, gpus=4, cp=2, cp_mode=m, tricks=t, dataset="dpo_en_demo.json", out="o")
+        for a, m, t in (("dpo", "allgather", ("ac", "lce")), ("dpo-lora", "ring", ("packing",)))
     ]
     cp_lora = Spec(algo="lora", gpus=2, cp=2, out="o")
     cp_qlora_rm = [
@@ -100,7 +98,13 @@ def test_valid_plans_pass_and_command_prints_non_defaults():
     hsdp_cp = Spec(gpus=8, cp=2, dp_replicate=2, out="o")
     tp_cp = Spec(model="qwen3-0.6b", gpus=8, cp=2, tp=2, out="o")
     ring_packing = Spec(gpus=2, cp=2, cp_mode="ring", tricks=("packing", "ac"), out="o")
+    grpo_tricks = [  # lce and packing on the GRPO skeleton under TP and ring CP
+        Spec(algo=a, model="qwen3-0.6b", gpus=4, engine_gpus=0, dataset="chain_sum.jsonl", out="o", **plan)
+        for a in ("grpo", "grpo-lora")
+        for plan in ({"tp": 2, "tricks": ("lce", "packing")}, {"cp": 2, "cp_mode": "ring", "tricks": ("lce", "packing")})
+    ]  # fmt: skip
     for spec in (
+        *grpo_tricks,
         tp,
         hsdp,
         cp,

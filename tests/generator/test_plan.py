@@ -687,20 +687,27 @@ def test_dpo_simulation_matches_real_steps(process_group, tiny_real_vocab_dir, t
 
 
 def test_dpo_two_rank_simulation_matches_two_gloo_ranks(tiny_real_vocab_dir, tmp_path):
-    """dpo precomputed (with ac) and dpo-lora adapters-off on 2 ranks: the simulated rank is
-    within the tolerance of each real gloo rank (the precomputed pass's two stages too), and it
-    holds half of dpo's resident bytes on one rank."""
+    """dpo precomputed (with ac), dpo-lora adapters-off and dpo precomputed under CP 2 (ring)
+    with packing on 2 ranks: the simulated rank is within the tolerance of each real gloo rank
+    (the precomputed pass's two stages too), and it holds half of dpo's resident bytes on one
+    rank."""
     m = tiny_real_vocab_dir
     pre = _dpo_spec(m, gpus=2, tricks=("ac",))
     lora = _dpo_spec(m, algo="dpo-lora", gpus=2)
+    packed_cp = _dpo_spec(m, gpus=2, cp=2, cp_mode="ring", tricks=("packing",))  # pair rows split
     (sim_pre, one_rank) = simulate(
         [pre, replace(pre, gpus=1)], DPO_MBS, DPO_SEQ, config={"ref_mode": "precomputed"}
     )
     (sim_lora,) = simulate([lora], DPO_MBS, DPO_SEQ)
+    (sim_packed_cp,) = simulate([packed_cp], DPO_MBS, DPO_SEQ, config={"ref_mode": "precomputed"})
     assert sim_pre.world_size == 2 and sim_lora.dpo["ref_mode"] == "adapters-off"
     state = one_rank.categories["optimizer state"]
     assert sim_pre.categories["optimizer state"] == pytest.approx(state / 2, rel=0.01)
-    for spec, sim, ref_mode in [(pre, sim_pre, "precomputed"), (lora, sim_lora, "adapters-off")]:
+    for spec, sim, ref_mode in [
+        (pre, sim_pre, "precomputed"),
+        (lora, sim_lora, "adapters-off"),
+        (packed_cp, sim_packed_cp, "precomputed"),
+    ]:
         args = (json.dumps(asdict(spec)), str(m), str(tmp_path / ref_mode), ref_mode)
         for rank_result in spawn(_real_dpo_rank, world_size=2, args=args):
             _assert_agrees(sim, rank_result)

@@ -305,8 +305,8 @@ def test_generator_renders_grpo_lora_and_refuses_bad_combinations(tmp_path):
     for spec, message in [
         (Spec(algo="grpo-lora", peft="ia3", out="o"), "--peft 'ia3'; valid: lora, dora"),
         (Spec(algo="grpo", peft="dora", out="o"), "--algo lora or qlora or dpo-lora or grpo-lora"),
-        (Spec(algo="grpo-lora", model="qwen3-0.6b", gpus=4, engine_gpus=0, tp=2, tricks=("lce",), out="o"),
-         "--tricks lce with --tp 2: not built yet for the GRPO skeleton"),
+        (Spec(algo="grpo-lora", model="qwen3-0.6b", gpus=4, engine_gpus=0, cp=2, tricks=("packing",), out="o"),
+         "--tricks packing with --cp 2 --cp-mode allgather: packed rows need a block-causal"),
     ]:  # fmt: skip
         with pytest.raises(SpecError, match=message.replace("(", r"\(").replace(")", r"\)")):
             render(spec)

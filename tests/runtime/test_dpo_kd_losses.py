@@ -41,6 +41,9 @@ def test_token_logprobs_all_ignored_and_no_grad():
     labels[:] = IGNORE_INDEX
     out = token_logprobs(hidden, weight, labels)
     assert out.shape == (B, S) and (out == 0).all()
+    # still in hidden's graph (a cp rank whose chunks hold no reply token runs the backward too)
+    g_hidden, g_weight = torch.autograd.grad(out.sum(), (hidden, weight))
+    assert not g_hidden.any() and not g_weight.any()
     hidden, weight, labels = _inputs()
     with torch.no_grad():
         assert not token_logprobs(hidden, weight, labels, chunk_size=2).requires_grad

@@ -245,6 +245,14 @@ def test_preference_pairs_pack_whole_pairs_in_order():
     ]
     assert batch["num_tokens"].item() == 31 and batch["input_ids"].shape == (2, 16)
     assert collate_preference_packs(packs[:2], 0, pad_to=20)["sequence_ids"].shape == (2, 20)
+    # a multiple of tp / 2*cp: the padding is one more document, outside every sequence
+    padded = collate_preference_packs(packs[:2], 0, pad_to_multiple_of=6)  # 16 -> 18
+    assert padded["sequence_ids"].tolist() == [
+        row + [-1] * 2 for row in batch["sequence_ids"].tolist()
+    ]
+    assert padded["document_ids"][:, 16:].tolist() == [[4, 4], [2, 2]]
+    with pytest.raises(ValueError, match="pad_to_multiple_of=0: must be >= 1"):
+        collate_preference_packs(packs[:2], 0, pad_to_multiple_of=0)
     unshifted = {"id": 0, "chosen": {"input_ids": [1, 2], "labels": [1]}, "rejected": _doc(2)}
     with pytest.raises(ValueError, match=r"pair 0 \(chosen\): 2 input_ids but 1 labels"):
         pack_preference_pairs([unshifted], 4)
