@@ -148,8 +148,8 @@ def new(
 
 
 def _simulable_without_cpu_offload(spec: Spec, mbs, seq) -> bool:
-    """The estimate covers what the planner covers (not kd's unsharded teacher, MoE experts,
-    qlora's NF4 base, ...): print it for cpu-offload only where the rest of the spec is plannable."""
+    """The estimate covers what the planner covers (not MoE experts, ...): print it for
+    cpu-offload only where the rest of the spec is plannable."""
     from dataclasses import replace
 
     from generator.plan import PlanError, check_simulable
@@ -321,8 +321,10 @@ def plan(
     something the simulation can tell apart, so the verdict is the arithmetic estimate's, of
     the GPU's share and of the offloaded shards per node against a 2 TB node's host memory.
     --tricks compile and offload are not simulated (inductor's fusion, a side stream's host
-    copies): plan says so, and the plan without them is an upper bound; nor are --algo qlora
-    and kd. Mixture-of-experts models (experts FSDP-sharded, or --ep) are simulated with every
+    copies): plan says so, and the plan without them is an upper bound. --algo qlora counts
+    its NF4 base as torchao stores it, --algo kd its teacher (the script's Config teacher: the
+    student itself unless DIR's spec or `scaffold new --teacher` names one) whole on every rank.
+    Mixture-of-experts models (experts FSDP-sharded, or --ep) are simulated with every
     expert getting tokens x top_k / num_experts of a rank's tokens (balanced routing, said on
     the report line): a real router's imbalance adds to it under --ep.
 

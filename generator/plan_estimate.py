@@ -34,7 +34,7 @@ from __future__ import annotations
 import ast
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from generator.features import PEFT_ALGOS
 from generator.plan_harness import (
@@ -198,9 +198,18 @@ def estimate(
     pshard = d["params"] / ((d["params"] - ep_experts) / shard + ep_experts / spec.ep)
     trained = adapter_params(d, cfg) if adapters else d["params"]
     frozen = d["params"] if adapters else 0
+    frozen_bytes, nf4_saved = dtype * frozen, 0  # the base; bytes NF4 saves per gathered block
+    dequantized = 0
+    if spec.algo == "qlora":  # the targeted base weights in NF4 (`nf4_bytes`), the rest in dtype
+        dense, nf4 = _nf4_base(d, cfg, dtype)
+        frozen_bytes = dtype * (frozen - d["L"] * dense) + d["L"] * nf4
+        nf4_saved = 2 * dense - nf4
+        # each NF4 linear is dequantized to the dtype in its forward and again in its backward:
+        # one dense copy of the largest at a time
+        dequantized = dtype * max(d["I"], d["q"], d["kv"]) * d["D"]
     tshard = shard if adapters else pshard
     master, state_bytes = trained_bytes(tricks)  # fp32 master weights, or bf16 under bf16-sr
-    params = master * trained / tshard + dtype * frozen / pshard
+    params = master * trained / tshard + frozen_bytes / pshard
     grads = 0 if "optim-in-bwd" in tricks else master * trained / tshard
     state = state_bytes * trained / tshard
     # cpu-offload (FSDP2 CPUOffloadPolicy): the sharded weights, their gradients (each block's
@@ -209,9 +218,10 @@ def estimate(
     on_gpu = 0 if "cpu-offload" in tricks else 1
     host = (1 - on_gpu) * (params + grads + state)
     params, grads, state = on_gpu * params, on_gpu * grads, on_gpu * state
-    # FSDP gathers two blocks in flight (under --ep without their experts, which it ignores)
-    gathered_block = d["block"] - (d["expert_block"] if ep_experts else 0)
-    gathered = 0 if unwrapped else 2 * (d["root"] + 2 * gathered_block) / spec.tp
+    # FSDP gathers two blocks in flight (under --ep without their experts, which it ignores;
+    # qlora's NF4 weights as their NF4 bytes)
+    gathered_block = 2 * (d["block"] - (d["expert_block"] if ep_experts else 0)) - nf4_saved
+    gathered = 0 if unwrapped else (2 * d["root"] + 2 * gathered_block) / spec.tp + dequantized
     if ep_experts and dtype == 2:  # the experts' bf16 casts, saved for backward (`MoeExpert`):
         # every block's (one block's, recomputed, under ac)
         gathered += 2 * d["experts"] / spec.ep / (d["L"] if "ac" in tricks else 1)
@@ -265,6 +275,8 @@ def estimate(
     if "bf16-sr" in tricks and on_gpu:  # torchao's step of the largest parameter: fp32 work buffers
         step = BF16_SR_STEP_BUFFERS * 4 * max(d["V"], d["I"], d["q"], d["kv"]) * d["D"] / shard
         moments["backward" if "optim-in-bwd" in tricks else "optimizer step"]["update"] = step
+    if spec.algo == "kd":
+        _kd_moments(moments, spec, dtype, loss_tokens, vocab, tricks)
     if dpo:
         _dpo_moments(moments, cfg, d, dtype, shard, unwrapped, loss_tokens, vocab, tricks, on_gpu)
         if dpo_reference_mode(cfg) == "separate":  # offloaded with the policy
@@ -289,6 +301,46 @@ def estimate(
         spec=spec, peak=sum(parts.values()), parts=parts, moment=moment, world_size=world,
         micro_batch_size=mbs, max_seq_len=seq, engine_ok=engine_ok, host=int(host),
     )  # fmt: skip
+
+
+def nf4_bytes(numel: int, dtype: int) -> int:
+    """Bytes of one torchao NF4Tensor of `numel` weights dequantizing to a `dtype`-byte type:
+    two 4-bit codes per byte (uint8 [numel / 2]), an int8 scaler per 64-weight block, one
+    `dtype` factor per scaler block (the largest divisor of the block count <= 256, as
+    `runtime.lora._nf4_scaler_block_size`), the scalers' mean and the 16-level lookup table."""
+    blocks = numel // 64
+    scaler_block = next(s for s in range(min(256, blocks), 0, -1) if blocks % s == 0)
+    return numel // 2 + blocks + (blocks // scaler_block + 1 + 16) * dtype
+
+
+def _nf4_base(d: dict, cfg: dict, dtype: int) -> tuple[int, int]:
+    """qlora, per decoder block: (elements of the base weights the Config's lora_target_modules
+    quantize, their NF4 bytes)."""
+    D, inter, q, kv = d["D"], d["I"], d["q"], d["kv"]
+    shapes = {"q_proj": D * q, "k_proj": D * kv, "v_proj": D * kv, "o_proj": q * D,
+              "gate_proj": D * inter, "up_proj": D * inter, "down_proj": inter * D}  # fmt: skip
+    targets = [t for t in cfg.get("lora_target_modules", list(shapes)) if t in shapes]
+    return sum(shapes[t] for t in targets), sum(nf4_bytes(shapes[t], dtype) for t in targets)
+
+
+def _kd_moments(
+    moments: dict, spec: Spec, dtype: int, loss_tokens: float, vocab: float, tricks: set
+) -> None:  # fmt: skip
+    """Add kd's frozen teacher to `moments` (bytes, in place): its weights whole on every rank
+    in the dtype (the script's `load_teacher`: not sharded, not split by tp), through the step;
+    and at the end of the forward its [T, V] logits in the dtype and the KL's fp32 work, the
+    student's and the teacher's log-softmax and the teacher's probabilities (under tp the
+    student's vocab-sharded logits gathered whole for the KL); under lce its chunks only, two
+    fp32 [T / 8, V] per model."""
+    teacher = model_dims(model_config(replace(spec, model=spec.teacher or spec.model)))
+    for moment in moments.values():
+        moment["teacher"] = dtype * teacher["params"]
+    V = teacher["V"]
+    if "lce" in tricks:
+        kl = loss_tokens * V * 4 * 2 * 2 / 8
+    else:
+        kl = loss_tokens * V * (dtype + 3 * 4) + (loss_tokens * V * dtype if spec.tp > 1 else 0)
+    moments["forward"]["loss"] += kl
 
 
 def _dpo_moments(

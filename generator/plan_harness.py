@@ -104,8 +104,17 @@ What is simulated, and what is not:
 - Not simulated (the plan says so instead of printing a number): --tricks compile (inductor
   fuses temporaries, which fake tensors cannot model), offload (pinned host copies on a side
   stream), cpu-offload (host-resident shards: on the CPU the simulation cannot tell host memory
-  from the GPU's; `plan_estimate` counts them off the GPU), --algo qlora (NF4 quantization happens inside the checkpoint load), kd (the teacher is
-  loaded from disk).
+  from the GPU's; `plan_estimate` counts them off the GPU).
+- qlora: the targeted base weights are torchao NF4Tensors of torchao's own layout (built on
+  meta outside the fake mode, `_fake_nf4_layout`; 4-bit codes, int8 block scalers, the
+  double quantization's factors), sharded by FSDP2 over its mesh where the blocks split and whole
+  where `nf4_params_fsdp_cannot_shard` says so, as in the script; each forward and backward
+  dequantizes them to the dtype. Not simulated: the quantization during the checkpoint load (one
+  full-precision tensor and torchao's chunked temporaries at a time, before training).
+- kd: the teacher of the script's Config (a catalog model's config.json, or the local directory;
+  at its own depth when the student's is extrapolated) is built by the script's `load_teacher`,
+  whole on each rank in the compute dtype, and runs its no-grad forward in every step (under CP
+  over the student's chunks). The tokenizer check (`check_same_tokenizer`) is skipped.
 
 Reference: torchtitan `scripts/estimate/estimation.py` (FakeTensorMode + fake process group +
 FSDPMemTracker around one training step); PyTorch `torch.distributed._tools.mem_tracker`.
@@ -147,12 +156,6 @@ UNSIMULATED_TRICKS = {
     "state in host memory, which a simulation on the CPU does not tell apart from the GPU's; "
     "`scaffold new` and `scaffold plan` print an arithmetic estimate of the GPU's and the "
     "host's shares where the rest of the spec is plannable",
-}
-# Algorithms the planner refuses, with why (the SFT skeleton's sft and lora, the GRPO skeleton's
-# GRPO_SIMULATED and the DPO skeleton's dpo and dpo-lora are simulated)
-UNSIMULATED_ALGOS = {
-    "qlora": "NF4 quantization of the base happens inside the checkpoint load, which the plan skips",
-    "kd": "the teacher is loaded from disk while the model is built",
 }
 # MemTracker category -> row of the report
 ROWS = {
@@ -312,7 +315,7 @@ def check_simulable(
     micro_batch_size / max_seq_len None: the script's Config defaults.
     """
     validate_spec(spec)
-    unsimulated = dict(UNSIMULATED_ALGOS)
+    unsimulated = {}  # every algorithm of the SFT, DPO and RM skeletons is simulated
     for name in ALGOS:
         if ALGOS[name].skeleton == "grpo" and name not in GRPO_SIMULATED:
             unsimulated[name] = (
@@ -640,44 +643,65 @@ def _causal_bias_outside_modes(fake: bool):
 
 @contextlib.contextmanager
 def _fake_to_empty():
-    """`Module.to_empty` for a model built on meta under FakeTensorMode.
+    """`Module.to_empty` and `Module.to` for a model built on meta under FakeTensorMode.
 
-    The 1-process fp32 script leaves its model unwrapped and calls `model.to_empty(device)`.
+    The 1-process fp32 script leaves its model unwrapped and calls `model.to_empty(device)`;
+    kd's teacher (whole on each rank, never wrapped) is `to_empty` then `.to(dtype)`.
     PyTorch swaps fake parameters in place (`torch.utils.swap_tensors`), which refuses a tied
     parameter (embed_tokens.weight is lm_head.weight) and one referenced elsewhere (expert
-    parallel's experts, which fully_shard keeps as ignored_params). This replacement gives every
-    such parameter and buffer an uninitialised tensor of the same shape and dtype on `device`,
-    keeping ties (one new tensor per original): the bytes `to_empty` allocates on a real device.
-    A module whose own parameters are FSDP2's DTensors keeps PyTorch's path, which works there.
+    parallel's experts, which fully_shard keeps as ignored_params). These replacements give every
+    such parameter and buffer a new tensor of the same shape (`to_empty`: uninitialised on
+    `device`; `to`: converted as `Module.to` converts it, floating-point tensors to its dtype),
+    keeping ties (one new tensor per original): the bytes the real methods allocate on a real
+    device. A module whose own parameters are FSDP2's DTensors keeps PyTorch's path, which works
+    there (`to`: a model with any).
     """
     import torch
+    from torch.distributed.tensor import DTensor
 
-    original = torch.nn.Module.to_empty
+    original_to_empty, original_to = torch.nn.Module.to_empty, torch.nn.Module.to
 
-    def to_empty(module, *, device, recurse=True):
-        from torch.distributed.tensor import DTensor
-
+    def replace_tensors(module, make, recurse: bool = True, sharded=None):
         new = {}
         for sub in module.modules() if recurse else [module]:
-            if any(isinstance(p, DTensor) for p in sub._parameters.values()):
-                original(sub, device=device, recurse=False)
+            if sharded and any(isinstance(p, DTensor) for p in sub._parameters.values()):
+                sharded(sub)
                 continue
             for name, t in [*sub._parameters.items(), *sub._buffers.items()]:
                 if t is None:
                     continue
                 if id(t) not in new:
-                    empty = torch.empty_like(t, device=device)
+                    made = make(t)
                     is_param = isinstance(t, torch.nn.Parameter)
-                    new[id(t)] = torch.nn.Parameter(empty, t.requires_grad) if is_param else empty
+                    new[id(t)] = torch.nn.Parameter(made, t.requires_grad) if is_param else made
                 table = sub._parameters if name in sub._parameters else sub._buffers
                 table[name] = new[id(t)]
         return module
 
-    torch.nn.Module.to_empty = to_empty
+    def to_empty(module, *, device, recurse=True):
+        return replace_tensors(
+            module, lambda t: torch.empty_like(t, device=device), recurse,
+            lambda sub: original_to_empty(sub, device=device, recurse=False),
+        )  # fmt: skip
+
+    def to(module, *args, **kwargs):
+        if any(isinstance(p, DTensor) for p in module.parameters()):  # FSDP2: its own path works
+            return original_to(module, *args, **kwargs)
+        device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
+
+        def convert(t):
+            cast = (
+                dtype if dtype is not None and (t.is_floating_point() or t.is_complex()) else None
+            )
+            return t.to(device=device, dtype=cast, non_blocking=non_blocking)
+
+        return replace_tensors(module, convert)
+
+    torch.nn.Module.to_empty, torch.nn.Module.to = to_empty, to
     try:
         yield
     finally:
-        torch.nn.Module.to_empty = original
+        torch.nn.Module.to_empty, torch.nn.Module.to = original_to_empty, original_to
 
 
 class _NoHook:
@@ -862,27 +886,82 @@ def _segments(tracker) -> list:
 @contextlib.contextmanager
 def _simulated_build(script, fake: bool):
     """Around the model build and the steps: FakeTensorMode with the weight load skipped
-    (fake=True: there are no weights to read, the parameters are fake), or nothing but eager
-    mode (fake=False, real CPU tensors)."""
+    (fake=True: there are no weights to read, the parameters are fake; `_skipped_load`), QLoRA's
+    NF4 layout built as torchao builds it (`_fake_nf4_layout`), and kd's tokenizer check skipped
+    (it reads tokenizer files, which the plan's config-only model directories lack); or nothing
+    but eager mode (fake=False, real CPU tensors)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     # the RM script loads through load_reward_weights (a causal LM's decoder under a new head)
-    loaders = {
-        name: getattr(script, name)
-        for name in ("load_hf_checkpoint", "load_reward_weights")
-        if hasattr(script, name)
-    }
+    skipped = {"load_hf_checkpoint": _skipped_load, "load_reward_weights": _skipped_load,
+               "check_same_tokenizer": lambda *args: None}  # fmt: skip
+    loaders = {name: getattr(script, name) for name in skipped if hasattr(script, name)}
     if fake:
         for name in loaders:
-            setattr(script, name, lambda *args, **kwargs: None)
+            setattr(script, name, skipped[name])
     try:
         with FakeTensorMode() if fake else contextlib.nullcontext():
             with torch.compiler.set_stance("force_eager"), _compiled_torchao_step(fake):
-                yield
+                with _fake_nf4_layout() if fake else contextlib.nullcontext():
+                    yield
     finally:
         for name, loader in loaders.items():
             setattr(script, name, loader)
+
+
+def _skipped_load(model, *args, **kwargs) -> None:
+    """The checkpoint load under FakeTensorMode: no weights are read, except that an NF4 weight's
+    replicated inner tensors (its scaler_mean and 16-level lookup table, which `to_empty` leaves
+    on meta) are re-bound on the weight's device, as `runtime.dtensors.copy_into_nf4` does when it
+    quantizes the file's tensor into it."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    for param in model.parameters():
+        local = param._local_tensor if isinstance(param, DTensor) else param
+        if type(local).__name__ == "NF4Tensor":
+            device = local.quantized_data.device
+            local.scaler_mean = torch.empty_like(local.scaler_mean, device=device)
+            local.nf4 = torch.empty_like(local.nf4, device=device)
+
+
+@contextlib.contextmanager
+def _fake_nf4_layout():
+    """QLoRA's NF4 base weights under FakeTensorMode: `runtime.lora.to_nf4_param` builds torchao's
+    layout on real meta tensors (outside the fake mode), then gives the NF4Tensor fake inner
+    tensors of exactly those shapes and dtypes.
+
+    The script quantizes on meta (the layout only; `load_hf_checkpoint` fills it). Under the
+    planner's FakeTensorMode, torchao's `NF4Tensor.from_tensor` creates its 16-level lookup table
+    with `torch.tensor([...])`, a real (not fake) tensor, which the fake mode then refuses as an
+    operand. The layout is torchao's own, so the bytes are what a real run stores: quantized_data
+    uint8 [numel / 2] (two 4-bit codes per byte), quantized_scalers int8 [numel / 64] (one per
+    64-weight block), quantization_factor [numel / 64 / scaler_block] and scaler_mean [] in the
+    weight's dtype, the lookup table nf4 [16]. FSDP2 then shards the blocks over its mesh or
+    leaves the weight whole (`nf4_params_fsdp_cannot_shard`), as in the script."""
+    import torch
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    import runtime.lora as lora
+
+    real = lora.to_nf4_param
+
+    def fake_to_nf4_param(weight, name: str = "weight"):
+        mode = detect_fake_mode()
+        with unset_fake_temporarily():
+            layout = real(torch.empty(weight.shape, dtype=weight.dtype, device="meta"), name).data
+        names, ctx = layout.__tensor_flatten__()
+        inner = {n: mode.from_tensor(getattr(layout, n)) for n in names}
+        nf4 = type(layout).__tensor_unflatten__(inner, ctx, layout.shape, layout.stride())
+        return torch.nn.Parameter(nf4, requires_grad=False)
+
+    lora.to_nf4_param = fake_to_nf4_param
+    try:
+        yield
+    finally:
+        lora.to_nf4_param = real
 
 
 @contextlib.contextmanager
@@ -976,7 +1055,7 @@ def measure_step(
         )
         tracker = _peak_tracker(_num_layers(model_dir) if segments else None)
         optimizers = getattr(optimizer, "optimizers", optimizer)  # optimizer-in-backward
-        tracker.track_external(model, optimizers)
+        tracker.track_external(model, optimizers, *_teacher(script, cfg, dist_info.device))
         answers = _data_dependent_answers() if fake else contextlib.nullcontext()
         propagation = _separate_propagation_fake_mode() if fake else contextlib.nullcontext()
         dp_group = mesh["dp"].get_group()
@@ -1002,6 +1081,16 @@ def measure_step(
     if segments:
         measured["segments"] = _segments(tracker)
     return measured
+
+
+def _teacher(script, cfg, device) -> list:
+    """kd: [the script's frozen teacher], which setup_model built (`load_teacher`, cached: the
+    same module the loss reuses; whole on each rank, in the compute dtype), so that all its
+    weights count (under lce the loss reads teacher.lm_head.weight without running that module,
+    so the forward hooks alone would miss it); [] for a script without one."""
+    if not hasattr(script, "load_teacher"):
+        return []
+    return [script.load_teacher(cfg.teacher, script.teacher_repo_id(cfg), cfg.dtype, str(device))]
 
 
 def synthetic_pairs(pairs: int, max_seq_len: int, packing: bool, first_id: int = 0) -> dict:
@@ -1464,6 +1553,30 @@ def model_dir_for(spec: Spec, tmp: Path) -> Path:
     return model_dir
 
 
+def teacher_dir_for(teacher: str, tmp: Path) -> Path:
+    """kd: a directory with the teacher's config.json (the plan reads no weights): the
+    Config's teacher itself where it is a local model directory, else a catalog model's config
+    written under tmp.
+
+    Raises:
+        PlanError: neither (a name only the script's download would resolve).
+    """
+    from generator.catalog import MODELS
+
+    if (Path(teacher).expanduser() / "config.json").is_file():
+        return Path(teacher).expanduser().resolve()
+    if teacher not in MODELS:
+        raise PlanError(
+            f"teacher={teacher!r} in the script's Config: neither a catalog model (`scaffold list "
+            "models`) nor a local directory with a config.json; the plan reads the teacher's "
+            "config to count it, so give one of those"
+        )
+    out = tmp / "teacher"
+    out.mkdir(exist_ok=True)
+    (out / "config.json").write_text(json.dumps(MODELS[teacher].config))
+    return out
+
+
 def _simulate_here(
     spec: Spec, micro_batch_size: int | None, max_seq_len: int | None, index: int,
     kl_coef: float | None = None, script_path: str | None = None, config: dict | None = None,
@@ -1482,6 +1595,9 @@ def _simulate_here(
         tmp = Path(tmp)
         script, edits = _import_planned(spec, script_path, tmp, index)
         model_dir = model_dir_for(spec, tmp)
+        if hasattr(script.Config, "teacher"):  # kd: the teacher's config.json, at its own depth
+            teacher = config_with(script, config).teacher
+            config = {**(config or {}), "teacher": str(teacher_dir_for(teacher, tmp))}
 
         def measure(directory: Path, segments: bool) -> dict:
             return _measure_here(

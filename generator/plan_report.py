@@ -49,8 +49,9 @@ def parse_gpu_memory(value: str) -> tuple[str, float]:
 def plan_command(spec: Spec, gpu_memory: str) -> str:
     """The `scaffold plan` command line for `spec` (non-default options only); a spec whose
     recipe `scaffold new` chose (`fit_for`) is planned from its directory, whose script holds
-    what the options cannot say (dpo's chosen reference mode)."""
-    if spec.fit_for:
+    what the options cannot say (dpo's chosen reference mode), as is kd's with a --teacher
+    (`scaffold plan` has no such option: its options plan the student as its own teacher)."""
+    if spec.fit_for or (spec.teacher and spec.out):
         return shlex.join(["scaffold", "plan", spec.out, "--gpu-memory", gpu_memory])
     default = Spec()
     parts = ["scaffold", "plan", "--algo", spec.algo, "--model", spec.model]

@@ -39,6 +39,8 @@ from generator.plan import (
     with_tricks,
 )
 from generator.plan import model_dir_for as _model_dir_for
+from generator.plan_estimate import nf4_bytes
+from generator.plan_harness import model_dims
 from generator.render import render
 from generator.spec import Spec, validate_spec
 from runtime import ModelArgs, build_model, read_hf_config
@@ -233,9 +235,9 @@ def test_gpu_memory_names_and_bad_values():
 
 
 def test_new_prints_the_plan_summary(tiny_real_vocab_dir, tmp_path):
-    """`scaffold new --gpu-memory` simulates the script it wrote; without it, the estimate's
-    verdict and the plan command are printed; a spec the planner refuses still gets its script
-    and a line saying why."""
+    """`scaffold new --gpu-memory` simulates the script it wrote (qlora's too); without it, the
+    estimate's verdict and the plan command are printed; a spec the planner refuses still gets
+    its script and a line saying why."""
     model = ["--model", str(tiny_real_vocab_dir)]
     result = CliRunner().invoke(
         cli, ["new", *model, "--out", str(tmp_path / "a"), "--gpu-memory", "24"]
@@ -253,8 +255,18 @@ def test_new_prints_the_plan_summary(tiny_real_vocab_dir, tmp_path):
         cli, ["new", "--algo", "qlora", *model, "--out", str(tmp_path / "c"), "--gpu-memory", "24"]
     )
     assert result.exit_code == 0 and (tmp_path / "c" / "train.py").exists(), result.output
-    assert (
-        "memory per GPU: not simulated: scaffold plan cannot simulate --algo qlora" in result.output
+    assert "verdict: fits on 24 GiB" in result.output
+    # kd with a --teacher, which `scaffold plan` options cannot say: planned from its directory
+    kd = ["new", "--algo", "kd", *model, "--teacher", "smollm2-135m", "--out", str(tmp_path / "k")]
+    result = CliRunner().invoke(cli, kd)
+    assert f"`scaffold plan {tmp_path / 'k'} --gpu-memory h100-80` simulates it" in result.output
+    result = CliRunner().invoke(
+        cli,
+        ["new", *model, "--tricks", "compile", "--out", str(tmp_path / "e"), "--gpu-memory", "24"],
+    )
+    assert result.exit_code == 0 and (tmp_path / "e" / "train.py").exists(), result.output
+    assert "memory per GPU: not simulated: scaffold plan cannot simulate --tricks compile" in (
+        result.output
     )
     # DPO is simulated: its pairs, its Config's reference, the verdict
     result = CliRunner().invoke(
@@ -1004,6 +1016,98 @@ def test_grpo_tp_and_cp_simulations_match_four_gloo_ranks(tiny_real_vocab_dir, t
             busiest = max(ranks, key=lambda r: r["peak"])
             _assert_agrees(sim, busiest)
             assert all(r["peak"] <= sim.peak * (1 + TOLERANCE) for r in ranks)
+
+
+# --- qlora (the NF4 base) and kd (the frozen teacher) -------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def wide_model_dir(tmp_path_factory, small_tokenizer_dir) -> Path:
+    """The tiny Llama 4x wider (hidden 256, intermediate 1024; 512-token tokenizer, random, seed
+    0). As a qlora base its NF4 weights are most of its parameters, and FSDP splits q, o, gate,
+    up and down (4 to 16 scaler blocks) over 2 and 4 ranks while k and v (8,192 weights, one
+    scaler block) stay whole (`nf4_params_fsdp_cannot_shard`); as kd's teacher of the tiny model
+    (same tokenizer) its whole copy on every rank is most of a rank's parameters."""
+    import torch
+
+    from runtime import copy_tokenizer_files, save_hf_checkpoint
+    from tests.helpers import TINY_CONFIG
+
+    torch.manual_seed(0)
+    config = {**TINY_CONFIG, "vocab_size": 512, "hidden_size": 256, "intermediate_size": 1024}
+    args = ModelArgs(**config, rope_theta=100000.0, max_position_embeddings=8192)
+    out = tmp_path_factory.mktemp("wide_llama")
+    model = build_model(args, device="cpu")
+    save_hf_checkpoint(model, out, model.args.to_hf_config())
+    copy_tokenizer_files(small_tokenizer_dir, out)
+    return out
+
+
+def test_qlora_and_kd_one_rank_simulations_match_real_steps(
+    process_group, wide_model_dir, tiny_model_dir, tmp_path
+):
+    """1 process, 2 x 128 tokens: qlora on the wide model (its NF4 weights: torchao's layout,
+    whole at 1 process) and kd of the tiny model from the wide teacher, plain and with lce
+    (whose loss reads the teacher's lm_head weight without running it): the simulated peak
+    within the tolerance of the real step's, parameters and optimizer state within 1%."""
+    wide = str(wide_model_dir)
+    cases = [
+        (Spec(algo="qlora", model=wide), wide_model_dir),
+        (Spec(algo="kd", model=str(tiny_model_dir), teacher=wide), tiny_model_dir),
+        (Spec(algo="kd", model=str(tiny_model_dir), teacher=wide, tricks=("lce",)), tiny_model_dir),
+    ]
+    tiny = str(tiny_model_dir)
+    others = [Spec(algo="lora", model=wide), Spec(model=tiny), Spec(model=tiny, tricks=("lce",))]
+    *simulated, lora, sft, sft_lce = simulate([spec for spec, _ in cases] + others, 2, 128)
+    for i, ((spec, model_dir), sim) in enumerate(zip(cases, simulated, strict=True)):
+        _assert_agrees(sim, _measure_real(spec, model_dir, 2, 128, tmp_path / f"real{i}"))
+    # the NF4 base holds at least torchao's bytes less than lora's bf16 one (`nf4_bytes` of each
+    # targeted weight; lora's row also has FSDP's gathered bf16 copies in flight)
+    d = model_dims(read_hf_config(wide_model_dir))
+    linears = [d["D"] * n for n in (d["q"], d["kv"], d["kv"], d["q"], d["I"], d["I"], d["I"])]
+    saved = d["L"] * sum(2 * n - nf4_bytes(n, 2) for n in linears)
+    assert lora.categories["parameters"] - simulated[0].categories["parameters"] >= saved
+    # the teacher's bf16 weights, whole on the rank, are what kd adds to sft's row (with lce its
+    # lm_head too, which only the loss reads)
+    teacher = ModelArgs.from_hf_config(read_hf_config(wide_model_dir)).num_params() * 2
+    for kd, plain in ((simulated[1], sft), (simulated[2], sft_lce)):
+        added = kd.categories["parameters"] - plain.categories["parameters"]
+        assert added == pytest.approx(teacher, rel=0.01), (added, teacher)
+
+
+@pytest.mark.parametrize(
+    "algo, plan",
+    [
+        ("qlora", {"gpus": 2}),
+        ("qlora", {"gpus": 4, "dp_replicate": 2}),
+        ("qlora", {"gpus": 4, "cp": 2}),
+        ("qlora", {"gpus": 4, "cp": 2, "cp_mode": "ring"}),
+        ("kd", {"gpus": 2}),
+        ("kd", {"gpus": 4, "dp_replicate": 2}),
+        ("kd", {"gpus": 4, "tp": 2}),
+        ("kd", {"gpus": 4, "cp": 2}),
+        ("kd", {"gpus": 4, "cp": 2, "cp_mode": "ring"}),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}{n}" for k, n in v.items()),
+)
+def test_qlora_and_kd_simulations_match_gloo_ranks(
+    algo, plan, wide_model_dir, tiny_model_dir, tmp_path
+):
+    """qlora (the wide model's NF4 base: split over the FSDP mesh, dp_shard or dp_shard x cp,
+    where its blocks split, whole where they do not) and kd (the tiny student, the wide teacher
+    whole on every rank; under TP the student's vocab-sharded logits gathered for the KL, under
+    CP the teacher's attention over the student's chunks) on FSDP 2, HSDP 2 x 2, TP 2 x FSDP 2
+    (kd; qlora refuses TP) and CP 2 x FSDP 2 in both modes, 2 x 128 tokens: the simulated rank
+    within the tolerance of every real gloo rank, parameters and optimizer state within 1%."""
+    if algo == "qlora":
+        spec, model_dir = Spec(algo="qlora", model=str(wide_model_dir), **plan), wide_model_dir
+    else:
+        spec = Spec(algo="kd", model=str(tiny_model_dir), teacher=str(wide_model_dir), **plan)
+        model_dir = tiny_model_dir
+    (sim,) = simulate([spec], 2, 128)
+    args = (json.dumps(asdict(spec)), str(model_dir), 2, 128, str(tmp_path))
+    for rank_result in spawn(_real_rank, world_size=spec.gpus, args=args):
+        _assert_agrees(sim, rank_result)
 
 
 # --- mixture of experts: the routing fixed by the planner's assumption -------------------------

@@ -66,8 +66,9 @@ def test_extrapolated_moe_simulation_equals_the_full_one(tmp_path):
 
 def test_extrapolated_simulation_equals_the_full_one(deep_tiny_dir):
     """sft (plain, ac + lce, optim-in-bwd on 2 ranks, adamw8bit, bf16-sr, fp32 unwrapped), lora,
-    grpo (plain, ac + lce, on 2 trainer ranks, colocated with the 70B default recipe) and
-    grpo-lora: every category and the peak equal."""
+    qlora (its NF4 base), kd (the teacher, the model itself, kept at its own 6 blocks while the
+    student is simulated at 3 and 4), grpo (plain, ac + lce, on 2 trainer ranks, colocated with
+    the 70B default recipe) and grpo-lora: every category and the peak equal."""
     m = str(deep_tiny_dir)
     grpo = dict(algo="grpo", model=m, dataset="chain_sum.jsonl")
     specs = [
@@ -78,6 +79,8 @@ def test_extrapolated_simulation_equals_the_full_one(deep_tiny_dir):
         Spec(model=m, gpus=2, tricks=("optim-in-bwd", "adamw8bit", "bf16-sr")),
         Spec(model=m, dtype="fp32"),
         Spec(algo="lora", model=m, tricks=("ac",)),
+        Spec(algo="qlora", model=m, gpus=2),
+        Spec(algo="kd", model=m, gpus=2, tricks=("ac",)),
     ]
     grpo_specs = [
         Spec(**grpo),
@@ -183,6 +186,12 @@ ESTIMATE_MATRIX = [
     # bf16-sr: bf16 weights, gradients and moments (GRPO with bf16-sr: the 70B default in
     # tests/generator/test_recipe.py)
     Spec(model="llama3.1-8b", gpus=8, tricks=("bf16-sr",)),
+    # qlora: the NF4 base (4.5 bits a weight) sharded; kd: the bf16 teacher whole on every rank
+    # and its [T, V] logits beside the student's
+    Spec(algo="qlora", model="llama3.1-8b"),
+    Spec(algo="qlora", model="llama3.3-70b", gpus=8, tricks=("ac",)),
+    Spec(algo="kd", model="llama3.2-1b", teacher="llama3.1-8b", gpus=8),
+    Spec(algo="kd", model="llama3.1-8b", gpus=8, tricks=("ac", "lce")),
     # mixture of experts (routed as balanced): every expert counted, whole on its rank under
     # --ep (EP 8; EP 4 x FSDP 2), FSDP-sharded without (simulated by hand: 128 experts per
     # block run on every rank, 2.5 minutes)
