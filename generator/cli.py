@@ -321,7 +321,8 @@ def plan(
     something the simulation can tell apart, so the verdict is the arithmetic estimate's, of
     the GPU's share and of the offloaded shards per node against a 2 TB node's host memory.
     --tricks compile and offload are not simulated (inductor's fusion, a side stream's host
-    copies): plan says so, and the plan without them is an upper bound. --algo qlora counts
+    copies): plan says so, and the plan without them is an upper bound; nor is packing on the
+    GRPO skeleton (its layout is read from the rollouts on the host). --algo qlora counts
     its NF4 base as torchao stores it, --algo kd its teacher (the script's Config teacher: the
     student itself unless DIR's spec or `scaffold new --teacher` names one) whole on every rank.
     Mixture-of-experts models (experts FSDP-sharded, or --ep) are simulated with every

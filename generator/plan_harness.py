@@ -333,6 +333,15 @@ def check_simulable(
             "model for grpo and ppo, a no-grad forward with the adapters off for grpo-lora; 0 has "
             "none); give it with --algo grpo, grpo-lora or ppo, as a number >= 0"
         )
+    if is_grpo(spec) and "packing" in spec.tricks:
+        kept = ",".join(t for t in spec.tricks if t != "packing")
+        raise PlanError(
+            f"scaffold plan cannot simulate --algo {spec.algo} with --tricks packing: the step "
+            "lays its rollouts out by their token counts, read on the host from the rollout "
+            "tensors (runtime.packed_completion_values), which the simulation's fake tensors do "
+            f"not hold; plan without it ({f'--tricks {kept}' if kept else 'no --tricks'}: every "
+            "rollout padded to the longest, at most the packed rows' tokens per micro-batch)"
+        )
     blocked = [t for t in spec.tricks if t in UNSIMULATED_TRICKS]
     if blocked:
         why = "; ".join(f"{t}: {UNSIMULATED_TRICKS[t]}" for t in blocked)

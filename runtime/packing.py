@@ -144,7 +144,11 @@ def packed_position_ids(packs: list[dict], S: int) -> dict:
         position_ids[b, :n] = torch.tensor(pack["position_ids"], dtype=torch.long)
         position_ids[b, n:] = torch.arange(S - n)
         lens = torch.tensor(pack["seq_lens"] + [S - n])  # the padding is the last "document"
-        document_ids[b] = torch.repeat_interleave(torch.arange(len(lens), dtype=torch.int32), lens)
+        # output_size: the row's length is known (S), so no device sync, and the planner's fake
+        # tensors (which hold no values) can size the result
+        document_ids[b] = torch.repeat_interleave(
+            torch.arange(len(lens), dtype=torch.int32), lens, output_size=S
+        )
     return {"position_ids": position_ids, "document_ids": document_ids}
 
 

@@ -169,6 +169,10 @@ def test_ring_cp_simulation_holds_no_full_sequence_kv(tmp_path):
 def test_plan_refuses_what_it_has_not_been_checked_on(tiny_real_vocab_dir):
     for spec, flag in [
         (Spec(model=str(tiny_real_vocab_dir), tricks=("compile",)), "--tricks compile"),
+        (
+            Spec(algo="grpo", model="smollm2-135m", tricks=("packing",)),
+            "--algo grpo with --tricks packing",
+        ),
     ]:
         with pytest.raises(PlanError, match=f"not simulate {flag}"):
             check_simulable(spec, 1, 128)
