@@ -304,17 +304,17 @@ def test_emitted_script_with_ep_matches_one_process(
 def test_other_algorithms_with_ep_match_one_process(
     algo, small_tokenizer_dir, small_dataset, chain_sum_64, tmp_path
 ):
-    """--ep 2 on 2 gloo ranks for the algorithms beside SFT: DPO (its separate reference built by
-    the same parallelize, experts sharded too), KD (an EP student, the MoE teacher whole on each
-    rank), GRPO (the weight sync broadcasts each expert from its rank to the engine, which holds
-    the whole model), GRPO-LoRA (attention adapters beside frozen experts: the sync sends the
-    merged weights, every expert gathered from its rank; the k3 KL to the adapters-off base) and
-    PPO (its value head FSDP-sharded beside the expert-parallel blocks, a separate KL reference
-    with its experts sharded too): the per-step losses and gradient norms (and the RL rewards: the
-    engine sampled from the same weights; GRPO-LoRA's KL; PPO's value loss and explained
-    variance) equal the same script on 1 process, rel 1e-4 (abs 1e-6). GRPO-LoRA's final save
-    equals 1 process's: the merged model atol 1e-5, the adapters (PEFT layout) atol 1e-4 (measured
-    6.4e-6 and 3.7e-7), rtol 1e-4."""
+    """--ep 2 on 2 gloo ranks, and EP 2 x FSDP 2 on 4, for the algorithms beside SFT: DPO (its
+    separate reference built by the same parallelize, experts sharded too), KD (an EP student, the
+    MoE teacher whole on each rank), GRPO (the weight sync broadcasts each expert from its rank to
+    the engine, which holds the whole model), GRPO-LoRA (attention adapters beside frozen experts:
+    the sync sends the merged weights, every expert gathered from its rank; the k3 KL to the
+    adapters-off base) and PPO (its value head FSDP-sharded beside the expert-parallel blocks, a
+    separate KL reference with its experts sharded too): the per-step losses and gradient norms
+    (and the RL rewards: the engine sampled from the same weights; GRPO-LoRA's KL; PPO's value
+    loss and explained variance) equal the same script on 1 process, rel 1e-4 (abs 1e-6).
+    GRPO-LoRA's final save (both plans) equals 1 process's: the merged model atol 1e-5, the
+    adapters (PEFT layout) atol 1e-4 (EP 2 measured    6.4e-6 and 3.7e-7), rtol 1e-4."""
     from generator.render import render
     from generator.spec import Spec
     from tests.helpers import write_reward_driver
@@ -362,14 +362,14 @@ def test_other_algorithms_with_ep_match_one_process(
         return _torchrun(entry, [*argv, *extra], nproc, out)
 
     one = run(1, tmp_path / "one", one_extra)
-    runs = [run(2, tmp_path / "ep2", two_extra)]
+    # EP 2 on 2 ranks, and EP 2 x FSDP 2 on 4: 2 ep groups, each expert's 2 replicas summing their
+    # gradients (all_reduce_expert_grads), the other weights (PPO's value head too) over all 4
+    four_extra = [] if rl else ["--micro_batch_size", "1"]
+    runs = [run(2, tmp_path / "ep2", two_extra), run(4, tmp_path / "ep2x2", four_extra)]
     keys = ("loss", "grad_norm", *(("reward",) if rl else ()))
     if algo == "grpo-lora":  # the k3 KL to the adapters-off base
         keys += ("kl",)
     if algo == "ppo":
-        # EP 2 x FSDP 2 too: 4 trainer ranks in 2 ep groups, each expert's 2 replicas summing
-        # their gradients (all_reduce_expert_grads), the value head sharded over the 4
-        runs.append(run(4, tmp_path / "ep2x2", []))
         keys += ("loss/value_avg", "val/explained_variance", "objective/kl")
     for got in runs:
         assert [r["step"] for r in got] == [r["step"] for r in one] and len(one) >= 2
@@ -379,13 +379,15 @@ def test_other_algorithms_with_ep_match_one_process(
     if algo == "grpo-lora":  # the trained adapters and the merged export (all 4 experts)
         assert len({r["reward"] for r in one}) > 1 and one[-1]["kl"] > 0  # the syncs mattered
         for f in ("adapter_model.safetensors", "merged/model.safetensors"):
-            want, got = (load_file(tmp_path / d / "model" / f) for d in ("one", "ep2"))
-            assert got.keys() == want.keys()
-            worst = max((got[k] - t).abs().max().item() for k, t in want.items())
-            print(f"grpo-lora EP 2: max |{f} difference| {worst:.2e}")
-            atol = 1e-4 if f.startswith("adapter") else 1e-5  # as in the test below
-            for k, t in want.items():
-                torch.testing.assert_close(got[k], t, atol=atol, rtol=1e-4, msg=f"{f} {k}")
+            want = load_file(tmp_path / "one" / "model" / f)
+            for d in ("ep2", "ep2x2"):
+                got = load_file(tmp_path / d / "model" / f)
+                assert got.keys() == want.keys()
+                worst = max((got[k] - t).abs().max().item() for k, t in want.items())
+                print(f"grpo-lora {d}: max |{f} difference| {worst:.2e}")
+                atol = 1e-4 if f.startswith("adapter") else 1e-5  # as in the test below
+                for k, t in want.items():
+                    torch.testing.assert_close(got[k], t, atol=atol, rtol=1e-4, msg=f"{d} {f} {k}")
         assert "model.layers.1.mlp.experts.3.up_proj.weight" in got  # the merged model's
 
 

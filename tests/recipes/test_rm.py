@@ -2,8 +2,8 @@
 centring against its closed form, the scored token against transformers' pooling rule, the saved
 checkpoint against `AutoModelForSequenceClassification` (equal scores, tiny random model), the
 saved RM as a GRPO reward, and a short run on real preference data (SmolLM2-135M,
-dpo_en_demo.json) that lowers the held-out loss below the untrained model's, its held-out pair
-accuracy above chance."""
+dpo_en_demo.json, whole replies) that raises the held-out pair accuracy from the untrained
+model's to above chance and lowers the held-out loss."""
 
 from __future__ import annotations
 
@@ -174,12 +174,19 @@ def test_saved_model_scores_equal_in_transformers(rm_script, tiny_rm, short_pair
 
 @pytest.mark.slow
 def test_real_smollm2_held_out_accuracy_rises_above_chance(rm_script, smollm2_dir, tmp_path):
-    """SmolLM2-135M on dpo_en_demo.json, fp32 on the CPU: 6 steps of 4 pairs lower the held-out
-    loss (14 pairs) below that of the untrained model (the same seeded head, evaluated first),
-    keep its held-out accuracy and end above 0.5."""
+    """SmolLM2-135M on dpo_en_demo.json, fp32 on the CPU, whole replies (max_seq_len 512 keeps 198
+    of the 300 pairs: 139 to train, 59 held out): 7 steps of 4 pairs raise the held-out pair
+    accuracy from the untrained model's (the pretrained decoder under the seeded random head,
+    evaluated first) to above 0.5, and lower the held-out loss.
+
+    Measured (benchmarks/RESULTS.md, "Reward model on the demo pairs"): untrained 0.424 (25/59),
+    loss 0.7297; after 7 steps 0.58, loss 0.6856; after 14, 0.61. A random head's expected
+    accuracy is 0.5 (w and -w are equally likely); this seed's is below it. Cut at 128 or 256
+    tokens the pairs teach no preference that transfers (the held-out accuracy stays at the
+    untrained head's), which is why the rows are whole here."""
     data = ensure_dataset("dpo_en_demo.json")
     settings = dict(model=str(smollm2_dir), dataset=str(data), dtype="fp32", device="cpu",
-                    max_seq_len=96, val_fraction=0.15, micro_batch_size=4)  # fmt: skip
+                    max_seq_len=512, val_fraction=0.3, micro_batch_size=4)  # fmt: skip
     cfg = rm_script.Config(**settings)
     _, mesh = rm_script.setup_distributed(cfg)
     tokenizer = Tokenizer.from_dir(smollm2_dir)
@@ -195,17 +202,16 @@ def test_real_smollm2_held_out_accuracy_rises_above_chance(rm_script, smollm2_di
     rm_script.destroy_distributed()
     out = tmp_path / "out"
     rm_script.main([
-        *(f"--{k}={v}" for k, v in settings.items()), "--out_dir", str(out), "--max_steps", "6",
-        "--lr", "2e-5", "--warmup_steps", "0", "--eval_every_steps", "0",
+        *(f"--{k}={v}" for k, v in settings.items()), "--out_dir", str(out), "--max_steps", "7",
+        "--lr", "2e-5", "--warmup_steps", "2", "--min_lr_ratio", "1.0", "--eval_every_steps", "0",
+        "--save_every_steps", "0",
     ])  # fmt: skip
     after = read_metrics(out)[-1]
-    print(f"held out ({len(val_set)} pairs): before {before}, after 6 steps {after}")
-    assert len(val_set) >= 10  # 15% of the pairs that keep a reply token within 96 tokens
-    # the seeded head already ranks most held-out pairs right (benchmarks/RESULTS.md): training
-    # must lower the held-out loss and keep the accuracy, which ends above chance
-    assert after["val_loss"] < before["val_loss"], (before, after)
-    assert after["val_accuracy"] >= before["val_accuracy"], (before, after)
+    print(f"held out ({len(val_set)} pairs): before {before}, after 7 steps {after}")
+    assert len(val_set) == 59
     assert after["val_accuracy"] > 0.5, (before, after)
+    assert after["val_accuracy"] >= before["val_accuracy"] + 0.1, (before, after)  # 6+ pairs
+    assert after["val_loss"] < before["val_loss"], (before, after)
 
 
 @pytest.mark.parametrize("recipe", ["grpo_smollm2", "ppo_smollm2"])
