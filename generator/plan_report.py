@@ -59,8 +59,7 @@ def plan_command(spec: Spec, gpu_memory: str) -> str:
         parts += ["--peft", spec.peft]
     if spec.tricks:
         parts += ["--tricks", ",".join(spec.tricks)]
-    names = [n for n in spec.layout_options() if n != "ep"]  # `scaffold plan` refuses MoE models
-    for name in (*names, *["dtype"] * (spec.dtype != default.dtype)):
+    for name in (*spec.layout_options(), *["dtype"] * (spec.dtype != default.dtype)):
         parts += [f"--{name.replace('_', '-')}", str(getattr(spec, name))]
     return shlex.join([*parts, "--gpu-memory", gpu_memory])
 

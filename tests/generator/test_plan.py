@@ -612,6 +612,17 @@ def test_cli_new_grpo_lora_prints_its_plan_command(tiny_real_vocab_dir, tmp_path
     check_simulable(Spec(algo="grpo-lora", model=str(tiny_real_vocab_dir)), None, None, kl_coef=0.1)
 
 
+def test_printed_plan_command_keeps_expert_parallel():
+    """The `scaffold plan` line `scaffold new` prints spells --ep, so it plans the EP x FSDP layout
+    the script runs, not the experts FSDP-sharded (it dropped --ep while plan refused MoE)."""
+    from generator.plan_report import plan_command
+
+    spec = Spec(algo="rm", model="qwen3-30b-a3b", gpus=8, ep=4)
+    line = plan_command(spec, "h100-80")
+    assert "--ep 4" in line and "--gpus 8" in line
+    check_simulable(spec, None, None)
+
+
 # --- DPO: pairs (chosen + rejected rows), every reference mode -----------------------------
 
 # 1 pair = 2 sequences of 128 tokens per micro-batch: the [2P x S, V] logits of the real vocab
