@@ -462,19 +462,13 @@ def token_logprobs(
             to each chunk's logits before the log-softmax (GRPO's top-k / top-p truncation,
             `runtime.generate.truncate_logits`); it runs again in the backward's recomputation.
 
-    Loss parallel: when `weight` is a DTensor sharded on the vocab dim over the mesh named "tp"
-    (lm_head under `runtime.parallel.llama_tp_plan`), each chunk's logits stay vocab-sharded
-    ([C, V/tp] per rank) and `target_logprobs` combines the row max, sum of exp and target logit
-    with all-reduces of [C] vectors; `hidden` must then be the same [B, S, D] on every tp rank
-    (its gradient is summed over tp). No `logits_transform` there.
-
     Returns:
         [B, S] fp32 (fp64 for fp64 inputs) log-probabilities, 0.0 at ignored positions; `.sum(-1)` is the sequence
         log-probability of the supervised tokens (DPO's log pi(y|x)). With grad enabled it is in
         hidden's graph even when no position is supervised (zero gradients).
 
     Raises:
-        ValueError: as `linear_cross_entropy`, or a `logits_transform` with a tp-sharded weight.
+        ValueError: as `linear_cross_entropy`.
     """
     from torch.utils.checkpoint import checkpoint
 
