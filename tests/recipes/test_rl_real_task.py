@@ -1,13 +1,16 @@
-"""GRPO (its default loss, dapo) learns the real task on CPU: SmolLM2-135M's real weights, the
-real chain_sum prompts (one-digit sums, reasoning-gym) and the script's own rewards
-(math_answer_reward 1.0: the last integer is the answer; format_reward 0.2: a one-line reply
-ending in an integer), sync rollouts, fp32: the mean reward and the format share of the last 4
-of 16 steps rise above the first 4 steps' (the answer accuracy is printed). Every loss variant
-and PPO on this task, side by side over 25 steps: benchmarks/grpo_math_cpu.py
-(benchmarks/RESULTS.md). PPO (`test_ppo_learns_the_math_task`) learns this task more slowly (no
-group baseline, a critic that starts at zero): 16 steps with its default KL penalty raised its mean
-reward by 0.06 only (0.20 -> 0.26), so its test runs 24 steps of 16 prompts x 1 completion without
-the KL term (kl_coef 0, TRL's PPO setting without a reference)."""
+"""GRPO and PPO learn the real task on CPU: SmolLM2-135M's real weights, the real chain_sum
+prompts (one-digit sums, reasoning-gym) and the script's own rewards (math_answer_reward 1.0: the
+last integer is the answer; format_reward 0.2: a one-line reply ending in an integer), sync
+rollouts, fp32. Every GRPO loss type (`--loss_type`) is run, each as the emitted example with its
+flags: the mean reward and the format share of the last 4 of 16 rollout batches rise above
+the first 4 batches' (the answer accuracy is printed). gspo and cispo run at `--num_iterations 2`,
+the one setting where they differ from grpo and dapo: with one optimizer step per batch gspo's
+gradient is grpo's and cispo's is dapo's (`test_grpo_losses.py` checks that), so at 1 their runs
+would repeat those rows. The same variants over 25 batches, side by side:
+benchmarks/grpo_math_cpu.py (benchmarks/RESULTS.md). PPO (`test_ppo_learns_the_math_task`) learns
+this task more slowly (no group baseline, a critic that starts at zero): 16 steps with its default
+KL penalty raised its mean reward by 0.06 only (0.20 -> 0.26), so its test runs 24 steps of 16
+prompts x 1 completion without the KL term (kl_coef 0, TRL's PPO setting without a reference)."""
 
 from __future__ import annotations
 
@@ -20,33 +23,53 @@ import pytest
 from tests.helpers import import_script
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 16
+BATCHES = 16  # rollout batches of 4 prompts x 4 completions
+
+# --loss_type and the flags that go with it (the benchmark's variants). Measured here
+# (2026-12-05/06, first 4 -> last 4 batches): dapo reward 0.18 -> 0.54, format share 0.38 -> 0.97,
+# answer accuracy 0.11 -> 0.34; the others in their test's print (tests/CHECKS.md has them).
+LOSS_TYPES = {
+    "dapo": (),
+    "grpo": (),
+    "dr_grpo": ("--scale_rewards", "false"),  # Dr. GRPO: no std scaling, a constant normaliser
+    "gspo": ("--num_iterations", "2"),
+    "cispo": ("--num_iterations", "2"),
+}
 
 
 @pytest.mark.slow
-def test_real_model_learns_the_math_task(ray_session, smollm2_dir, chain_sum_64, tmp_path):
-    script = import_script(REPO / "examples" / "grpo_smollm2" / "train.py", "grpo_real_task")
+@pytest.mark.parametrize("loss_type", list(LOSS_TYPES))
+def test_grpo_loss_type_learns_the_math_task(
+    loss_type, ray_session, smollm2_dir, chain_sum_64, tmp_path
+):
+    extra = LOSS_TYPES[loss_type]
+    mu = int(extra[extra.index("--num_iterations") + 1]) if "--num_iterations" in extra else 1
+    script = import_script(
+        REPO / "examples" / "grpo_smollm2" / "train.py", f"grpo_real_task_{loss_type}"
+    )
     history = script.main([
         "--model", str(smollm2_dir), "--dataset", str(chain_sum_64), "--out_dir", str(tmp_path),
-        "--dtype", "fp32", "--rollout", "sync", "--max_steps", str(STEPS), "--max_new_tokens", "12",
-        "--lr", "2e-5", "--warmup_steps", "2", "--micro_batch_size", "8", "--seed", "0",
-        "--save_final_model", "false", "--save_every_steps", "0", "--resume", "none",
-        "--prompts_per_step", "4", "--num_generations", "4",
+        "--dtype", "fp32", "--rollout", "sync", "--max_steps", str(BATCHES * mu),
+        "--max_new_tokens", "12", "--lr", "2e-5", "--warmup_steps", "2", "--micro_batch_size", "8",
+        "--seed", "0", "--save_final_model", "false", "--save_every_steps", "0", "--resume", "none",
+        "--prompts_per_step", "4", "--num_generations", "4", "--loss_type", loss_type, *extra,
     ])  # fmt: skip
-    assert len(history) == STEPS and all(math.isfinite(m["loss"]) for m in history)
+    assert len(history) == BATCHES * mu and all(math.isfinite(m["loss"]) for m in history)
+    # each of a batch's mu optimizer steps logs that batch's rewards: one row per batch
+    batches = history[mu - 1 :: mu]
+    if mu > 1:  # the clip acts from a batch's second optimizer step on
+        assert max(m["clip_ratio/region_mean"] for m in history) > 0, loss_type
 
     def first_and_last(key: str) -> tuple[float, float]:
-        values = [m[key] for m in history]
+        values = [m[key] for m in batches]
         return statistics.fmean(values[:4]), statistics.fmean(values[-4:])
 
     reward = first_and_last("reward")
     accuracy = first_and_last("rewards/math_answer_reward/mean")
     form = first_and_last("rewards/format_reward/mean")
-    print(f"reward {reward}, answer accuracy {accuracy}, format share {form}")
-    # measured here (2026-12-05): reward 0.18 -> 0.54, format share 0.38 -> 0.97, answer accuracy
-    # 0.11 -> 0.34
-    assert reward[1] > reward[0] + 0.1, [m["reward"] for m in history]
-    assert form[1] > form[0] + 0.2, [m["rewards/format_reward/mean"] for m in history]
+    print(f"{loss_type}: reward {reward}, answer accuracy {accuracy}, format share {form}")
+    assert reward[1] > reward[0] + 0.1, [m["reward"] for m in batches]
+    assert form[1] > form[0] + 0.2, [m["rewards/format_reward/mean"] for m in batches]
 
 
 PPO_STEPS = 24
