@@ -78,6 +78,11 @@ class Case:
     cuda_only: str = ""  # why the case cannot run on CPU ("" = it can)
     needs: tuple[str, ...] = ()  # modules the run imports beyond the base environment
 
+    @property
+    def rl(self) -> bool:
+        """A GRPO case: no eval or sample, its sizes are its rollouts' (config), not Sizes."""
+        return "grpo" in self.new_args
+
 
 CASES = (
     Case("sft-bf16", ("--algo", "sft"), "alpaca_full_rows.json", 10, 120),
@@ -115,6 +120,25 @@ CASES = (
         120,
     ),
     Case("dpo", ("--algo", "dpo"), "dpo_full_rows.json", 3, 120),
+    # issue 24's GRPO case: vLLM on the trainer's GPU, asleep (weights to host memory, KV cache
+    # freed) while the trainer steps, woken and re-synced (object store) for each batch; it comes
+    # before the runtime-engine case so the check's time budget reaches it first
+    Case(
+        "grpo-colocated-vllm",
+        ("--algo", "grpo", "--layout", "colocated"),
+        "chain_sum.jsonl",
+        3,
+        240,
+        config=(
+            ("num_generations", 4),
+            ("prompts_per_step", 4),
+            ("max_new_tokens", 32),
+            ("max_prompt_len", 128),
+            ("engine", "vllm"),
+        ),
+        cuda_only="vLLM's sleep mode (the colocated layout) runs on CUDA only",
+        needs=("ray", "vllm"),
+    ),
     Case(
         "grpo",
         ("--algo", "grpo"),
@@ -360,8 +384,8 @@ def plan_cases(cases: list[Case], rows: dict, scripts: Path, model_dir: Path, si
     for c in cases:
         data = json.loads((scripts / c.name / ".scaffold" / "spec.json").read_text())["spec"]
         spec = Spec(**dict(data, tricks=tuple(data["tricks"]), model=str(model_dir)))
-        mbs = None if c.name == "grpo" else sizes.micro_batch_size
-        seq = None if c.name == "grpo" else sizes.max_seq_len
+        mbs = None if c.rl else sizes.micro_batch_size
+        seq = None if c.rl else sizes.max_seq_len
         if "compile" in spec.tricks:
             # the planner refuses compile (inductor's fusions are not in fake tensors); fusing
             # only frees temporaries, so the plan without it is the bound the run must stay under
@@ -422,7 +446,7 @@ def run_case(case: Case, script: Path, out_dir: Path, model_dir: Path, data: Pat
     cmd = [sys.executable, str(script), "--model", str(model_dir),
            "--dataset", str(data / case.dataset), "--max_steps", str(case.steps),
            "--warmup_steps", "0", "--device", device, "--out_dir", str(out_dir), "--overwrite"]  # fmt: skip
-    if case.name != "grpo":  # GRPO has no eval or sample; its sizes are its rollouts' (config)
+    if not case.rl:  # GRPO has no eval or sample; its sizes are its rollouts' (config)
         cmd += ["--micro_batch_size", str(sizes.micro_batch_size), "--max_seq_len", str(sizes.max_seq_len),
                 "--eval_every_steps", "0", "--sample_max_new_tokens", "0",
                 # every row padded to max_seq_len: the plan simulates that worst case, so the
@@ -560,7 +584,7 @@ def check(args, cases: list[Case]) -> int:
             rows[c.name].status = "skip"
             rows[
                 c.name
-            ].note = f"{', '.join(missing)} is not installed here (its wheel is too big to carry)"
+            ].note = f"{', '.join(missing)} not installed here (make gpu-env installs them; the lent device cannot carry their wheels)"
         else:
             runnable.append(c)
     child_env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}  # fmt: skip

@@ -25,10 +25,12 @@ def _row(table: str, case: str) -> list[str]:
 def test_smoke_run_writes_measured_and_planned_figures(tmp_path):
     prepared, out = tmp_path / "prepared", tmp_path / "out"
     out.mkdir()
-    cases = ["sft-bf16", "sft-bf16-offload"]
+    cases = ["sft-bf16", "sft-bf16-offload", "grpo-colocated-vllm"]
     subprocess.run([sys.executable, DRIVER, "--prepare", "--no-wheels", "--prepared", str(prepared),
                     "--cases", *cases], check=True, cwd=ROOT)  # fmt: skip
     assert (prepared / "scripts" / "sft-bf16" / "train.py").is_file()
+    colocated = (prepared / "scripts" / "grpo-colocated-vllm" / "train.py").read_text()
+    assert 'layout: str = "colocated"' in colocated  # the rendered layout the case's name says
     results = tmp_path / "RESULTS.md"
     results.write_text("# earlier figures\n")
     proc = subprocess.run(
@@ -51,6 +53,8 @@ def test_smoke_run_writes_measured_and_planned_figures(tmp_path):
     assert "CPU peak is RSS: not compared with the plan" in note
     skipped = _row(text, "sft-bf16-offload")
     assert skipped[1] == "skip" and "offload is CUDA only" in skipped[-1]
+    skipped = _row(text, "grpo-colocated-vllm")  # vLLM's sleep mode: never run on CPU
+    assert skipped[1] == "skip" and "runs on CUDA only" in skipped[-1]
     rows = {r["case"]: r for r in json.loads((out / "gpu_check.json").read_text())["rows"]}
     sft = rows["sft-bf16"]
     assert sft["ratio"] == pytest.approx(sft["peak_mib"] / sft["planned_mib"])
