@@ -25,16 +25,30 @@ from tests.helpers import import_script
 REPO = Path(__file__).resolve().parents[2]
 BATCHES = 16  # rollout batches of 4 prompts x 4 completions
 
-# --loss_type and the flags that go with it (the benchmark's variants). Measured here
-# (2026-12-05/06, first 4 -> last 4 batches): dapo reward 0.18 -> 0.54, format share 0.38 -> 0.97,
-# answer accuracy 0.11 -> 0.34; the others in their test's print (tests/CHECKS.md has them).
+# --loss_type -> its flags (the benchmark's variants); gspo and cispo also take NUM_ITERATIONS.
+# Measured here (2026-12-05, first 4 -> last 4 batches): dapo reward 0.18 -> 0.54, format share
+# 0.38 -> 0.97, answer accuracy 0.11 -> 0.34; the others in their test's print (tests/CHECKS.md).
 LOSS_TYPES = {
     "dapo": (),
     "grpo": (),
     "dr_grpo": ("--scale_rewards", "false"),  # Dr. GRPO: no std scaling, a constant normaliser
-    "gspo": ("--num_iterations", "2"),
-    "cispo": ("--num_iterations", "2"),
+    "gspo": (),
+    "cispo": (),
 }
+NUM_ITERATIONS = {"gspo": 2, "cispo": 2}  # optimizer steps per rollout batch (default 1)
+
+
+def run_math_task(example: str, steps: int, *flags: str, smollm2_dir, dataset, out_dir) -> list:
+    """The emitted `example` (examples/<example>/train.py) on the real task, sync, fp32, lr 2e-5:
+    `steps` optimizer steps with `flags` on top; its per-step metrics."""
+    script = import_script(REPO / "examples" / example / "train.py", f"real_task_{out_dir.name}")
+    return script.main([
+        "--model", str(smollm2_dir), "--dataset", str(dataset), "--out_dir", str(out_dir),
+        "--dtype", "fp32", "--rollout", "sync", "--max_steps", str(steps),
+        "--max_new_tokens", "12", "--lr", "2e-5", "--warmup_steps", "2", "--micro_batch_size", "8",
+        "--seed", "0", "--save_final_model", "false", "--save_every_steps", "0", "--resume", "none",
+        *flags,
+    ])  # fmt: skip
 
 
 @pytest.mark.slow
@@ -42,18 +56,12 @@ LOSS_TYPES = {
 def test_grpo_loss_type_learns_the_math_task(
     loss_type, ray_session, smollm2_dir, chain_sum_64, tmp_path
 ):
-    extra = LOSS_TYPES[loss_type]
-    mu = int(extra[extra.index("--num_iterations") + 1]) if "--num_iterations" in extra else 1
-    script = import_script(
-        REPO / "examples" / "grpo_smollm2" / "train.py", f"grpo_real_task_{loss_type}"
-    )
-    history = script.main([
-        "--model", str(smollm2_dir), "--dataset", str(chain_sum_64), "--out_dir", str(tmp_path),
-        "--dtype", "fp32", "--rollout", "sync", "--max_steps", str(BATCHES * mu),
-        "--max_new_tokens", "12", "--lr", "2e-5", "--warmup_steps", "2", "--micro_batch_size", "8",
-        "--seed", "0", "--save_final_model", "false", "--save_every_steps", "0", "--resume", "none",
-        "--prompts_per_step", "4", "--num_generations", "4", "--loss_type", loss_type, *extra,
-    ])  # fmt: skip
+    mu = NUM_ITERATIONS.get(loss_type, 1)
+    history = run_math_task(
+        "grpo_smollm2", BATCHES * mu, "--prompts_per_step", "4", "--num_generations", "4",
+        "--loss_type", loss_type, "--num_iterations", str(mu), *LOSS_TYPES[loss_type],
+        smollm2_dir=smollm2_dir, dataset=chain_sum_64, out_dir=tmp_path,
+    )  # fmt: skip
     assert len(history) == BATCHES * mu and all(math.isfinite(m["loss"]) for m in history)
     # each of a batch's mu optimizer steps logs that batch's rewards: one row per batch
     batches = history[mu - 1 :: mu]
@@ -82,14 +90,10 @@ def test_ppo_learns_the_math_task(ray_session, smollm2_dir, chain_sum_64, tmp_pa
     term. Measured here (2026-12-05, one process on a quiet machine): reward 0.21 -> 0.40 (first 4
     -> last 4 steps), format share 0.48 -> 1.00, answer accuracy 0.11 -> 0.20; the completions
     shrink to the bare number (10.1 -> 2.0 tokens)."""
-    script = import_script(REPO / "examples" / "ppo_smollm2" / "train.py", "ppo_real_task")
-    history = script.main([
-        "--model", str(smollm2_dir), "--dataset", str(chain_sum_64), "--out_dir", str(tmp_path),
-        "--dtype", "fp32", "--rollout", "sync", "--max_steps", str(PPO_STEPS),
-        "--max_new_tokens", "12", "--lr", "2e-5", "--warmup_steps", "2", "--micro_batch_size", "8",
-        "--seed", "0", "--save_final_model", "false", "--save_every_steps", "0", "--resume", "none",
-        "--prompts_per_step", "16", "--num_generations", "1", "--kl_coef", "0",
-    ])  # fmt: skip
+    history = run_math_task(
+        "ppo_smollm2", PPO_STEPS, "--prompts_per_step", "16", "--num_generations", "1",
+        "--kl_coef", "0", smollm2_dir=smollm2_dir, dataset=chain_sum_64, out_dir=tmp_path,
+    )  # fmt: skip
     assert len(history) == PPO_STEPS and all(math.isfinite(m["loss"]) for m in history)
     reward = [m["reward"] for m in history]
     form = [m["rewards/format_reward/mean"] for m in history]
