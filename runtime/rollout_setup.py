@@ -161,8 +161,8 @@ def _layout_errors(cfg, transfer: str) -> list[str]:
     checks = [
         (cfg.rollout == "sync",
          f"rollout={cfg.rollout!r} with layout='colocated': the engines sleep on the trainer's GPUs while it steps, so "
-         "generation cannot overlap training (async, off-policy); use --rollout sync, or the split layout "
-         "(`scaffold new --layout split`)"),
+         "generation cannot overlap training (async, off-policy); use --rollout sync, or --layout split "
+         "(engines awake beside the trainer, on GPUs of their own)"),
         (transfer == "object-store",
          "weight_transfer='collective' with layout='colocated': one NCCL group cannot hold two ranks on one GPU; "
          "layout='colocated' sends weights by 'object-store'"),
@@ -350,7 +350,8 @@ def share_rollouts(
 def rollout_stats(groups: list[list[Rollout]], version: int) -> dict:
     """Bookkeeping of a step's N * G rollouts (the advantages and mean reward are the script's),
     under TRL's GRPOTrainer names: rewards/<function name>/mean and /std (each reward function's
-    mean and population std over the completions), completions/mean_length, /min_length and
+    mean and sample std, Bessel-corrected as TRL's `nanstd` and the script's reward_std, over
+    the completions; 0.0 for a single completion), completions/mean_length, /min_length and
     /max_length (completion tokens); and staleness_max (versions the oldest lags `version`, the
     policy being trained) and policy_versions (each completion's, in order)."""
     flat = [r for g in groups for r in g]
@@ -359,7 +360,7 @@ def rollout_stats(groups: list[list[Rollout]], version: int) -> dict:
     for name in flat[0].rewards:
         values = torch.tensor([float(r.rewards[name]) for r in flat], dtype=torch.float64)
         per_function[f"rewards/{name}/mean"] = values.mean().item()
-        per_function[f"rewards/{name}/std"] = values.std(correction=0).item()
+        per_function[f"rewards/{name}/std"] = values.std().item() if len(values) > 1 else 0.0
     return {
         **per_function,
         "completions/mean_length": sum(lengths) / len(lengths),

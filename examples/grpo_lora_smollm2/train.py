@@ -53,7 +53,9 @@ changes the gradient:
   token), weight as grpo (Zheng et al. 2025, arXiv:2507.18071; the paper clips s_i at 3e-4 /
   4e-4: set --clip_eps_low / --clip_eps_high).
 - cispo: -w sg(clip(r)) A log pi, weight as dapo: the clip bounds a token's weight but never
-  drops its gradient (MiniMax-M1, arXiv:2506.13585).
+  drops its gradient (MiniMax-M1, arXiv:2506.13585). The paper sets its lower bound so loose that
+  only the upper one acts; here clip_eps_low applies as for dapo (--clip_eps_low 0.99 for the
+  paper's).
 At num_iterations 1 (one optimizer step per batch, the default) r = 1 in value, so gspo's
 gradient equals grpo's and cispo's equals dapo's; the clip acts from the second of
 num_iterations > 1 steps on a batch, once pi has moved away from pi_old.
@@ -68,7 +70,9 @@ so max_steps and save_every_steps must be multiples of mu (checked): a resumed r
 fresh batch, exactly as the straight run does.
 Advantages (`runtime.group_advantages`): A_i = (R_i - mean of its group) / (std of its group +
 1e-4); --scale_rewards false drops the std; --advantage_baseline rloo subtracts the mean of the
-other G - 1 rewards instead (RLOO, Ahmadian et al. 2024, arXiv:2402.14740).
+other G - 1 rewards instead (RLOO, Ahmadian et al. 2024, arXiv:2402.14740), still divided by the
+group's std unless --scale_rewards false (the paper's RLOO has no std). Every advantage needs a
+group of at least 2: num_generations >= 2 (checked; PPO's critic is its baseline instead).
 DAPO's data tricks (arXiv:2503.14476): --dynamic_sampling drops groups whose rewards are all
 equal (advantage 0, no gradient) and generates more prompts in their place, at most
 max_refill_rounds extra batches per step (then dropped groups fill the rest; logged as
@@ -226,7 +230,9 @@ class Config:
     is_cap: float = 2.0  # truncated importance weight min(pi_old / pi_sampler, is_cap) (0 = off)
     loss_type: str = "dapo"  # "grpo" | "dapo" | "dr_grpo" | "gspo" | "cispo" (see the docstring)
     scale_rewards: bool = True  # advantages / group reward std (false for dr_grpo)
-    advantage_baseline: str = "group_mean"  # or "rloo": the mean of the other G - 1
+    advantage_baseline: str = (
+        "group_mean"  # or "rloo": the mean of the other G - 1 (std: scale_rewards)
+    )
     dynamic_sampling: bool = False  # DAPO: replace groups of all-equal rewards
     max_refill_rounds: int = 4  # dynamic_sampling: extra batches per step at most
     overlong: str = "none"  # truncated completions: "none" | "mask" (no loss) | "shape"
@@ -334,9 +340,11 @@ def validate(cfg: Config, reward_funcs: list | None = None) -> None:
          "loss_type='dr_grpo' with scale_rewards=True: Dr. GRPO does not divide advantages by the group's std (pass --scale_rewards false)"),
         (cfg.advantage_baseline in ADVANTAGE_BASELINES,
          f"advantage_baseline={cfg.advantage_baseline!r}: choose one of {ADVANTAGE_BASELINES}"),
-        (not cfg.dynamic_sampling or cfg.num_generations >= 2,
-         f"dynamic_sampling with num_generations={cfg.num_generations}: a group of one completion never has reward variance, "
-         "so every group would be dropped (use num_generations >= 2)"),
+        # TRL refuses it too: the group is the baseline (a group of one has advantage 0, and
+        # dynamic sampling would drop every group)
+        (cfg.num_generations >= 2 or cfg.num_generations < 1,
+         f"num_generations={cfg.num_generations}: GRPO's advantage is a completion's reward relative to the other "
+         "completions of its prompt, so a group of one has advantage 0 and trains nothing (use num_generations >= 2)"),
         (cfg.max_refill_rounds >= 0, f"max_refill_rounds={cfg.max_refill_rounds}: must be >= 0"),
         (cfg.num_iterations >= 1, f"num_iterations={cfg.num_iterations}: must be >= 1"),
         # checkpoints only at rollout-batch boundaries (a resume never starts mid-batch)
@@ -353,10 +361,12 @@ def validate(cfg: Config, reward_funcs: list | None = None) -> None:
         # options that act only with another one: refused rather than silently ignored
         (cfg.overlong == "shape" or cfg.overlong_buffer == Config.overlong_buffer,
          f"overlong_buffer={cfg.overlong_buffer} applies to overlong='shape' only (overlong={cfg.overlong!r}); drop --overlong_buffer or pass --overlong shape"),
+        # sync and async fix their bound (0 and 1 versions)
+        (cfg.rollout == "off-policy" or cfg.max_staleness == Config.max_staleness,
+         f"max_staleness={cfg.max_staleness} applies to rollout='off-policy' only (rollout={cfg.rollout!r} trains samples "
+         f"at most {staleness_bound(cfg)} version(s) old); drop --max_staleness or pass --rollout off-policy"),
         (cfg.dynamic_sampling or cfg.max_refill_rounds == Config.max_refill_rounds,
          f"max_refill_rounds={cfg.max_refill_rounds} applies to dynamic_sampling only; drop it or pass --dynamic_sampling true"),
-        (cfg.advantage_baseline != "rloo" or cfg.num_generations >= 2,
-         f"advantage_baseline='rloo' with num_generations={cfg.num_generations}: the leave-one-out baseline needs another completion of the same prompt (use num_generations >= 2)"),
     ]  # fmt: skip
     errors += [message for holds, message in checks if not holds]
     errors += rollout_config_errors(cfg)  # engines, Ray, staleness, weight transfer
@@ -574,7 +584,8 @@ def grpo_loss(
 
     Args:
         logprobs: [B, S] fp32 log-probs of the completion tokens under the policy (with grad).
-        old_logprobs: [B, S] the proximal policy's (here: `logprobs.detach()`).
+        old_logprobs: [B, S] the proximal policy's: pi_old's, recorded before a batch's
+            num_iterations steps (`old_policy_logprobs`), or `logprobs.detach()` at one step.
         sampler_logprobs: [B, S] the generating engine's, stored with each sample.
         advantages: [B] fp32 advantage per sequence, or [B, S] per token (packing).
         mask: [B, S] bool, True on the loss's completion tokens.
@@ -762,7 +773,7 @@ def rollout_metrics(groups: list, cfg: Config, version: int) -> tuple[torch.Tens
     names, their mean reward (the reward functions', without the overlong penalty), reward_std
     (the mean over groups of the group's std), frac_reward_zero_std, the share of truncated
     completions (completions/clipped_ratio), under overlong="shape" the mean penalty
-    (rewards/overlong_penalty), and the runtime's bookkeeping (`rollout_stats`)."""
+    (rewards/overlong_penalty/mean), and the runtime's bookkeeping (`rollout_stats`)."""
     flat = [r for g in groups for r in g]  # [N*G], group by group
     rewards = torch.tensor([total_reward(r, cfg) for r in flat])
     advantages, frac_zero_std = group_advantages(
@@ -780,7 +791,7 @@ def rollout_metrics(groups: list, cfg: Config, version: int) -> tuple[torch.Tens
     }
     if cfg.overlong == "shape":
         penalties = [overlong_penalty(len(r.completion_ids), cfg) for r in flat]
-        metrics["rewards/overlong_penalty"] = sum(penalties) / len(flat)
+        metrics["rewards/overlong_penalty/mean"] = sum(penalties) / len(flat)
     return advantages, metrics
 
 

@@ -54,7 +54,9 @@ changes the gradient:
   token), weight as grpo (Zheng et al. 2025, arXiv:2507.18071; the paper clips s_i at 3e-4 /
   4e-4: set --clip_eps_low / --clip_eps_high).
 - cispo: -w sg(clip(r)) A log pi, weight as dapo: the clip bounds a token's weight but never
-  drops its gradient (MiniMax-M1, arXiv:2506.13585).
+  drops its gradient (MiniMax-M1, arXiv:2506.13585). The paper sets its lower bound so loose that
+  only the upper one acts; here clip_eps_low applies as for dapo (--clip_eps_low 0.99 for the
+  paper's).
 At num_iterations 1 (one optimizer step per batch, the default) r = 1 in value, so gspo's
 gradient equals grpo's and cispo's equals dapo's; the clip acts from the second of
 num_iterations > 1 steps on a batch, once pi has moved away from pi_old.
@@ -326,6 +328,10 @@ def validate(cfg: Config, reward_funcs: list | None = None) -> None:
         # options that act only with another one: refused rather than silently ignored
         (cfg.overlong == "shape" or cfg.overlong_buffer == Config.overlong_buffer,
          f"overlong_buffer={cfg.overlong_buffer} applies to overlong='shape' only (overlong={cfg.overlong!r}); drop --overlong_buffer or pass --overlong shape"),
+        # sync and async fix their bound (0 and 1 versions)
+        (cfg.rollout == "off-policy" or cfg.max_staleness == Config.max_staleness,
+         f"max_staleness={cfg.max_staleness} applies to rollout='off-policy' only (rollout={cfg.rollout!r} trains samples "
+         f"at most {staleness_bound(cfg)} version(s) old); drop --max_staleness or pass --rollout off-policy"),
     ]  # fmt: skip
     errors += [message for holds, message in checks if not holds]
     errors += rollout_config_errors(cfg)  # engines, Ray, staleness, weight transfer
@@ -532,7 +538,8 @@ def grpo_loss(
 
     Args:
         logprobs: [B, S] fp32 log-probs of the completion tokens under the policy (with grad).
-        old_logprobs: [B, S] the proximal policy's (here: `logprobs.detach()`).
+        old_logprobs: [B, S] the proximal policy's: pi_old's, recorded before a batch's
+            num_iterations steps (`old_policy_logprobs`), or `logprobs.detach()` at one step.
         sampler_logprobs: [B, S] the generating engine's, stored with each sample.
         advantages: [B] fp32 advantage per sequence, or [B, S] per token (packing).
         mask: [B, S] bool, True on the loss's completion tokens.
@@ -838,7 +845,7 @@ def rollout_metrics(groups: list, cfg: Config, version: int) -> tuple[torch.Tens
     weighted sum plus the overlong penalty under overlong="shape"; PPO puts it at the last token),
     their mean reward (the reward functions', without the penalty), the share of truncated
     completions (completions/clipped_ratio, TRL's name), under overlong="shape" the mean penalty
-    (rewards/overlong_penalty), and the runtime's bookkeeping (`rollout_stats`)."""
+    (rewards/overlong_penalty/mean), and the runtime's bookkeeping (`rollout_stats`)."""
     flat = [r for g in groups for r in g]  # [N*G], group by group
     scores = torch.tensor([total_reward(r, cfg) for r in flat])
     metrics = {
@@ -848,7 +855,7 @@ def rollout_metrics(groups: list, cfg: Config, version: int) -> tuple[torch.Tens
     }
     if cfg.overlong == "shape":
         penalties = [overlong_penalty(len(r.completion_ids), cfg) for r in flat]
-        metrics["rewards/overlong_penalty"] = sum(penalties) / len(flat)
+        metrics["rewards/overlong_penalty/mean"] = sum(penalties) / len(flat)
     return scores, metrics
 
 

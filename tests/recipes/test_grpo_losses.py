@@ -236,7 +236,7 @@ def test_overlong_shape_penalty_and_metrics(grpo_script):
     shaped = [1.0, 0.75, 0.0, 1.0]
     want, _ = group_advantages(torch.tensor(shaped), 4)
     assert torch.equal(adv, want) and metrics["reward"] == 1.0
-    assert metrics["rewards/overlong_penalty"] == pytest.approx(-1.25 / 4)
+    assert metrics["rewards/overlong_penalty/mean"] == pytest.approx(-1.25 / 4)
     assert metrics["completions/clipped_ratio"] == 0.25
     assert s.rewards_differ(group, cfg) and not s.rewards_differ(group, s.Config())
 
@@ -248,7 +248,9 @@ def test_validate_names_each_bad_option(grpo_script):
         (dict(loss_type="ppo"), "loss_type='ppo': choose one of ('dapo', 'grpo', 'dr_grpo', 'gspo', 'cispo')"),
         (dict(loss_type="dr_grpo"), "loss_type='dr_grpo' with scale_rewards=True: Dr. GRPO does not divide"),
         (dict(advantage_baseline="mean"), "advantage_baseline='mean': choose one of ('group_mean', 'rloo')"),
-        (dict(dynamic_sampling=True, num_generations=1), "dynamic_sampling with num_generations=1:"),
+        (dict(num_generations=1), "num_generations=1: GRPO's advantage is a completion's reward relative to the other"),
+        (dict(dynamic_sampling=True, num_generations=1), "so a group of one has advantage 0 and trains nothing"),
+        (dict(advantage_baseline="rloo", num_generations=1), "(use num_generations >= 2)"),
         (dict(dynamic_sampling=True, max_refill_rounds=-1), "max_refill_rounds=-1: must be >= 0"),
         (dict(overlong="cut"), "overlong='cut': choose one of ('none', 'mask', 'shape')"),
         (dict(overlong="shape", overlong_buffer=0), "overlong_buffer=0 with overlong='shape': must be in [1, max_new_tokens=64]"),
@@ -452,8 +454,8 @@ def test_each_loss_type_raises_mean_reward(
         ),
         ({"max_refill_rounds": 3}, "max_refill_rounds=3 applies to dynamic_sampling only"),
         (
-            {"advantage_baseline": "rloo", "num_generations": 1},
-            "the leave-one-out baseline needs another",
+            {"rollout": "async", "max_staleness": 3},
+            r"max_staleness=3 applies to rollout='off-policy' only \(rollout='async' trains samples at most 1",
         ),
     ],
 )

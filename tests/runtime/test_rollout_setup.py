@@ -248,11 +248,11 @@ def _groups(version_of_group: list[int]) -> list[list[Rollout]]:
 
 def test_rollout_stats():
     stats = rs.rollout_stats(_groups([3, 1]), version=4)
-    # completions of 1, 2 (group 0) and 2, 3 (group 1) tokens; rewards "a" 0, 1, 0, 1 (population
-    # std 0.5), "b" all 2.0 (std 0)
+    # completions of 1, 2 (group 0) and 2, 3 (group 1) tokens; rewards "a" 0, 1, 0, 1 (sample
+    # std, as TRL's nanstd: sqrt(4 x 0.25 / 3)), "b" all 2.0 (std 0)
     assert stats == {
         "rewards/a/mean": 0.5,
-        "rewards/a/std": 0.5,
+        "rewards/a/std": pytest.approx(3**-0.5),
         "rewards/b/mean": 2.0,
         "rewards/b/std": 0.0,
         "completions/mean_length": 2.0,
