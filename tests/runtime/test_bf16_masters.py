@@ -1,9 +1,9 @@
 """bf16 runs keep fp32 master weights and compute with their bf16 cast: one small optimizer step
 must move a bf16 forward about as little as it moves an fp32 one.
 
-It did not on the embedded model while that was stored as dequantized fp32: about 10% of Q4_1's
-fp32 values sit exactly on a bf16 rounding midpoint, so a 1e-7 AdamW step flipped 5% of the bf16
-casts a whole bf16 step along the gradient's sign and moved the log-probs by up to 3 nats (a GRPO
+It did not on the embedded model while that was stored as dequantized fp32: 8% of Q4_1's
+fp32 values sit exactly on a bf16 rounding midpoint, so a 1e-7 AdamW step flipped 4.3% of the bf16
+casts a whole bf16 step along the gradient's sign and moved the log-probs by up to 6.4 nats (a GRPO
 `kl` of 0.84 after one step). The converted model is now stored in bf16 (generator/assets.py,
 docs/DESIGN.md#demo-assets)."""
 
