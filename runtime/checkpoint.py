@@ -169,6 +169,50 @@ def checkpoint_dtype(model_dir: str | os.PathLike) -> torch.dtype:
     return max(counts, key=counts.get)
 
 
+def bf16_midpoint_share(
+    model_dir: str | os.PathLike, keys: Collection[str] | None = None, sample: int = 4096
+) -> float:
+    """Share of a checkpoint's weights that lie exactly halfway between two bf16 values, where
+    round-to-nearest-even flips a value a whole bf16 step under any change, however small.
+
+    A bf16 run computes with the bf16 cast of fp32 master weights, so every such master moves a
+    whole bf16 step at the first optimizer step, all along the update's sign: a much larger first
+    step than the lr asks for (docs/DESIGN.md#demo-assets). Random fp32 values hit a midpoint with
+    probability 2^-16; fp32 values widened from fp16 1/8 of the time (their lowest 3 bits of 10);
+    a Q4_1 GGUF dequantized to fp32 8% (SmolLM2-135M); bf16 values never.
+
+    Args:
+        model_dir: a safetensors checkpoint (single file or sharded with an index).
+        keys: the tensors to look at (e.g. the trained parameters' HF names); None: every
+            floating tensor. Keys the checkpoint lacks are skipped.
+        sample: values read per tensor (its first rows): enough for the share, cheap at 70B.
+
+    Returns:
+        The share in [0, 1] over the values read (0.0 when none).
+
+    Raises:
+        FileNotFoundError: no safetensors checkpoint in model_dir.
+    """
+    key_to_file, _ = _checkpoint_index(Path(model_dir))
+    wanted = key_to_file.keys() if keys is None else [k for k in keys if k in key_to_file]
+    hits = total = 0
+    for path in sorted({key_to_file[k] for k in wanted}):
+        with _open_safetensors(path) as f:
+            for key in [k for k in wanted if key_to_file[k] == path]:
+                piece = f.get_slice(key)
+                dtype = piece.get_dtype()
+                if dtype not in _SAFETENSORS_FLOAT_DTYPES:
+                    continue
+                shape = piece.get_shape()
+                row = max(1, int(torch.Size(shape[1:]).numel())) if shape else 1
+                values = piece[: -(-sample // row)] if shape else piece[:]
+                total += values.numel()
+                if dtype != "BF16":  # a bf16 value is on the grid by definition
+                    bits = values.float().contiguous().view(torch.int32) & 0xFFFF
+                    hits += int((bits == 0x8000).sum())
+    return hits / total if total else 0.0
+
+
 def _plan_load(model, key_to_file, source, strict, exclude=()) -> dict[str, str]:
     """Return {model param name: file key}; raise ValueError listing every mismatch."""
     params = {

@@ -22,6 +22,7 @@ import os
 
 import torch
 
+from runtime.checkpoint import bf16_midpoint_share
 from runtime.metrics import logger_errors
 
 DTYPE_NAMES = ("bf16", "fp32")  # the scripts' DTYPES keys
@@ -80,6 +81,46 @@ def config_notes(cfg) -> list[str]:
             "set --warmup_steps to choose)"
         )
     return notes
+
+
+# a checkpoint with more of its trained weights on bf16 rounding midpoints than this gets a warning
+# in bf16 runs (random fp32 values: 0.0015%; fp16-widened: 12.5%; a dequantized Q4_1 GGUF: 8%)
+MIDPOINT_WARNING_SHARE = 0.01
+
+
+def bf16_master_warnings(cfg, model: torch.nn.Module, model_dir) -> list[str]:
+    """One line when a bf16 run trains fp32 master weights loaded from a checkpoint with more than
+    MIDPOINT_WARNING_SHARE of them on bf16 rounding midpoints (`bf16_midpoint_share`): their bf16
+    cast jumps a whole bf16 step at the first update, however small the lr (a GRPO run's KL to
+    its reference went from 0 to 0.84 in one 1e-7 step on such a checkpoint). Empty otherwise, and
+    for fp32 runs, frozen weights (LoRA's base: cast once, never updated) and a model_dir without
+    a safetensors checkpoint.
+
+    Args:
+        cfg: the script's Config (its `dtype`, "bf16" or "fp32"; a config without one: fp32).
+        model: the trained model; its trainable fp32 parameters' names are the HF keys read.
+        model_dir: the checkpoint the model was loaded from.
+    """
+    if getattr(cfg, "dtype", "fp32") != "bf16":
+        return []
+    keys = [
+        n.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+        for n, p in model.named_parameters()
+        if p.requires_grad and p.dtype == torch.float32
+    ]
+    try:
+        share = bf16_midpoint_share(model_dir, keys) if keys else 0.0
+    except (FileNotFoundError, ValueError):  # no checkpoint there (a test model, a bad path)
+        return []
+    if share <= MIDPOINT_WARNING_SHARE:
+        return []
+    return [
+        f"{share:.1%} of the trained weights in {model_dir} lie exactly halfway between two bf16 "
+        "values (a checkpoint dequantized or widened from fp16?): bf16 compute rounds the fp32 masters, "
+        "so the first update of any size moves all of those a whole bf16 step along its sign, a far "
+        "larger step than the lr asks for. Save the checkpoint in bf16 first (`model.to(torch.bfloat16)"
+        ".save_pretrained(dir)`), or run --dtype fp32"
+    ]
 
 
 def _placement_errors(cfg, has: set[str]) -> list[str]:
@@ -145,7 +186,8 @@ def run_summary(
     cfg, model: torch.nn.Module, model_dir, world_size: int, device, details: str
 ) -> str:
     """What rank 0 prints before the first step: the resolved config (JSON), a `note | ...` line
-    for each of `config_notes(cfg)`, and one line of the model, the data, the checkpoint cadence
+    for each of `config_notes(cfg)`, a `warning | ...` line for each of `bf16_master_warnings`,
+    and one line of the model, the data, the checkpoint cadence
     (`cfg.save_every_steps`) and the processes.
 
     Args:
@@ -160,6 +202,7 @@ def run_summary(
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     lines = [json.dumps(dataclasses.asdict(cfg), indent=2)]
     lines += [f"note | {note}" for note in config_notes(cfg)]
+    lines += [f"warning | {w}" for w in bf16_master_warnings(cfg, model, model_dir)]
     # whether a crash loses the run: multi-GPU scripts checkpoint every 50 steps by default
     saves = (
         f"checkpoint every {cfg.save_every_steps} steps"

@@ -9,6 +9,8 @@ docs/DESIGN.md#demo-assets)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -96,3 +98,67 @@ def test_an_fp32_model_cache_is_converted_again(stored, tmp_path, monkeypatch):
             assets.ensure_smollm2(tmp_path, log=logged.append)
         assert "earlier fp32 conversion" in logged[0]
         assert (out / "model.safetensors").is_file()  # left in place until the new one is whole
+
+
+def test_bf16_midpoint_share_of_checkpoints(tmp_path):
+    """The share of values exactly between two bf16 numbers, on checkpoints whose share is known:
+    fp32 widened from fp16 (1/8: fp16's lowest 3 mantissa bits 100), bf16 (none), fp32 drawn at
+    random (about 2^-16), a tensor of hand-placed midpoints; `keys` limits what is read."""
+    from safetensors.torch import save_file
+
+    from runtime.checkpoint import bf16_midpoint_share
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(512, 64, generator=g) * 0.05  # [512, 64]: 32,768 values, 4096 read per tensor
+    above = torch.tensor([1.0, 0.5, -3.0]).view(torch.int32) | 0x8000  # each between 2 bf16s
+    save_file(
+        {
+            "from_fp16": w.half().float(),
+            "bf16": w.bfloat16(),
+            "fp32": w,
+            "midpoints": above.view(torch.float32),
+        },
+        tmp_path / "model.safetensors",
+    )
+    share = functools.partial(bf16_midpoint_share, tmp_path)
+    assert share(["from_fp16"]) == pytest.approx(1 / 8, abs=0.02)
+    assert share(["bf16"]) == 0.0
+    assert share(["fp32"]) < 1e-3
+    assert share(["midpoints"]) == 1.0
+    assert share(["midpoints", "bf16", "no_such_key"]) == 3 / (3 + 4096)
+    assert share([]) == 0.0
+
+
+def test_run_summary_warns_a_bf16_run_on_a_midpoint_checkpoint(tmp_path):
+    """A bf16 run whose trained fp32 weights come from a midpoint-heavy checkpoint gets one
+    `warning |` line at startup; fp32 runs, frozen weights and bf16-stored checkpoints get none."""
+    import dataclasses
+
+    from safetensors.torch import save_file
+
+    from runtime.config_checks import run_summary
+
+    @dataclasses.dataclass
+    class Cfg:
+        dtype: str = "bf16"
+        save_every_steps: int = 0
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False))  # param "0.weight"
+    widened = (torch.randn(64, 64, generator=torch.Generator().manual_seed(0)) * 0.05).half()
+    fp16_dir, bf16_dir = tmp_path / "fp16", tmp_path / "bf16"
+    for d, tensor in ((fp16_dir, widened.float()), (bf16_dir, widened.bfloat16())):
+        d.mkdir()
+        save_file({"0.weight": tensor}, d / "model.safetensors")
+
+    def warnings(cfg, model_dir):
+        text = run_summary(cfg, model, model_dir, 1, torch.device("cpu"), "rows")
+        return [line for line in text.splitlines() if line.startswith("warning |")]
+
+    (line,) = warnings(Cfg(), fp16_dir)
+    assert f"of the trained weights in {fp16_dir} lie exactly halfway between two bf16" in line
+    assert "Save the checkpoint in bf16 first" in line and "or run --dtype fp32" in line
+    assert warnings(Cfg(dtype="fp32"), fp16_dir) == []
+    assert warnings(Cfg(), bf16_dir) == []
+    assert warnings(Cfg(), tmp_path / "missing") == []
+    model.requires_grad_(False)  # a frozen base (LoRA): cast once, never stepped
+    assert warnings(Cfg(), fp16_dir) == []
