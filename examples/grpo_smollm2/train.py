@@ -208,9 +208,7 @@ class Config:
     is_cap: float = 2.0  # truncated importance weight min(pi_old / pi_sampler, is_cap) (0 = off)
     loss_type: str = "dapo"  # "grpo" | "dapo" | "dr_grpo" | "gspo" | "cispo" (see the docstring)
     scale_rewards: bool = True  # advantages / group reward std (false for dr_grpo)
-    advantage_baseline: str = (
-        "group_mean"  # or "rloo": the mean of the other G - 1 (std: scale_rewards)
-    )
+    advantage_baseline: str = "group_mean"  # or "rloo": leave-one-out (std: scale_rewards)
     dynamic_sampling: bool = False  # DAPO: replace groups of all-equal rewards
     max_refill_rounds: int = 4  # dynamic_sampling: extra batches per step at most
     overlong: str = "none"  # truncated completions: "none" | "mask" (no loss) | "shape"
