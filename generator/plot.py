@@ -135,8 +135,9 @@ def _drawn(key: str) -> bool:
 
 def panels(rows: list[dict]) -> list[Panel]:
     """The panels of the numeric keys these rows log (`PANELS`' that log at least one key, then
-    one per key no entry names), with GRPO's per-function rewards (rewards/<name>/mean) added to
-    its reward panel and each `val_<key>` as points beside its key."""
+    one per key no entry names), with GRPO's per-function rewards (rewards/<name>/mean, the
+    overlong penalty's too, as TRL's soft overlong punishment is a reward function) added to its
+    reward panel and each `val_<key>` as points beside its key."""
     logged = {}  # key -> None, in the order first logged
     for row in rows:
         logged.update((k, None) for k, v in row.items() if _is_number(v))

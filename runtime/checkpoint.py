@@ -172,23 +172,27 @@ def checkpoint_dtype(model_dir: str | os.PathLike) -> torch.dtype:
 def bf16_midpoint_share(
     model_dir: str | os.PathLike, keys: Collection[str] | None = None, sample: int = 4096
 ) -> float:
-    """Share of a checkpoint's weights that lie exactly halfway between two bf16 values, where
-    round-to-nearest-even flips a value a whole bf16 step under any change, however small.
+    """Share of a checkpoint's weights that lie exactly halfway between two bf16 values (ties),
+    where round-to-nearest-even sits on the even neighbour and the smallest change toward the
+    other one flips the cast a whole bf16 step.
 
-    A bf16 run computes with the bf16 cast of fp32 master weights, so every such master moves a
-    whole bf16 step at the first optimizer step, all along the update's sign: a much larger first
-    step than the lr asks for (docs/DESIGN.md#demo-assets). Random fp32 values hit a midpoint with
-    probability 2^-16; fp32 values widened from fp16 1/8 of the time (their lowest 3 bits of 10);
-    a Q4_1 GGUF dequantized to fp32 8% (SmolLM2-135M); bf16 values never.
+    A bf16 run computes with the bf16 cast of fp32 master weights, so at the first optimizer step
+    about half of the ties (those whose update points away from the even neighbour) move a whole
+    bf16 step, all along the update's sign: a much larger first step than the lr asks for
+    (docs/DESIGN.md#demo-assets). Random fp32 values are ties with probability 2^-16; fp32 values
+    widened from fp16 1/8 of the time (their lowest 3 of 10 mantissa bits 100); a Q4_1 GGUF
+    dequantized to fp32 8% (SmolLM2-135M); bf16 values never.
 
     Args:
         model_dir: a safetensors checkpoint (single file or sharded with an index).
         keys: the tensors to look at (e.g. the trained parameters' HF names); None: every
             floating tensor. Keys the checkpoint lacks are skipped.
-        sample: values read per tensor (its first rows): enough for the share, cheap at 70B.
+        sample: values read per tensor (its first rows; a 0-d tensor whole): enough for the
+            share, cheap at 70B.
 
     Returns:
-        The share in [0, 1] over the values read (0.0 when none).
+        The share in [0, 1]: each tensor's share among the values read, weighted by the
+        tensor's size (0.0 when nothing was read).
 
     Raises:
         FileNotFoundError: no safetensors checkpoint in model_dir.
@@ -204,12 +208,17 @@ def bf16_midpoint_share(
                 if dtype not in _SAFETENSORS_FLOAT_DTYPES:
                     continue
                 shape = piece.get_shape()
-                row = max(1, int(torch.Size(shape[1:]).numel())) if shape else 1
-                values = piece[: -(-sample // row)] if shape else piece[:]
-                total += values.numel()
+                size = int(torch.Size(shape).numel())
+                if size == 0:
+                    continue
+                if shape:  # the first rows: at least `sample` values
+                    values = piece[: -(-sample // max(1, size // shape[0]))]
+                else:  # a 0-d tensor (a scale): slicing does not apply
+                    values = f.get_tensor(key)
+                total += size
                 if dtype != "BF16":  # a bf16 value is on the grid by definition
                     bits = values.float().contiguous().view(torch.int32) & 0xFFFF
-                    hits += int((bits == 0x8000).sum())
+                    hits += size * float((bits == 0x8000).float().mean())
     return hits / total if total else 0.0
 
 

@@ -90,9 +90,9 @@ MIDPOINT_WARNING_SHARE = 0.01
 
 def bf16_master_warnings(cfg, model: torch.nn.Module, model_dir) -> list[str]:
     """One line when a bf16 run trains fp32 master weights loaded from a checkpoint with more than
-    MIDPOINT_WARNING_SHARE of them on bf16 rounding midpoints (`bf16_midpoint_share`): their bf16
-    cast jumps a whole bf16 step at the first update, however small the lr (a GRPO run's KL to
-    its reference went from 0 to 0.84 in one 1e-7 step on such a checkpoint). Empty otherwise, and
+    MIDPOINT_WARNING_SHARE of them on bf16 rounding midpoints (`bf16_midpoint_share`): about half
+    of their bf16 casts jump a whole bf16 step at the first update, however small the lr (a GRPO
+    run's KL to its reference went from 0 to 0.84 in one 1e-7 step on such a checkpoint). Empty otherwise, and
     for fp32 runs, frozen weights (LoRA's base: cast once, never updated) and a model_dir without
     a safetensors checkpoint.
 
@@ -117,9 +117,10 @@ def bf16_master_warnings(cfg, model: torch.nn.Module, model_dir) -> list[str]:
     return [
         f"{share:.1%} of the trained weights in {model_dir} lie exactly halfway between two bf16 "
         "values (a checkpoint dequantized or widened from fp16?): bf16 compute rounds the fp32 masters, "
-        "so the first update of any size moves all of those a whole bf16 step along its sign, a far "
-        "larger step than the lr asks for. Save the checkpoint in bf16 first (`model.to(torch.bfloat16)"
-        ".save_pretrained(dir)`), or run --dtype fp32"
+        "so a fresh run's first update, however small, moves about half of those a whole bf16 step "
+        "along its sign, a far larger step than the lr asks for (RL at a small lr feels it most). "
+        "Run --dtype fp32, or save the checkpoint in bf16 first (`model.to(torch.bfloat16)"
+        ".save_pretrained(dir)`; small updates then wait to add up to half a bf16 step)"
     ]
 
 

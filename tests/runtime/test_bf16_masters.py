@@ -17,8 +17,8 @@ from tests.helpers import EXAMPLES, import_script
 
 
 def test_embedded_model_has_bf16_ties(smollm2_dir):
-    """The embedded checkpoint stores the exact dequantized fp32 values, about 9% of them (in the
-    first 4096 values of each tensor) exactly between two bf16 numbers."""
+    """The embedded checkpoint stores the exact dequantized fp32 values, 8% of them exactly
+    between two bf16 numbers (8.2% estimated from the first 4096 values of each tensor)."""
     from runtime.checkpoint import bf16_midpoint_share, checkpoint_dtype
 
     assert checkpoint_dtype(smollm2_dir) == torch.float32
@@ -124,7 +124,8 @@ def test_a_model_cache_in_another_dtype_is_converted_again(stored, tmp_path, mon
 def test_bf16_midpoint_share_of_checkpoints(tmp_path):
     """The share of values exactly between two bf16 numbers, on checkpoints whose share is known:
     fp32 widened from fp16 (1/8: fp16's lowest 3 mantissa bits 100), bf16 (none), fp32 drawn at
-    random (about 2^-16), a tensor of hand-placed midpoints; `keys` limits what is read."""
+    random (about 2^-16), tensors of hand-placed midpoints (one 0-d); `keys` limits what is read
+    and each tensor weighs its size."""
     from safetensors.torch import save_file
 
     from runtime.checkpoint import bf16_midpoint_share
@@ -138,6 +139,7 @@ def test_bf16_midpoint_share_of_checkpoints(tmp_path):
             "bf16": w.bfloat16(),
             "fp32": w,
             "midpoints": above.view(torch.float32),
+            "scale": above[0].clone().view(torch.float32),  # 0-d: read whole, not sliced
         },
         tmp_path / "model.safetensors",
     )
@@ -146,7 +148,9 @@ def test_bf16_midpoint_share_of_checkpoints(tmp_path):
     assert share(["bf16"]) == 0.0
     assert share(["fp32"]) < 1e-3
     assert share(["midpoints"]) == 1.0
-    assert share(["midpoints", "bf16", "no_such_key"]) == 3 / (3 + 4096)
+    assert share(["scale"]) == 1.0
+    # each tensor's share weighted by its size (bf16's 32,768 values, of which 4096 were read)
+    assert share(["midpoints", "bf16", "no_such_key"]) == 3 / (3 + 512 * 64)
     assert share([]) == 0.0
 
 
@@ -177,7 +181,7 @@ def test_run_summary_warns_a_bf16_run_on_a_midpoint_checkpoint(tmp_path):
 
     (line,) = warnings(Cfg(), fp16_dir)
     assert f"of the trained weights in {fp16_dir} lie exactly halfway between two bf16" in line
-    assert "Save the checkpoint in bf16 first" in line and "or run --dtype fp32" in line
+    assert "Run --dtype fp32, or save the checkpoint in bf16 first" in line
     assert warnings(Cfg(dtype="fp32"), fp16_dir) == []
     assert warnings(Cfg(), bf16_dir) == []
     assert warnings(Cfg(), tmp_path / "missing") == []
