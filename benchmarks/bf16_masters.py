@@ -31,24 +31,16 @@ sys.path.insert(0, str(REPO))
 
 from generator.assets import convert_smollm2_gguf, ensure_smollm2  # noqa: E402
 from generator.plan_harness import import_script  # noqa: E402
+from runtime.checkpoint import bf16_midpoint_share  # noqa: E402
 
 PROMPT = "What is 3 + 4? Answer with the final integer only."
 COMPLETION = " Three plus four is seven, so the answer is 7."
 
 
-def midpoint_share(model) -> float:
-    """Share of the fp32 master weights exactly halfway between two bf16 values (low 16 bits
-    0x8000: round-to-nearest-even then flips them under any update away from the even one)."""
-    hits = total = 0
-    for p in model.parameters():
-        w = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().contiguous()
-        hits += ((w.view(torch.int32) & 0xFFFF) == 0x8000).sum().item()
-        total += w.numel()
-    return hits / total
-
-
 def one_step(script, model_dir: Path, dtype: str, lr: float) -> dict:
-    """One AdamW step of the GRPO script's model on the completion; the table row's figures."""
+    """One AdamW step of the GRPO script's model (`script`, the imported examples/grpo_smollm2)
+    on the completion: the table row's figures, and `moved`, the largest change of a master
+    weight (tests/runtime/test_bf16_masters.py asserts on this function's figures)."""
     cfg = script.parse_config(
         script.Config,
         ["--model", str(model_dir), "--dtype", dtype, "--lr", str(lr), "--warmup_steps", "0"],
@@ -66,12 +58,12 @@ def one_step(script, model_dir: Path, dtype: str, lr: float) -> dict:
     def full(p):
         return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
 
-    midpoints = midpoint_share(model)
-    before = [full(p).bfloat16() for p in model.parameters()]
+    masters = [full(p).clone() for p in model.parameters()]
     script.policy_logprobs(model, input_ids, labels, cfg).sum().backward()
     optimizer.step()
-    flips = sum((full(p).bfloat16() != b).sum().item() for p, b in zip(model.parameters(), before))
-    numel = sum(b.numel() for b in before)
+    after = [full(p) for p in model.parameters()]
+    flips = sum((a.bfloat16() != m.bfloat16()).sum().item() for a, m in zip(after, masters))
+    numel = sum(m.numel() for m in masters)
     with torch.no_grad():
         delta = script.policy_logprobs(reference, input_ids, labels, cfg) - script.policy_logprobs(
             model, input_ids, labels, cfg
@@ -79,7 +71,9 @@ def one_step(script, model_dir: Path, dtype: str, lr: float) -> dict:
     delta = delta[labels != script.IGNORE_INDEX]
     torch.distributed.destroy_process_group()
     return {
-        "midpoints": midpoints,
+        # every value of every tensor (a sample as large as the checkpoint): the exact share
+        "midpoints": bf16_midpoint_share(model_dir, sample=sum(m.numel() for m in masters)),
+        "moved": max((a - m).abs().max().item() for a, m in zip(after, masters)),
         "flips": flips / numel,
         "kl": (torch.exp(delta) - delta - 1).mean().item(),
         "max_delta": delta.abs().max().item(),

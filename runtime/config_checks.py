@@ -92,9 +92,9 @@ def bf16_master_warnings(cfg, model: torch.nn.Module, model_dir) -> list[str]:
     """One line when a bf16 run trains fp32 master weights loaded from a checkpoint with more than
     MIDPOINT_WARNING_SHARE of them on bf16 rounding midpoints (`bf16_midpoint_share`): about half
     of their bf16 casts jump a whole bf16 step at the first update, however small the lr (a GRPO
-    run's KL to its reference went from 0 to 0.84 in one 1e-7 step on such a checkpoint). Empty otherwise, and
-    for fp32 runs, frozen weights (LoRA's base: cast once, never updated) and a model_dir without
-    a safetensors checkpoint.
+    run's KL to its reference went from 0 to 0.84 in one 1e-7 step on such a checkpoint). Empty
+    otherwise, and for fp32 runs, frozen weights (LoRA's base: cast once, never updated) and a
+    model_dir without a safetensors checkpoint.
 
     Args:
         cfg: the script's Config (its `dtype`, "bf16" or "fp32"; a config without one: fp32).
@@ -103,13 +103,10 @@ def bf16_master_warnings(cfg, model: torch.nn.Module, model_dir) -> list[str]:
     """
     if getattr(cfg, "dtype", "fp32") != "bf16":
         return []
-    keys = [
-        n.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
-        for n, p in model.named_parameters()
-        if p.requires_grad and p.dtype == torch.float32
-    ]
+    # the model's names are the checkpoint's keys (the scripts load by them: load_hf_checkpoint)
+    keys = [n for n, p in model.named_parameters() if p.requires_grad and p.dtype == torch.float32]
     try:
-        share = bf16_midpoint_share(model_dir, keys) if keys else 0.0
+        share = bf16_midpoint_share(model_dir, keys)
     except (FileNotFoundError, ValueError):  # no checkpoint there (a test model, a bad path)
         return []
     if share <= MIDPOINT_WARNING_SHARE:
