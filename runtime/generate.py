@@ -258,9 +258,11 @@ def generate_with_logprobs(
     generator: torch.Generator | None = None,
     on_progress: Callable[[int], None] | None = None,
     top_k: int = 0,
+    num_samples: int = 1,
 ) -> list[tuple[list[int], list[float]]]:
     """`generate`, also returning each sampled token's log-prob under the distribution it was
-    drawn from; the RL rollouts' CPU engine.
+    drawn from; the RL rollouts' CPU engine. With `num_samples` > 1 each prompt is sampled that
+    many times from one prefill: its KV cache is computed once and copied to its samples.
 
     The log-prob is `log_softmax(truncate_logits(logits / temperature, top_k, top_p))` of the
     sampled token: the tempered distribution restricted to the top-k / top-p support and
@@ -273,37 +275,60 @@ def generate_with_logprobs(
         on_progress: called after every decoding step with the number of rows that have
             produced a stop token so far, and once more with B when decoding ends (rows cut
             at max_new_tokens are finished then); the rollout engines report it to the driver.
+        num_samples: completions per prompt (>= 1); B = len(prompts) * num_samples rows.
         (the others as `generate`)
 
     Returns:
-        per prompt: (completion ids, stop token kept; log-probs [C] as floats).
+        B rows, each prompt's num_samples contiguous: (completion ids, stop token kept;
+        log-probs [C] as floats).
 
     Raises:
-        ValueError: empty prompts or out-of-range sampling settings.
+        ValueError: empty prompts, num_samples < 1 or out-of-range sampling settings.
     """
     sampling = (max_new_tokens, temperature, top_p, stop_token_ids, pad_token_id, generator)
     return _decode(
-        model, prompts, *sampling, with_logprobs=True, on_progress=on_progress, top_k=top_k
-    )
+        model, prompts, *sampling, with_logprobs=True, on_progress=on_progress, top_k=top_k,
+        num_samples=num_samples,
+    )  # fmt: skip
 
 
 def _decode(
     model, prompts, max_new_tokens, temperature, top_p, stop_token_ids, pad_token_id, generator,
     with_logprobs: bool = False, on_progress: Callable[[int], None] | None = None, top_k: int = 0,
+    num_samples: int = 1,
 ) -> list[tuple[list[int], list[float]]]:  # fmt: skip
-    """The KV-cache decoding loop of both entry points: per prompt (tokens, log-probs or [])."""
+    """The KV-cache decoding loop of both entry points: per row (tokens, log-probs or []), each
+    prompt's `num_samples` rows contiguous."""
     _validate(prompts, max_new_tokens, temperature, top_p, top_k)
+    if num_samples < 1:
+        raise ValueError(f"num_samples={num_samples}: need at least 1 completion per prompt")
+    B = len(prompts) * num_samples
     if max_new_tokens == 0:
         if on_progress is not None:
-            on_progress(len(prompts))
-        return [([], []) for _ in prompts]
+            on_progress(B)
+        return [([], []) for _ in range(B)]
     weight = model.model.embed_tokens.weight  # a DTensor under FSDP2: same device and dtype
-    input_ids, valid = _left_pad(prompts, pad_token_id, weight.device)
-    B, P = input_ids.shape
-    cache = _new_cache(model.args, B, P + max_new_tokens, weight.dtype, weight.device)
-    position_ids = (valid.long().cumsum(-1) - 1).clamp(min=0)  # [B, P]; padding gets 0
-    mask = _prefill_mask(valid)  # [B, 1, P, P]
-    logits = model(input_ids, position_ids=position_ids, attention_mask=mask, kv_cache=cache)
+    input_ids, valid = _left_pad(prompts, pad_token_id, weight.device)  # [U, P], U prompts
+    U, P = input_ids.shape
+    cache = _new_cache(model.args, U, P + max_new_tokens, weight.dtype, weight.device)
+    position_ids = (valid.long().cumsum(-1) - 1).clamp(min=0)  # [U, P]; padding gets 0
+    mask = _prefill_mask(valid)  # [U, 1, P, P]
+    # left padding ends every prompt at column P - 1: only there does lm_head run (no [U, P, V]
+    # logits: at a 128k vocabulary they would outweigh the KV cache many times)
+    at_end = torch.zeros_like(valid)
+    at_end[:, -1] = True
+    logits = model(
+        input_ids,
+        position_ids=position_ids,
+        attention_mask=mask,
+        kv_cache=cache,
+        logits_mask=at_end,
+    )  # [U, V]: each prompt's next-token logits
+    if num_samples > 1:  # the samples of a prompt share its prefill (vLLM: prefix caching)
+        cache.repeat_interleave(num_samples)
+        logits = logits.repeat_interleave(num_samples, dim=0)  # [B, V]
+        valid = valid.repeat_interleave(num_samples, dim=0)  # [B, P]
+        position_ids = position_ids.repeat_interleave(num_samples, dim=0)
     key_valid = torch.cat([valid, valid.new_ones(B, max_new_tokens)], dim=1)  # [B, P + new]
     next_pos = position_ids[:, -1:] + 1  # [B, 1]
     stop = torch.tensor(list(stop_token_ids), dtype=torch.long, device=weight.device)
@@ -312,7 +337,7 @@ def _decode(
     for step in range(max_new_tokens):
         # fp32 before sampling: the same token either way (sampling upcasts itself), and the
         # log-probs need it
-        last = logits[:, -1].float()  # [B, V]
+        last = logits.float()  # [B, V]
         token, processed = _sample(last, temperature, top_p, top_k, generator)  # [B], [B, V]
         if with_logprobs:  # under the distribution the token was drawn from (truncate_logits)
             logps.append(torch.log_softmax(processed, dim=-1).gather(1, token[:, None]).squeeze(1))
@@ -323,7 +348,10 @@ def _decode(
         if bool(finished.all()) or step == max_new_tokens - 1:
             break
         mask = key_valid[:, None, None, : cache.seq_len + 1]  # [B, S_kv] -> [B, 1, 1, S_kv]
-        logits = model(token[:, None], position_ids=next_pos, attention_mask=mask, kv_cache=cache)
+        step_logits = model(
+            token[:, None], position_ids=next_pos, attention_mask=mask, kv_cache=cache
+        )
+        logits = step_logits[:, -1]  # [B, 1, V] -> [B, V]
         next_pos = next_pos + 1
     if on_progress is not None:
         on_progress(B)  # rows cut at max_new_tokens are finished too

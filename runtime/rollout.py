@@ -210,10 +210,10 @@ class RuntimeEngine:
         self._check_awake("generate")
         device = self.model.model.embed_tokens.weight.device
         generator = torch.Generator(device).manual_seed(seed)
-        flat = [p for p in prompts for _ in range(n)]  # each prompt's n samples contiguous
+        # each prompt prefilled once, its n samples contiguous
         out = generate_with_logprobs(
             self.model,
-            flat,
+            prompts,
             max_new_tokens,
             temperature,
             top_p,
@@ -222,6 +222,7 @@ class RuntimeEngine:
             generator,
             on_progress,
             top_k=top_k,
+            num_samples=n,
         )
         return [out[i * n : (i + 1) * n] for i in range(len(prompts))]
 

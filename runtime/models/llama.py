@@ -597,6 +597,13 @@ class KVCache:
         """Mark n more tokens as cached (called once per forward, after the last layer)."""
         self.seq_len += n
 
+    def repeat_interleave(self, repeats: int) -> None:
+        """Grow the batch `repeats`-fold in place: row b becomes rows b * repeats ... b * repeats +
+        repeats - 1, each with row b's cached prefix ([B, ...] -> [B * repeats, ...] buffers).
+        A sampler prefills each prompt once and then decodes its samples from the copies."""
+        self.k = [k.repeat_interleave(repeats, dim=0) for k in self.k]
+        self.v = [v.repeat_interleave(repeats, dim=0) for v in self.v]
+
 
 def build_model(
     args: ModelArgs, device: str | torch.device = "meta", dtype: torch.dtype = torch.float32

@@ -97,6 +97,43 @@ def test_sampled_logprobs_equal_trainer_logprobs(tiny_model_dir, temperature, to
         assert (untruncated - sampler)[mask].abs().max() > 1e-3
 
 
+def test_samples_of_a_prompt_share_one_prefill(tiny_model_dir):
+    """`num_samples=3` prefills each prompt once and copies its KV cache to its 3 samples: the
+    same tokens, and log-probs within 1e-5, as the 3-times-repeated prompts each prefilled on its
+    own, drawn with the same seed. lm_head runs only on each prompt's last position in the prefill
+    ([U, D] rows, where it ran on all U * P before) and on the B = 3U new tokens in each step."""
+    model = _tiny_model(tiny_model_dir)
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    lm_head_rows = []
+    hook = model.lm_head.register_forward_pre_hook(
+        lambda module, args: lm_head_rows.append(args[0].shape[:-1])
+    )
+
+    def sample(prompts, num_samples):
+        lm_head_rows.clear()
+        out = generate_with_logprobs(
+            model, prompts, 6, temperature=1.0, top_p=0.95, stop_token_ids=[2], pad_token_id=0,
+            generator=torch.Generator().manual_seed(0), num_samples=num_samples,
+        )  # fmt: skip
+        return out, list(lm_head_rows)
+
+    shared, shared_rows = sample(prompts, 3)
+    repeated, repeated_rows = sample([p for p in prompts for _ in range(3)], 1)
+    hook.remove()
+    assert [ids for ids, _ in shared] == [ids for ids, _ in repeated]
+    assert len({tuple(ids) for ids, _ in shared}) > len(prompts)  # the samples differ
+    for (_, a), (_, b) in zip(shared, repeated, strict=True):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+    steps = max(len(ids) for ids, _ in shared)
+    assert shared_rows == [torch.Size([3])] + [torch.Size([9, 1])] * (steps - 1)
+    assert repeated_rows == [torch.Size([9])] + [torch.Size([9, 1])] * (steps - 1)
+    with pytest.raises(ValueError, match="num_samples=0"):
+        generate_with_logprobs(model, prompts, 6, 1.0, 1.0, [2], 0, num_samples=0)
+    assert (
+        generate_with_logprobs(model, prompts, 0, 1.0, 1.0, [2], 0, num_samples=2) == [([], [])] * 6
+    )
+
+
 def test_generation_reports_finished_completions(tiny_model_dir):
     """`on_progress` gets, after every decoding step, the rows that have sampled a stop token
     so far, and all rows at the end (those cut at max_new_tokens too)."""
