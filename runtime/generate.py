@@ -173,7 +173,10 @@ def generate(
 
     Args:
         model: a runtime causal LM (`LlamaForCausalLM`, plain or FSDP2-sharded) with `.args`
-            and `forward(input_ids, position_ids, attention_mask, kv_cache) -> [B, S, V]`.
+            and `forward(input_ids, position_ids, attention_mask, kv_cache, logits_mask)`.
+            Under FSDP2 every forward is collective: call it on every rank with the same
+            prompts, settings and generator seed, so that every rank draws the same tokens and
+            stops decoding at the same step (different prompts per rank would hang).
         prompts: B lists of token ids (lengths may differ; they are left-padded).
         max_new_tokens: generated tokens per row at most.
         temperature: 0 = greedy; > 0 samples from softmax(logits / temperature).

@@ -601,8 +601,12 @@ class KVCache:
         """Grow the batch `repeats`-fold in place: row b becomes rows b * repeats ... b * repeats +
         repeats - 1, each with row b's cached prefix ([B, ...] -> [B * repeats, ...] buffers).
         A sampler prefills each prompt once and then decodes its samples from the copies."""
-        self.k = [k.repeat_interleave(repeats, dim=0) for k in self.k]
-        self.v = [v.repeat_interleave(repeats, dim=0) for v in self.v]
+        for buffers in (self.k, self.v):
+            for i, buffer in enumerate(buffers):
+                # one layer at a time, each old buffer freed as its copy replaces it: the peak is
+                # the grown cache plus one layer's old buffer, not both caches whole
+                buffers[i] = buffer.repeat_interleave(repeats, dim=0)
+                del buffer
 
 
 def build_model(
