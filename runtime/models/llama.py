@@ -602,11 +602,10 @@ class KVCache:
         repeats - 1, each with row b's cached prefix ([B, ...] -> [B * repeats, ...] buffers).
         A sampler prefills each prompt once and then decodes its samples from the copies."""
         for buffers in (self.k, self.v):
-            for i, buffer in enumerate(buffers):
+            for i in range(len(buffers)):
                 # one layer at a time, each old buffer freed as its copy replaces it: the peak is
                 # the grown cache plus one layer's old buffer, not both caches whole
-                buffers[i] = buffer.repeat_interleave(repeats, dim=0)
-                del buffer
+                buffers[i] = buffers[i].repeat_interleave(repeats, dim=0)
 
 
 def build_model(
