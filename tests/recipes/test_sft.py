@@ -252,7 +252,8 @@ def test_two_processes_match_one(example, tiny_model_dir, small_dataset, tmp_pat
         assert a["val_loss"] == pytest.approx(b["val_loss"], abs=1e-5) if "val_loss" in a else True
 
 
-def test_real_smollm2_learns_and_bf16_tracks_fp32(smollm2_dir, alpaca_path, tmp_path):
+@pytest.mark.learning
+def test_real_smollm2_learns_and_bf16_tracks_fp32(smollm2_dir, alpaca_path, tmp_path, learning):
     """The real model on 8 real rows for 3 epochs: the loss falls in fp32 and in bf16 (fp32 master
     weights), and the bf16 curve stays close to fp32's."""
     rows = json.loads(alpaca_path.read_text())[100:108]
@@ -286,8 +287,12 @@ def test_real_smollm2_learns_and_bf16_tracks_fp32(smollm2_dir, alpaca_path, tmp_
         ]
         (tmp_path / dtype).mkdir()
         curves[dtype] = [r["loss"] for r in run_in_process(tmp_path / dtype, args)]
+    gap = sum(abs(a - b) for a, b in zip(curves["fp32"], curves["bf16"])) / len(curves["fp32"])
+    for dtype, losses in curves.items():
+        first_epoch, last_epoch = sum(losses[:2]) / 2, sum(losses[-2:]) / 2
+        learning(f"{dtype} loss, first 2 -> last 2 steps", 6, first_epoch, last_epoch, "fall > 0.2")
+    learning("mean gap bf16 to fp32", 6, None, gap, "< 0.1")
     for dtype, losses in curves.items():
         first_epoch, last_epoch = sum(losses[:2]) / 2, sum(losses[-2:]) / 2
         assert last_epoch < first_epoch - 0.2, (dtype, losses)
-    gap = sum(abs(a - b) for a, b in zip(curves["fp32"], curves["bf16"])) / len(curves["fp32"])
     assert gap < 0.1, curves
