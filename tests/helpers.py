@@ -70,6 +70,7 @@ def _worker(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),  # as torchrun sets it (one node)
     )
     try:
         dist.init_process_group(backend, rank=rank, world_size=world_size)
@@ -93,11 +94,19 @@ class RankCrashed(RuntimeError):
     """A rank exited without sending its result (a native crash: killed by a signal)."""
 
 
-def spawn(fn, world_size: int = 2, backend: str = "gloo", args: tuple = ()) -> list:
+def spawn(
+    fn,
+    world_size: int = 2,
+    backend: str = "gloo",
+    args: tuple = (),
+    env: dict | None = None,
+    cwd: Path | None = None,
+) -> list:
     """Run `fn(rank, world_size, *args)` on `world_size` processes; return results in rank order.
 
-    `fn` must be picklable (a module-level function). Raises RuntimeError with every failing
-    rank's traceback, or RankCrashed naming the ranks that exited without sending a result.
+    `fn` must be picklable (a module-level function). Each rank takes this process's environment
+    updated with `env`, and its directory or `cwd`. Raises RuntimeError with every failing rank's
+    traceback, or RankCrashed naming the ranks that exited without sending a result.
 
     A run in which a rank is killed by a signal (seen as such, or first as another rank's gloo
     error, "Connection closed by peer") is started once more, with a warning: the 4-rank
@@ -105,13 +114,15 @@ def spawn(fn, world_size: int = 2, backend: str = "gloo", args: tuple = ()) -> l
     detected", SIGABRT) in about 1 run of 5, at b73145c as now, inside torch/torchao native code
     (not found yet). A second crash fails the test; wrong numbers fail it whatever happens.
     """
+    env = {**os.environ, **(env or {})}
+    cwd = str(cwd or os.getcwd())
     try:
-        return _spawn_once(fn, world_size, backend, args)
+        return _spawn_once(fn, world_size, backend, args, env, cwd)
     except RankCrashed as crash:
         if "signal" not in str(crash):
             raise
         warnings.warn(f"{crash}; running the {world_size} ranks once more", stacklevel=2)
-        return _spawn_once(fn, world_size, backend, args)
+        return _spawn_once(fn, world_size, backend, args, env, cwd)
 
 
 def _signalled(procs, results: dict, wait_s: float) -> list[int]:
@@ -124,12 +135,11 @@ def _signalled(procs, results: dict, wait_s: float) -> list[int]:
     return [r for r in pending if (procs[r].exitcode or 0) < 0]
 
 
-def _spawn_once(fn, world_size: int, backend: str, args: tuple) -> list:
+def _spawn_once(fn, world_size: int, backend: str, args: tuple, env: dict, cwd: str) -> list:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     queue = ctx.Queue()
     port = _free_port()
-    env, cwd = dict(os.environ), os.getcwd()
     procs = [
         ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, queue, env, cwd))
         for r in range(world_size)
@@ -210,33 +220,72 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def _run_file(rank: int, world_size: int, entry: str, argv: list[str]) -> None:
+    """One rank of `run_script`'s forked launch: `entry` run as `python entry *argv` runs it (as
+    `__main__`), in a rank whose process group `spawn` has started (the script joins it)."""
+    import runpy
+
+    sys.argv = [entry, *argv]
+    try:
+        runpy.run_path(entry, run_name="__main__")
+    except SystemExit as e:  # entry_point's exit code 1 after a one-line error is a failure
+        if e.code not in (None, 0):
+            raise
+
+
+def launch(
+    entry: Path,
+    argv: list[str],
+    nproc: int = 1,
+    cwd: Path | None = None,
+    launcher: str | None = None,
+    timeout: int = 600,
+) -> None:
+    """Run the file `entry` as `python entry *argv` runs it, on `nproc` processes in `cwd`.
+
+    Launchers: "python" (a new interpreter; the default for one process), "torchrun" (one new
+    interpreter per rank under torchrun, gloo: where the launcher is what is tested) and "fork"
+    (the default for several: gloo ranks forked from `spawn`'s forkserver, which has imported
+    torch and the runtime, with what torchrun sets, RANK, WORLD_SIZE, LOCAL_RANK,
+    LOCAL_WORLD_SIZE and MASTER_ADDR/PORT; the script joins their group). A new interpreter per
+    rank costs about 6 s for 2 ranks to import torch and the runtime, a fork a tenth of one.
+    Several ranks run at 1 intra-op thread each. `timeout` (s) is python's or torchrun's; forked
+    ranks have spawn's 600 s. Raises AssertionError with the output's tail (python, torchrun) or
+    RuntimeError with the failing rank's traceback (fork)."""
+    launcher = launcher or ("python" if nproc == 1 else "fork")
+    cwd = Path(cwd or os.getcwd())
+    threads = "1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2")
+    if launcher == "fork":
+        spawn(_run_file, nproc, args=(str(entry), argv), env={"OMP_NUM_THREADS": threads}, cwd=cwd)
+        return
+    command = [sys.executable]
+    if launcher == "torchrun":
+        command += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    elif launcher != "python" or nproc != 1:
+        raise ValueError(f"launcher {launcher!r} with nproc {nproc}: python runs one process")
+    proc = subprocess.run(
+        [*command, str(entry), *argv],
+        cwd=cwd,
+        env={**os.environ, "OMP_NUM_THREADS": threads},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
 def run_script(
     tmp: Path,
     args: list[str],
     nproc: int = 1,
     timeout: int = 600,
     script: Path = EXAMPLES / "sft_smollm2" / "train.py",
+    launcher: str | None = None,
 ) -> list[dict]:
-    """Launch a script with `python` (nproc 1) or torchrun (gloo) in `tmp`, writing into
-    `tmp/out_{nproc}`; return its metrics.jsonl rows. For what needs a real process boundary
-    (`run_in_process` for the rest)."""
+    """`launch` a script on `nproc` processes in `tmp`, writing into `tmp/out_{nproc}`; return its
+    metrics.jsonl rows. For what needs a real process boundary (`run_in_process` for the rest)."""
     out = tmp / f"out_{nproc}"
-    launcher = [sys.executable]
-    if nproc > 1:
-        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1" if nproc > 1 else os.environ.get("OMP_NUM_THREADS", "2"),
-    }
-    proc = subprocess.run(
-        [*launcher, str(script), *args, "--out_dir", str(out)],
-        cwd=tmp,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    launch(script, [*args, "--out_dir", str(out)], nproc, tmp, launcher, timeout)
     return read_metrics(out)
 
 
@@ -329,6 +378,21 @@ def run_grpo(script, model_dir, data, out_dir, *overrides) -> list[dict]:
         *overrides,
     ]  # fmt: skip
     return script.main(args, reward_funcs=[even_token_reward])
+
+
+def run_math_task(example: str, steps: int, *flags: str, model_dir, dataset, out_dir) -> list:
+    """The emitted `example` (examples/<example>/train.py, a GRPO-skeleton script) on the real
+    chain_sum task with the script's own rewards, in this process (a Ray must be running): sync,
+    fp32, lr 2e-5, 12-token completions, micro-batches of 8, seed 0, no checkpoint, `steps`
+    optimizer steps, with `flags` on top (they win); its per-step metrics."""
+    script = import_script(EXAMPLES / example / "train.py", f"real_task_{Path(out_dir).name}")
+    return script.main([
+        "--model", str(model_dir), "--dataset", str(dataset), "--out_dir", str(out_dir),
+        "--dtype", "fp32", "--rollout", "sync", "--max_steps", str(steps),
+        "--max_new_tokens", "12", "--lr", "2e-5", "--warmup_steps", "2", "--micro_batch_size", "8",
+        "--seed", "0", "--save_final_model", "false", "--save_every_steps", "0", "--resume", "none",
+        *flags,
+    ])  # fmt: skip
 
 
 def odd_length_rows(vocab_size: int) -> list[dict]:

@@ -10,9 +10,6 @@ summation order differs (measured max |diff| ~1e-7); asserted at atol 1e-5 / rto
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +22,7 @@ from tests.helpers import (
     TINY_CONFIG,
     full_tensor,
     import_script,
+    launch,
     read_metrics,
     spawn,
 )
@@ -154,18 +152,10 @@ def _count_pairs(path: Path) -> Path:
     return path
 
 
-def _torchrun(entry: Path, argv: list[str], nproc: int, out: Path) -> list[dict]:
-    """`entry` (a rendered script or its reward driver) with python (nproc 1) or torchrun on
-    `nproc` gloo ranks, writing into `out`; its logged step rows (those with a loss)."""
-    launcher = [sys.executable]
-    if nproc > 1:
-        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    proc = subprocess.run(
-        [*launcher, str(entry), *argv, "--out_dir", str(out)],
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-        timeout=600, cwd=entry.parent,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+def _launch(entry: Path, argv: list[str], nproc: int, out: Path) -> list[dict]:
+    """`entry` (a rendered script or its reward driver) on `nproc` gloo ranks forked from the
+    test's forkserver (`launch`), writing into `out`; its logged step rows (those with a loss)."""
+    launch(entry, [*argv, "--out_dir", str(out)], nproc, entry.parent, launcher="fork")
     return [r for r in read_metrics(out) if "loss" in r]
 
 
@@ -254,8 +244,8 @@ def test_ep_two_by_fsdp_two_on_four_ranks_equals_one_process(tmp_path):
 def test_emitted_script_with_ep_matches_one_process(
     gpus, dtype, small_tokenizer_dir, small_dataset, tmp_path
 ):
-    """`scaffold new --model <tiny Qwen3-MoE dir> --gpus 2|4 --ep 2`: the script run by torchrun
-    on 2 gloo ranks (experts split 2 + 2) or 4 (EP 2 x FSDP 2: two ep groups, the experts'
+    """`scaffold new --model <tiny Qwen3-MoE dir> --gpus 2|4 --ep 2`: the script on 2 gloo
+    ranks (experts split 2 + 2) or 4 (EP 2 x FSDP 2: two ep groups, the experts'
     replicas summing their gradients) logs the losses of the same script in 1 process (--ep 1,
     global batch 4 every way) and saves the same HF weights. bf16 (the default dtype; FSDP
     ignores the experts, so they cast their own fp32 weights, `MoeExpert`): the losses and
@@ -283,7 +273,7 @@ def test_emitted_script_with_ep_matches_one_process(
         for r in read_metrics(tmp_path / "one")
         if "loss" in r
     }
-    rows = _torchrun(script, [*argv, "--micro_batch_size", str(4 // gpus)], gpus, tmp_path / "ep2")
+    rows = _launch(script, [*argv, "--micro_batch_size", str(4 // gpus)], gpus, tmp_path / "ep2")
     two = {r["step"]: (r["loss"], r["grad_norm"]) for r in rows}
     assert sorted(two) == [1, 2]
     for step in (1, 2):
@@ -359,7 +349,7 @@ def test_other_algorithms_with_ep_match_one_process(
         one_extra, two_extra = ["--ep", "1", "--micro_batch_size", "4"], ["--micro_batch_size", "2"]
 
     def run(nproc: int, out: Path, extra: list[str]) -> list[dict]:
-        return _torchrun(entry, [*argv, *extra], nproc, out)
+        return _launch(entry, [*argv, *extra], nproc, out)
 
     one = run(1, tmp_path / "one", one_extra)
     # EP 2 on 2 ranks, and EP 2 x FSDP 2 on 4: 2 ep groups, each expert's 2 replicas summing their

@@ -1,6 +1,6 @@
 """The GRPO-skeleton scripts (grpo, grpo-lora, ppo) under tensor parallel (TP 2: sequence parallel,
 vocab-sharded log-probs) and context parallel (CP 2, cp_mode allgather and ring) on 2 trainer
-processes (torchrun, gloo) against the same script on 1 process.
+processes (gloo ranks forked by `tests.helpers.launch`) against the same script on 1 process.
 
 Sync rollouts from one engine: every run samples the same rollouts as long as the engine gets the
 same weights. Rank 0 shares them with both ranks (one dp rank: both ranks train the same rows), the
@@ -87,7 +87,7 @@ def _run(tmp, driver, algo, model_dir, data, plan, nproc) -> tuple[list[dict], d
     from safetensors.torch import load_file
 
     args = ["--model", str(model_dir), "--dataset", str(data), *COMMON, *ALGO_ARGS[algo], *plan]
-    history = run_script(tmp, args, nproc=nproc, script=driver)
+    history = run_script(tmp, args, nproc=nproc, script=driver, launcher="fork")
     # the trained parameters: grpo-lora's adapters (PEFT layout), the others' whole model
     saved = "adapter_model.safetensors" if algo == "grpo-lora" else "model.safetensors"
     return history, load_file(tmp / f"out_{nproc}" / "model" / saved)

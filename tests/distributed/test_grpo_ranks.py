@@ -1,4 +1,4 @@
-"""The GRPO script on 2 trainer processes (torchrun, gloo) against 1 process: rank 0 drives Ray
+"""The GRPO script on 2 trainer processes (gloo: torchrun once, then forked ranks) against 1 process: rank 0 drives Ray
 and broadcasts each step's rollouts, every rank trains its share, and the loss is divided by the
 global number of completion tokens, so with the same seed (sync mode: the same rollouts) the
 per-step loss, gradient norm and rewards equal the 1-process run's."""
@@ -29,7 +29,9 @@ def one_process(even_model_dir, chain_sum_64, tmp_path_factory, run_once) -> lis
         tmp = tmp_path_factory.mktemp("grpo_one")
         driver = tmp / "driver.py"
         write_reward_driver(driver, EXAMPLES / "grpo_smollm2" / "train.py", "grpo_ranks")
-        return run_script(tmp, _args(even_model_dir, chain_sum_64), nproc=1, script=driver)
+        return run_script(
+            tmp, _args(even_model_dir, chain_sum_64), nproc=1, script=driver, launcher="fork"
+        )
 
     return run_once("grpo_split_one_process", compute)
 
@@ -38,7 +40,10 @@ def test_two_trainer_processes_equal_one(even_model_dir, chain_sum_64, one_proce
     driver = tmp_path / "driver.py"
     write_reward_driver(driver, EXAMPLES / "grpo_smollm2" / "train.py", "grpo_ranks")
     one = one_process
-    two = run_script(tmp_path, _args(even_model_dir, chain_sum_64), nproc=2, script=driver)
+    # torchrun itself once: the Ray driver on rank 0 of a real torchrun launch
+    two = run_script(
+        tmp_path, _args(even_model_dir, chain_sum_64), nproc=2, script=driver, launcher="torchrun"
+    )
     assert [r["step"] for r in two] == [1, 2, 3]
     for a, b in zip(one, two, strict=True):
         assert b["reward"] == pytest.approx(a["reward"], abs=1e-6)  # the same rollouts

@@ -1,4 +1,4 @@
-"""The emitted distributed examples, launched for real with torchrun (gloo, CPU) on a tiny random
+"""The emitted distributed examples, launched for real on gloo ranks (CPU) on a tiny random
 Llama (4 heads, 2 KV heads) with SmolLM2's tokenizer and real alpaca rows.
 
 sft_qwen3_tp2 on 2 processes (tp=2: dp size 1), sft_smollm2_cp2 on 2 (cp=2: dp size 1, each rank
@@ -62,7 +62,7 @@ def test_cp2_example_in_ring_mode_gives_the_one_process_run(
     one_process, tiny_model_dir, small_dataset, tmp_path
 ):
     """The same sft_smollm2_cp2 example with --cp_mode ring (K/V blocks passed around the 2 cp
-    ranks, merged by log-sum-exp): 2 steps under torchrun give the 1-process losses and gradient
+    ranks, merged by log-sum-exp): 2 steps on 2 ranks give the 1-process losses and gradient
     norms (the tolerances above)."""
     script = REPO / "examples" / "sft_smollm2_cp2" / "train.py"
     args = [

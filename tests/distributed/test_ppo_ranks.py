@@ -1,4 +1,4 @@
-"""The PPO script on 2 trainer processes (torchrun, gloo, FSDP2) against 1 process: with sync
+"""The PPO script on 2 trainer processes (forked gloo ranks, FSDP2) against 1 process: with sync
 rollouts (the same in both runs), 5 prompts per batch split 3 / 2 over the ranks, so rank 1 runs
 an empty micro-batch (a zero gradient through lm_head and the value head) in the no-grad pass and
 in each step; the advantages are whitened and the explained variance taken over both ranks'
@@ -32,7 +32,9 @@ def one_process(even_model_dir, chain_sum_64, tmp_path_factory, run_once) -> lis
         tmp = tmp_path_factory.mktemp("ppo_one")
         driver = tmp / "driver.py"
         write_reward_driver(driver, EXAMPLES / "ppo_smollm2" / "train.py", "ppo_ranks")
-        return run_script(tmp, _args(even_model_dir, chain_sum_64), nproc=1, script=driver)
+        return run_script(
+            tmp, _args(even_model_dir, chain_sum_64), nproc=1, script=driver, launcher="fork"
+        )
 
     return run_once("ppo_one_process", compute)
 

@@ -161,7 +161,9 @@ def test_rl_two_rank_checkpoint_resumes_on_one_process(
     checkpoint = tmp_path / "two" / "out_2" / "checkpoints" / "step_000002"
     assert len(list((checkpoint / "dcp").glob("*.distcp"))) == 2
     (tmp_path / "one").mkdir()
-    one = run_script(tmp_path / "one", [*args, "--resume", str(checkpoint)], script=driver)
+    one = run_script(
+        tmp_path / "one", [*args, "--resume", str(checkpoint)], script=driver, launcher="fork"
+    )
     assert [r["step"] for r in one] == [3]
     a, b = two[-1], one[0]
     assert b["reward"] == pytest.approx(a["reward"], abs=1e-6)  # the same rollouts

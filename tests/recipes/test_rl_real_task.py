@@ -16,16 +16,14 @@ from __future__ import annotations
 
 import math
 import statistics
-from pathlib import Path
 
 import pytest
 
-from tests.helpers import import_script
+from tests.helpers import run_math_task
 
 # the learning tier (`make test-learning`, tests/README.md): minutes of real-model rollouts each
 pytestmark = pytest.mark.learning
 
-REPO = Path(__file__).resolve().parents[2]
 BATCHES = 16  # rollout batches of 4 prompts x 4 completions
 
 # --loss_type -> its flags (the benchmark's variants); gspo and cispo also take NUM_ITERATIONS.
@@ -41,19 +39,6 @@ LOSS_TYPES = {
 NUM_ITERATIONS = {"gspo": 2, "cispo": 2}  # optimizer steps per rollout batch (default 1)
 
 
-def run_math_task(example: str, steps: int, *flags: str, smollm2_dir, dataset, out_dir) -> list:
-    """The emitted `example` (examples/<example>/train.py) on the real task, sync, fp32, lr 2e-5:
-    `steps` optimizer steps with `flags` on top; its per-step metrics."""
-    script = import_script(REPO / "examples" / example / "train.py", f"real_task_{out_dir.name}")
-    return script.main([
-        "--model", str(smollm2_dir), "--dataset", str(dataset), "--out_dir", str(out_dir),
-        "--dtype", "fp32", "--rollout", "sync", "--max_steps", str(steps),
-        "--max_new_tokens", "12", "--lr", "2e-5", "--warmup_steps", "2", "--micro_batch_size", "8",
-        "--seed", "0", "--save_final_model", "false", "--save_every_steps", "0", "--resume", "none",
-        *flags,
-    ])  # fmt: skip
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("loss_type", list(LOSS_TYPES))
 def test_grpo_loss_type_learns_the_math_task(
@@ -63,7 +48,7 @@ def test_grpo_loss_type_learns_the_math_task(
     history = run_math_task(
         "grpo_smollm2", BATCHES * mu, "--prompts_per_step", "4", "--num_generations", "4",
         "--loss_type", loss_type, "--num_iterations", str(mu), *LOSS_TYPES[loss_type],
-        smollm2_dir=smollm2_dir, dataset=chain_sum_64, out_dir=tmp_path,
+        model_dir=smollm2_dir, dataset=chain_sum_64, out_dir=tmp_path,
     )  # fmt: skip
     assert len(history) == BATCHES * mu and all(math.isfinite(m["loss"]) for m in history)
     # each of a batch's mu optimizer steps logs that batch's rewards: one row per batch
@@ -97,7 +82,7 @@ def test_ppo_learns_the_math_task(ray_session, smollm2_dir, chain_sum_64, tmp_pa
     shrink to the bare number (10.1 -> 2.0 tokens)."""
     history = run_math_task(
         "ppo_smollm2", PPO_STEPS, "--prompts_per_step", "16", "--num_generations", "1",
-        "--kl_coef", "0", smollm2_dir=smollm2_dir, dataset=chain_sum_64, out_dir=tmp_path,
+        "--kl_coef", "0", model_dir=smollm2_dir, dataset=chain_sum_64, out_dir=tmp_path,
     )  # fmt: skip
     assert len(history) == PPO_STEPS and all(math.isfinite(m["loss"]) for m in history)
     reward = [m["reward"] for m in history]
