@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -195,12 +196,27 @@ def private_imports(edges: list[Import]) -> list[Import]:
     return out
 
 
+def repository_files(root: Path, folder: str) -> list[Path]:
+    """The repository's own files under `root/folder`: in a git checkout the ones git tracks and
+    the untracked ones it does not ignore (what a commit could add), so whatever else lies in
+    the tree (benchmarks/.venvs' installed packages, runs/) is not read; elsewhere every file."""
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard", "--", folder],
+            cwd=root, capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):  # no git, or not a checkout
+        return sorted(p for p in (root / folder).rglob("*") if p.is_file())
+    return sorted(root / name for name in listed.split("\0") if name)
+
+
 def outside_citations(root: Path = ROOT) -> list[str]:
-    """Lines in the shipped code that cite a design document outside this repository."""
+    """Lines in the repository's own code (`repository_files`) that cite a design document
+    outside this repository."""
     out = []
     for d in CITING_DIRS:
-        for path in sorted((root / d).rglob("*")):
-            if path.suffix not in (".py", ".jinja", ".sh", ".md") or ".venv" in path.parts:
+        for path in repository_files(root, d):
+            if path.suffix not in (".py", ".jinja", ".sh", ".md") or not path.is_file():
                 continue
             for n, line in enumerate(path.read_text().splitlines(), 1):
                 if OUTSIDE_DOCS.search(line):

@@ -52,6 +52,26 @@ def test_no_citation_outside_the_repository():
     assert layers.outside_citations() == []
 
 
+def test_citations_are_read_from_the_repository_files_only(tmp_path):
+    """A checkout's citation check reads what git tracks and the untracked files it does not
+    ignore: a citation in a peer venv that `benchmarks/sft_cpu.py` installs under the ignored
+    benchmarks/.venvs is not the repository's; the same line in a new benchmark file is."""
+    import subprocess
+
+    cite = "# see " + "STYLE" + ".md\n"  # split, so this file does not cite it itself
+    (tmp_path / ".gitignore").write_text("benchmarks/.venvs/\n")
+    stray = tmp_path / "benchmarks/.venvs/torchtune/lib/site-packages/pkg/_sandbox.py"
+    stray.parent.mkdir(parents=True)
+    stray.write_text(cite)
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    assert layers.outside_citations(tmp_path) == []
+    (tmp_path / "benchmarks/new_bench.py").write_text(cite)
+    assert layers.outside_citations(tmp_path) == [f"benchmarks/new_bench.py:1: {cite.strip()}"]
+    # outside a checkout every file under the folders is read
+    (tmp_path / ".git").rename(tmp_path / "not_git")
+    assert len(layers.outside_citations(tmp_path)) == 2
+
+
 def test_the_checks_catch_what_they_guard_against(tmp_path):
     """A cycle, an upward import and a private import in a throwaway tree are all reported."""
     for name, body in {
