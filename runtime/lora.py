@@ -350,19 +350,28 @@ def add_lora(
 
 
 @contextlib.contextmanager
-def adapters_disabled(model: nn.Module):
+def adapters_disabled(model: nn.Module, check_frozen_base: bool = True):
     """Within the block the model computes its frozen base: every `LoRALinear` skips its adapter.
 
     DPO's `ref_mode="adapters-off"` uses it to get the reference model's log-probabilities from
-    the policy itself, with no second copy of the weights (as PEFT's `disable_adapter()`).
+    the policy itself, with no second copy of the weights (as PEFT's `disable_adapter()`), at
+    every step; `ref_mode="precomputed"` once, before the first step.
+
+    Args:
+        check_frozen_base: refuse a trainable non-adapter parameter (below). False for a pass that
+            runs before any update (the precomputed reference): such a parameter has not moved
+            yet, so the base is still the untrained policy.
 
     Raises:
-        ValueError: the model has no LoRA adapters, or a parameter that is not an adapter is
-            trainable (then the "base" drifts during training and is no fixed reference).
+        ValueError: the model has no LoRA adapters, or (check_frozen_base) a parameter that is not
+            an adapter is trainable (then the "base" drifts during training and is no fixed
+            reference).
     """
     modules = lora_modules(model)
     drifting = [
-        n for n, p in model.named_parameters() if p.requires_grad and not is_adapter_param(n)
+        n
+        for n, p in model.named_parameters()
+        if check_frozen_base and p.requires_grad and not is_adapter_param(n)
     ]
     if not modules or drifting:
         what = (

@@ -590,10 +590,13 @@ def kto_loss(
 
 
 @torch.no_grad()
-def base_logprobs(model: torch.nn.Module, batch: dict, cfg: Config) -> torch.Tensor:
+def base_logprobs(
+    model: torch.nn.Module, batch: dict, cfg: Config, during_training: bool = True
+) -> torch.Tensor:
     """Sequence log-probs [2P] fp32 of the policy's frozen base (LoRA adapters skipped): the
-    reference of ref_mode adapters-off, and of the precomputed pass."""
-    with adapters_disabled(model):
+    reference of ref_mode adapters-off, and of the precomputed pass (during_training False: it
+    runs before the first step, so a trainable non-adapter weight has not moved yet)."""
+    with adapters_disabled(model, check_frozen_base=during_training):
         return sequence_logprobs(model, batch, cfg)[0]
 
 
@@ -1079,7 +1082,7 @@ def main(argv: list[str] | None = None) -> dict:
         ref_cache = load_reference_logprobs(
             out_dir / "reference_logps.pt", {k: getattr(cfg, k) for k in ("model", "dataset", "max_seq_len", "dtype", "loss_type")},
             resumed, is_main, model, train_set + val_set,
-            functools.partial(base_logprobs, cfg=cfg), functools.partial(collate_batch, pad_token_id=tokenizer.pad_token_id),
+            functools.partial(base_logprobs, cfg=cfg, during_training=False), functools.partial(collate_batch, pad_token_id=tokenizer.pad_token_id),
             cfg.micro_batch_size, dp_rank, dp_size, device, dp_group,
         )  # fmt: skip
     global_batch = cfg.micro_batch_size * cfg.gradient_accumulation_steps * dp_size

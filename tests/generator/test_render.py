@@ -375,7 +375,10 @@ def test_preference_and_distillation_algorithms_render_their_parts():
     assert "adapters_disabled" not in dpo and "--algo dpo-lora" in dpo  # the refusal names the fix
     lora = render(Spec(algo="dpo-lora", dataset="dpo_en_demo.json", out="o"))
     assert lora.startswith('"""LoRA DPO (Direct Preference Optimization)')
-    assert 'ref_mode: str = "adapters-off"' in lora and "with adapters_disabled(model):" in lora
+    assert (
+        'ref_mode: str = "adapters-off"' in lora
+        and "with adapters_disabled(model, check_frozen_base=during_training):" in lora
+    )
     assert "add_lora(" in lora and "save_adapter(" in lora
     kd = render(Spec(algo="kd", out="o"))
     assert kd.startswith('"""Knowledge distillation into smollm2-135m')

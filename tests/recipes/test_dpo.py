@@ -265,6 +265,41 @@ def test_resume_continues_exactly_and_keeps_the_precomputed_reference(
             dpo_script.main([*common, "--out_dir", str(resumed), "--max_steps", "6"])
 
 
+def test_precomputed_reference_takes_a_trainable_embedding(
+    dpo_lora_script, tiny_model_dir, short_pairs, tmp_path, monkeypatch
+):
+    """A dpo-lora script edited to train embed_tokens beside the adapters: ref_mode precomputed
+    scores every pair before the first step, while that weight has not moved, so it is accepted
+    (step 1's loss is ln 2: the policy equals the reference) and the embedding trains; the
+    per-step adapters-off reference would drift with it, and is still refused, naming that
+    parameter."""
+    s = dpo_lora_script
+    setup_model = s.setup_model
+
+    def with_trainable_embedding(*args, **kwargs):
+        model = setup_model(*args, **kwargs)
+        model.model.embed_tokens.weight.requires_grad_(True)
+        return model
+
+    monkeypatch.setattr(s, "setup_model", with_trainable_embedding)
+    common = [
+        "--model", str(tiny_model_dir), "--dataset", str(short_pairs), "--device", "cpu",
+        "--dtype", "fp32", "--max_seq_len", "96", "--micro_batch_size", "2", "--warmup_steps",
+        "0", "--lr", "1e-2", "--val_fraction", "0", "--eval_every_steps", "0",
+        "--sample_max_new_tokens", "0", "--max_steps", "2", "--save_merged", "false",
+    ]  # fmt: skip
+    out = tmp_path / "precomputed"
+    s.main([*common, "--ref_mode", "precomputed", "--out_dir", str(out)])
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses) == 2 and losses[0] == pytest.approx(math.log(2), abs=1e-6)
+    assert losses[1] != pytest.approx(math.log(2), abs=1e-4)  # trained, against the fixed table
+    with pytest.raises(
+        ValueError, match=r"non-adapter parameters are trainable \(e\.g\. model\.embed_tokens"
+    ):
+        s.main([*common, "--ref_mode", "adapters-off", "--out_dir", str(tmp_path / "off")])
+
+
 def test_ipo_compares_per_token_means(dpo_lora_script, tiny_model_dir, short_pairs):
     s = dpo_lora_script
     cfg, _, _, _, model, batch, _ = _setup(s, tiny_model_dir, short_pairs, loss_type="ipo")
