@@ -85,8 +85,10 @@ class MetricsLogger:
     run keeps the rows up to its checkpoint's step and drops the later ones, which the crashed
     or stopped attempt logged and this one logs again (`claim_out_dir` refuses a fresh run into
     a used out_dir first). `out_dir/run.json` records how the run was started, for `scaffold
-    plot`'s title: {"command": ..., "started": ISO time, "resumed": [{"step", "command",
-    "started"}, ...]}.
+    plot`'s title, and its history: {"command": ..., "started": ISO time, "resumed": [{"step",
+    "command", "started", "config_changes": {key: [old, new]}}, ...]}. A resume's config changes
+    are kept there, not in the saved model's training_config.json, which describes the weights
+    beside it (`final_model_config`).
 
     Only rank 0 should create one. Non-finite floats are written as null (JSON has no NaN).
 
@@ -96,6 +98,8 @@ class MetricsLogger:
         config: the resolved config, a dict or the script's Config dataclass (W&B run config).
         start_step: the step the run resumes from (0 = a fresh run).
         argv: the script's arguments if `main(argv)` got them (for run.json's command line).
+        config_changes: a resumed run's changes against its checkpoint's config
+            (`TrainState.config_changes`), recorded in run.json's entry of this resume.
 
     Raises:
         ValueError: an unknown logger name.
@@ -109,13 +113,14 @@ class MetricsLogger:
         config=None,
         start_step: int = 0,
         argv: list[str] | None = None,
+        config_changes: dict | None = None,
     ):
         unknown = sorted(set(loggers) - set(LOGGERS))
         if unknown:
             raise ValueError(f"loggers: unknown {unknown}; choose from {list(LOGGERS)}")
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        _record_run(self.out_dir / "run.json", start_step, launch_command(argv))
+        _record_run(self.out_dir / "run.json", start_step, launch_command(argv), config_changes)
         self._jsonl = None
         if "jsonl" in loggers:
             path = self.out_dir / "metrics.jsonl"
@@ -169,14 +174,19 @@ class MetricsLogger:
             self._wandb.finish()
 
 
-def _record_run(path: Path, start_step: int, command: str) -> None:
+def _record_run(path: Path, start_step: int, command: str, config_changes: dict | None) -> None:
     """run.json: a fresh run's command, or one more entry under "resumed"."""
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     run = json.loads(path.read_text()) if start_step and path.is_file() else {}
     if start_step:
         run.setdefault("command", None)  # a run resumed from a checkpoint older than run.json
         run.setdefault("resumed", []).append(
-            {"step": start_step, "command": command, "started": started}
+            {
+                "step": start_step,
+                "command": command,
+                "started": started,
+                "config_changes": config_changes or {},
+            }
         )
     else:
         run = {"command": command, "started": started}

@@ -43,7 +43,7 @@ import os
 import random
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -81,12 +81,15 @@ class TrainState:
             ranks together (micro-batches per rank x micro_batch_size x data-parallel ranks), so
             the position means the same on any number of ranks.
         path: the checkpoint this state was read from (None for a fresh start).
+        config_changes: a resumed run's config against its checkpoint's, {key: [old, new]} as
+            JSON holds them ({} for a fresh start or an unchanged config).
     """
 
     step: int = 0
     epoch: int = 0
     samples_consumed: int = 0
     path: Path | None = None
+    config_changes: dict = field(default_factory=dict)
 
 
 class ResumableDistributedSampler(DistributedSampler):
@@ -526,8 +529,9 @@ def resume_training(
     if path is None:
         return TrainState()
     state = load_train_state(path, model, optimizer, scheduler)
+    state.config_changes = _config_changes(read_checkpoint_config(path), config)
     if is_main:
-        changed = _config_changes(read_checkpoint_config(path), config)
+        changed = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in _shown(state.config_changes))
         done = config.get("max_steps") is not None and state.step >= config["max_steps"]
         print(
             f"resuming from {path}: step {state.step}, epoch {state.epoch}, "
@@ -543,18 +547,57 @@ def resume_training(
     return state
 
 
-def _config_changes(saved: dict, config: dict) -> str:
-    """`key old -> new` for each key whose value differs, sorted by key ("" if none).
+def _shown(changes: dict) -> list[tuple[str, tuple[str, str]]]:
+    """(key, (old, new)) of `_config_changes` as printed: values as repr, `(missing)` for none."""
+    return [
+        (k, tuple("(missing)" if v is _MISSING else repr(v) for v in pair))
+        for k, pair in changes.items()
+    ]
+
+
+_MISSING = "<missing>"  # a key only one config has (`_config_changes`)
+
+
+def final_model_config(
+    config: dict, state: TrainState, start_step: int, model_path: str | os.PathLike
+) -> dict | None:
+    """The config the end-of-run save records beside the weights (training_config.json), or None
+    when the save must not write.
+
+    A run that trained a step in this invocation (`state.step > start_step`, the step it resumed
+    at) writes its model and its own `config`. A rerun that found max_steps reached trained
+    nothing: its weights are the checkpoint's, so a complete saved model (`model_path` with its
+    training_config.json, written last) stays as it is, even when this invocation was started
+    with another lr; a missing one (the run stopped between its last checkpoint and the save) is
+    written with the config the checkpoint was trained with. Rank 0 decides and every rank gets
+    its answer (the save is collective).
+
+    Args:
+        config: this invocation's resolved config (`dataclasses.asdict(cfg)`).
+        state: the TrainState after the loop; `state.path` its last checkpoint.
+        start_step: `state.step` right after `resume_training`.
+        model_path: the final save's directory (`out_dir/model`).
+    """
+    if state.step > start_step:
+        return config
+    complete = [(Path(model_path) / "training_config.json").is_file()]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(complete, src=0)
+    if complete[0]:
+        return None
+    return read_checkpoint_config(state.path) if state.path else config
+
+
+def _config_changes(saved: dict, config: dict) -> dict:
+    """{key: [old, new]} for each key whose value differs, sorted by key ({} if none).
 
     Values are compared as JSON holds them (the saved config went through JSON: a tuple is a
-    list there). A key only one side has shows `(missing)` on the other.
+    list there). A key only one side has shows `_MISSING` on the other.
     """
     config = json.loads(json.dumps(config, default=str))
-    missing = object()
-    changes = []
+    changes = {}
     for key in sorted(saved.keys() | config.keys()):
-        old, new = saved.get(key, missing), config.get(key, missing)
+        old, new = saved.get(key, _MISSING), config.get(key, _MISSING)
         if old != new:
-            old, new = ("(missing)" if v is missing else repr(v) for v in (old, new))
-            changes.append(f"{key} {old} -> {new}")
-    return ", ".join(changes)
+            changes[key] = [old, new]
+    return changes

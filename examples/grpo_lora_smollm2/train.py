@@ -171,6 +171,7 @@ from runtime import (
     disable_fsdp_gradient_division,
     entry_point,
     expand_to_tokens,
+    final_model_config,
     group_advantages,
     hub_repo_id,
     init_distributed,
@@ -993,11 +994,18 @@ def train_step(
 
 
 def save(
-    model, tokenizer: Tokenizer, model_dir: Path, cfg: Config, path: Path, is_main: bool
+    model,
+    tokenizer: Tokenizer,
+    model_dir: Path,
+    cfg: Config,
+    record: dict,
+    path: Path,
+    is_main: bool,
 ) -> None:
     """The adapters in PEFT layout (adapter_config.json, adapter_model.safetensors: load them
-    with `peft.PeftModel.from_pretrained(base, path)` or --resume_adapter), the tokenizer and the
-    resolved config; with save_merged also the merged model in HF layout (path / "merged")."""
+    with `peft.PeftModel.from_pretrained(base, path)` or --resume_adapter), the tokenizer and
+    `record`, the config the weights were trained with, as training_config.json; with
+    save_merged also the merged model in HF layout (path / "merged")."""
     # the base named in adapter_config.json: the Hub id for a cached or downloaded base (the adapter then
     # loads on any machine), the directory itself for a local one passed as --model
     repo_id = hub_repo_id(cfg.model, cfg.hf_repo_id, Config.model, Config.hf_repo_id)
@@ -1005,7 +1013,7 @@ def save(
     save_adapter(model, path, base_model_name_or_path=base_id)  # gathers shards; rank 0 writes
     if is_main:
         copy_tokenizer_files(model_dir, path)
-        (path / "training_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+        (path / "training_config.json").write_text(json.dumps(record, indent=2))
     if cfg.save_merged:
         hf_config = read_hf_config(model_dir)
         # W + lora_scale * B A per adapted linear (DoRA: rescaled per row), one tensor at a time, in the base's dtype
@@ -1044,6 +1052,7 @@ def main(argv: list[str] | None = None, reward_funcs: list | None = None) -> lis
     state = resume_training(
         cfg.resume, ckpt_dir, model, optimizer, scheduler, dataclasses.asdict(cfg), is_main
     )
+    start_step = state.step
     resumed = state.step > 0
     # rank 0 drives Ray; engines start from the checkpoint on disk, so a resumed policy is pushed once
     pipeline = start_rollout(cfg, model_dir, tokenizer, reward_funcs) if is_main else None
@@ -1059,7 +1068,11 @@ def main(argv: list[str] | None = None, reward_funcs: list | None = None) -> lis
     )
     # dynamic sampling: the pipeline sets aside groups whose rewards are all equal and refills
     keep = functools.partial(rewards_differ, cfg=cfg) if cfg.dynamic_sampling else None
-    logger = MetricsLogger(out_dir, cfg.loggers, cfg, state.step, argv) if is_main else None
+    logger = (
+        MetricsLogger(out_dir, cfg.loggers, cfg, state.step, argv, state.config_changes)
+        if is_main
+        else None
+    )
     if is_main:
         print(run_summary(cfg, model, model_dir, dist_info.world_size, device, (
             f"{len(examples)} prompts | {cfg.prompts_per_step} x {cfg.num_generations} rollouts per step | "
@@ -1141,8 +1154,10 @@ def main(argv: list[str] | None = None, reward_funcs: list | None = None) -> lis
             state.path = save_train_state(
                 ckpt_dir, state, model, optimizer, scheduler, config, cfg.keep_last_checkpoints
             )
-    if cfg.save_final_model:
-        save(model, tokenizer, model_dir, cfg, out_dir / "model", is_main)
+    # what training_config.json records; None: this run trained no step and the saved model stays
+    record = final_model_config(dataclasses.asdict(cfg), state, start_step, out_dir / "model")
+    if cfg.save_final_model and record is not None:
+        save(model, tokenizer, model_dir, cfg, record, out_dir / "model", is_main)
     if pipeline:
         pipeline.shutdown()  # kills the actors; stops Ray if this run started it
     if logger:

@@ -155,6 +155,7 @@ from runtime import (
     disable_fsdp_gradient_division,
     entry_point,
     expand_to_tokens,
+    final_model_config,
     group_advantages,
     hub_repo_id,
     init_distributed,
@@ -963,6 +964,7 @@ def main(argv: list[str] | None = None, reward_funcs: list | None = None) -> lis
     state = resume_training(
         cfg.resume, ckpt_dir, model, optimizer, scheduler, dataclasses.asdict(cfg), is_main
     )
+    start_step = state.step
     resumed = state.step > 0
     # rank 0 drives Ray; engines start from the checkpoint on disk, so a resumed policy is pushed once
     pipeline = start_rollout(cfg, model_dir, tokenizer, reward_funcs) if is_main else None
@@ -975,7 +977,11 @@ def main(argv: list[str] | None = None, reward_funcs: list | None = None) -> lis
     )
     # dynamic sampling: the pipeline sets aside groups whose rewards are all equal and refills
     keep = functools.partial(rewards_differ, cfg=cfg) if cfg.dynamic_sampling else None
-    logger = MetricsLogger(out_dir, cfg.loggers, cfg, state.step, argv) if is_main else None
+    logger = (
+        MetricsLogger(out_dir, cfg.loggers, cfg, state.step, argv, state.config_changes)
+        if is_main
+        else None
+    )
     if is_main:
         print(run_summary(cfg, model, model_dir, dist_info.world_size, device, (
             f"{len(examples)} prompts | {cfg.prompts_per_step} x {cfg.num_generations} rollouts per step | "
@@ -1055,8 +1061,10 @@ def main(argv: list[str] | None = None, reward_funcs: list | None = None) -> lis
             state.path = save_train_state(
                 ckpt_dir, state, model, optimizer, scheduler, config, cfg.keep_last_checkpoints
             )
-    if cfg.save_final_model:
-        save_hf_model(model, model_dir, out_dir / "model", dataclasses.asdict(cfg), is_main)
+    # what training_config.json records; None: this run trained no step and the saved model stays
+    record = final_model_config(dataclasses.asdict(cfg), state, start_step, out_dir / "model")
+    if cfg.save_final_model and record is not None:
+        save_hf_model(model, model_dir, out_dir / "model", record, is_main)
     if pipeline:
         pipeline.shutdown()  # kills the actors; stops Ray if this run started it
     if logger:

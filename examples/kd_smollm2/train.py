@@ -66,6 +66,7 @@ from runtime import (
     destroy_distributed,
     disable_fsdp_gradient_division,
     entry_point,
+    final_model_config,
     hub_repo_id,
     infinite_batches,
     init_distributed,
@@ -476,7 +477,12 @@ def main(argv: list[str] | None = None) -> dict:
     state = resume_training(
         cfg.resume, ckpt_dir, model, optimizer, scheduler, dataclasses.asdict(cfg), is_main
     )
-    logger = MetricsLogger(out_dir, cfg.loggers, cfg, state.step, argv) if is_main else None
+    start_step = state.step
+    logger = (
+        MetricsLogger(out_dir, cfg.loggers, cfg, state.step, argv, state.config_changes)
+        if is_main
+        else None
+    )
     batches = infinite_batches(train_loader, state.epoch, state.samples_consumed)
     progress = progress_bar(state.step, cfg.max_steps, is_main)  # on a terminal only
     metrics: dict = {}
@@ -507,7 +513,10 @@ def main(argv: list[str] | None = None) -> dict:
             state.path = save_train_state(
                 ckpt_dir, state, model, optimizer, scheduler, config, cfg.keep_last_checkpoints
             )
-    save_hf_model(model, model_dir, out_dir / "model", dataclasses.asdict(cfg), is_main)
+    # what training_config.json records; None: this run trained no step and the saved model stays
+    record = final_model_config(dataclasses.asdict(cfg), state, start_step, out_dir / "model")
+    if record is not None:
+        save_hf_model(model, model_dir, out_dir / "model", record, is_main)
     if cfg.sample_max_new_tokens:  # a question from the run's own data unless --sample_prompt
         prompt = cfg.sample_prompt or (val_set or train_set)[0]["prompt"]
         reply = sample(model, tokenizer, prompt, cfg.sample_max_new_tokens)

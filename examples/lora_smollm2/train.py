@@ -71,6 +71,7 @@ from runtime import (
     destroy_distributed,
     disable_fsdp_gradient_division,
     entry_point,
+    final_model_config,
     hub_repo_id,
     infinite_batches,
     init_distributed,
@@ -436,11 +437,18 @@ def evaluate(model, loader: DataLoader, cfg: Config, device, dp_group=None) -> f
 
 
 def save(
-    model, tokenizer: Tokenizer, model_dir: Path, cfg: Config, path: Path, is_main: bool
+    model,
+    tokenizer: Tokenizer,
+    model_dir: Path,
+    cfg: Config,
+    record: dict,
+    path: Path,
+    is_main: bool,
 ) -> None:
     """The adapters in PEFT layout (adapter_config.json, adapter_model.safetensors: load them
-    with `peft.PeftModel.from_pretrained(base, path)` or --resume_adapter), the tokenizer and the
-    resolved config; with save_merged also the merged model in HF layout (path / "merged")."""
+    with `peft.PeftModel.from_pretrained(base, path)` or --resume_adapter), the tokenizer and
+    `record`, the config the weights were trained with, as training_config.json; with
+    save_merged also the merged model in HF layout (path / "merged")."""
     # the base named in adapter_config.json: the Hub id for a cached or downloaded base (the adapter then
     # loads on any machine), the directory itself for a local one passed as --model
     repo_id = hub_repo_id(cfg.model, cfg.hf_repo_id, Config.model, Config.hf_repo_id)
@@ -448,7 +456,7 @@ def save(
     save_adapter(model, path, base_model_name_or_path=base_id)  # gathers shards; rank 0 writes
     if is_main:
         copy_tokenizer_files(model_dir, path)
-        (path / "training_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+        (path / "training_config.json").write_text(json.dumps(record, indent=2))
     if cfg.save_merged:
         hf_config = read_hf_config(model_dir)
         # W + lora_scale * B A per adapted linear (DoRA: rescaled per row), one tensor at a time, in the base's dtype
@@ -494,7 +502,12 @@ def main(argv: list[str] | None = None) -> dict:
     state = resume_training(
         cfg.resume, ckpt_dir, model, optimizer, scheduler, dataclasses.asdict(cfg), is_main
     )
-    logger = MetricsLogger(out_dir, cfg.loggers, cfg, state.step, argv) if is_main else None
+    start_step = state.step
+    logger = (
+        MetricsLogger(out_dir, cfg.loggers, cfg, state.step, argv, state.config_changes)
+        if is_main
+        else None
+    )
     batches = infinite_batches(train_loader, state.epoch, state.samples_consumed)
     progress = progress_bar(state.step, cfg.max_steps, is_main)  # on a terminal only
     metrics: dict = {}
@@ -525,7 +538,10 @@ def main(argv: list[str] | None = None) -> dict:
             state.path = save_train_state(
                 ckpt_dir, state, model, optimizer, scheduler, config, cfg.keep_last_checkpoints
             )
-    save(model, tokenizer, model_dir, cfg, out_dir / "model", is_main)
+    # what training_config.json records; None: this run trained no step and the saved model stays
+    record = final_model_config(dataclasses.asdict(cfg), state, start_step, out_dir / "model")
+    if record is not None:
+        save(model, tokenizer, model_dir, cfg, record, out_dir / "model", is_main)
     if cfg.sample_max_new_tokens:  # a question from the run's own data unless --sample_prompt
         prompt = cfg.sample_prompt or (val_set or train_set)[0]["prompt"]
         reply = sample(model, tokenizer, prompt, cfg.sample_max_new_tokens)

@@ -61,7 +61,15 @@ def _train(rank, world_size, script_name, model_dir, data_path, out_dir, overrid
         )
         losses.append(metrics["loss"])
     if hasattr(script, "save"):  # the adapter scripts' own save (PEFT layout)
-        script.save(model, None, Path(model_dir), cfg, Path(out_dir), dist_info.is_main)
+        script.save(
+            model,
+            None,
+            Path(model_dir),
+            cfg,
+            dataclasses.asdict(cfg),
+            Path(out_dir),
+            dist_info.is_main,
+        )
     else:  # KD saves the student in Hugging Face layout
         config = dataclasses.asdict(cfg)
         script.save_hf_model(model, Path(model_dir), Path(out_dir), config, dist_info.is_main)

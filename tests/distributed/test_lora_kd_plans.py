@@ -18,6 +18,7 @@ KD under CP 2: the teacher takes the student's chunks (its attention context-par
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from pathlib import Path
 
@@ -69,7 +70,9 @@ def _train(rank, world_size, script_path, model_dir, out_dir, plan):
         )
         losses.append(m["loss"])
         norms.append(m["grad_norm"])
-    script.save(model, None, Path(model_dir), cfg, Path(out_dir), dist_info.is_main)
+    script.save(
+        model, None, Path(model_dir), cfg, dataclasses.asdict(cfg), Path(out_dir), dist_info.is_main
+    )
     del model, optimizer, scheduler
     gc.collect()
     dist.barrier()

@@ -7,6 +7,7 @@ generator side of `--algo grpo-lora` (render, DoRA, refused combinations)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -166,7 +167,15 @@ def test_engines_get_the_merged_policy_and_the_saves_agree(
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
         assert (want - old).abs().max() > 1e-2  # the step changed the policy
     # save: PEFT layout (adapter_config.json + adapter_model.safetensors) and the merged model
-    s.save(model, tokenizer, even_model_dir, cfg, tmp_path / "model", is_main=True)
+    s.save(
+        model,
+        tokenizer,
+        even_model_dir,
+        cfg,
+        dataclasses.asdict(cfg),
+        tmp_path / "model",
+        is_main=True,
+    )
     config = json.loads((tmp_path / "model" / "adapter_config.json").read_text())
     assert config["r"] == cfg.lora_rank and config["target_modules"] == sorted(
         cfg.lora_target_modules

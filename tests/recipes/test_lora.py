@@ -5,6 +5,7 @@ loss, QLoRA learns on real data, and bad options are refused naming the option."
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -69,7 +70,9 @@ def test_trained_adapter_matches_peft_and_merged_export_matches_transformers(
     assert optimized == trainable and 0 < len(trainable) < len(list(model.parameters()))
     for step in range(3):
         s.train_step(model, opt, sched, [batches[step]], cfg, device)
-    s.save(model, None, tiny_model_dir, cfg, tmp_path / "model", is_main=True)
+    s.save(
+        model, None, tiny_model_dir, cfg, dataclasses.asdict(cfg), tmp_path / "model", is_main=True
+    )
     ids = batches[3]["input_ids"]
     with torch.no_grad():
         ours = model(ids)
@@ -111,7 +114,7 @@ def test_adapter_config_names_the_hub_id_or_the_local_base(
     model_dir = s.resolve_model_dir(
         cfg.model, s.hub_repo_id(cfg.model, cfg.hf_repo_id, s.Config.model, s.Config.hf_repo_id)
     )
-    s.save(model_obj, None, model_dir, cfg, tmp_path / "out", is_main=True)
+    s.save(model_obj, None, model_dir, cfg, dataclasses.asdict(cfg), tmp_path / "out", is_main=True)
     want = {"<local>": str(tiny_model_dir), "<cache>": str(home / "models" / model)}.get(
         expected, expected
     )
@@ -125,7 +128,9 @@ def test_save_resume_gives_the_identical_next_step_loss(
     cfg, model, opt, sched, batches, device = _setup(s, tiny_model_dir, small_dataset)
     for step in range(2):
         s.train_step(model, opt, sched, [batches[step]], cfg, device)
-    s.save(model, None, tiny_model_dir, cfg, tmp_path / "ckpt", is_main=True)
+    s.save(
+        model, None, tiny_model_dir, cfg, dataclasses.asdict(cfg), tmp_path / "ckpt", is_main=True
+    )
     expected = s.train_step(model, opt, sched, [batches[2]], cfg, device)["loss"]
     cfg2, resumed, opt2, sched2, _, _ = _setup(
         s, tiny_model_dir, small_dataset, resume_adapter=str(tmp_path / "ckpt")
@@ -207,7 +212,15 @@ def test_bf16_merged_export_keeps_the_base_checkpoint_dtype(
     )
     for step in range(2):
         s.train_step(model, opt, sched, [batches[step]], cfg, device)
-    s.save(model, None, bf16_valued_model_dir, cfg, tmp_path / "model", is_main=True)
+    s.save(
+        model,
+        None,
+        bf16_valued_model_dir,
+        cfg,
+        dataclasses.asdict(cfg),
+        tmp_path / "model",
+        is_main=True,
+    )
     merged = load_file(tmp_path / "model" / "merged" / "model.safetensors")
     assert {t.dtype for t in merged.values()} == {torch.float32}
     base = load_file(bf16_valued_model_dir / "model.safetensors")

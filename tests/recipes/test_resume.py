@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -449,6 +450,39 @@ def test_two_ranks_resume_from_sharded_checkpoint(tiny_model_dir, small_dataset,
     ref, got = steps_logged(ref_out), steps_logged(out)
     assert [got[s]["loss"] for s in range(1, 7)] == [ref[s]["loss"] for s in range(1, 7)]
     assert_same_weights(ref_out, out)
+
+
+@pytest.mark.parametrize("example", ["sft_smollm2", "lora_smollm2", "rm_smollm2"])
+def test_a_rerun_at_max_steps_leaves_the_saved_model_as_it_is(
+    example, tiny_model_dir, small_dataset, short_pairs, tmp_path
+):
+    """Records describe the weights beside them: a finished 2-step run (lr 1e-3) run again with
+    --lr 5e-3 trains no step, so out/model stays byte for byte (training_config.json keeps lr
+    1e-3) and run.json's entry of that resume records the change. With out/model gone (a stop
+    between the last checkpoint and the save) the rerun writes it again from the checkpoint, with
+    the checkpoint's config."""
+    s = import_script(REPO / "examples" / example / "train.py", f"records_{example}")
+    out = tmp_path / "out"
+    args = common_args(
+        tiny_model_dir, short_pairs if example == "rm_smollm2" else small_dataset, out, 2
+    )
+    if example == "rm_smollm2":  # a scorer has no end-of-run sample
+        i = args.index("--sample_max_new_tokens")
+        args = [*args[:i], *args[i + 2 :], "--max_seq_len", "192"]
+
+    def saved() -> dict[str, bytes]:
+        return {p.name: p.read_bytes() for p in (out / "model").iterdir() if p.is_file()}
+
+    s.main(args)
+    before = saved()
+    assert json.loads(before["training_config.json"])["lr"] == 1e-3
+    s.main([*args, "--lr", "5e-3"])
+    assert saved() == before
+    resumes = json.loads((out / "run.json").read_text())["resumed"]
+    assert [(r["step"], r["config_changes"]) for r in resumes] == [(2, {"lr": [0.001, 0.005]})]
+    shutil.rmtree(out / "model")
+    s.main([*args, "--lr", "5e-3"])
+    assert saved() == before
 
 
 def test_reward_model_resumes_exactly(tiny_model_dir, short_pairs, tmp_path):
