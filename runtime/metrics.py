@@ -230,8 +230,11 @@ def check_finite(
 ) -> None:
     """Stop the run at a non-finite loss or gradient norm, before anything of the step is saved.
 
-    The optimizer step was already skipped (the weights never see a NaN/inf); this names the last
-    checkpoint a rerun resumes from.
+    The step's update was already skipped (the weights never see a NaN/inf; with
+    optimizer-in-backward and no clipping, the parameters stepped before the bad gradient arrived
+    keep their update in memory: `OptimizerInBackward.backward_passes`), and nothing of it is
+    saved; this names the last checkpoint, which holds the weights before the step, where a
+    rerun resumes.
 
     Args:
         metrics: the step's metrics, with "loss" and "grad_norm" floats.

@@ -793,8 +793,9 @@ def backward_and_step(
 
     Returns:
         (the summed stats plus "loss", the global gradient norm before clipping (a plain fp32
-        scalar, also under FSDP), the lr the step used). A non-finite gradient norm skips the
-        update: the weights never see a NaN/inf, and main() stops without saving.
+        scalar, also under FSDP), the lr the step used). The weights never see a NaN/inf, and
+        main() stops without saving at a non-finite gradient norm, so the last checkpoint holds
+        the weights before this step; the update is skipped.
     """
     totals: dict = {}
     for micro_batch in micro_batches:

@@ -384,8 +384,12 @@ def backward_and_step(
 
     Returns:
         (the summed stats plus "loss", the global gradient norm before clipping (a plain fp32
-        scalar, also under FSDP), the lr the step used). A non-finite gradient norm skips the
-        update: the weights never see a NaN/inf, and main() stops without saving.
+        scalar, also under FSDP), the lr the step used). The weights never see a NaN/inf, and
+        main() stops without saving at a non-finite gradient norm, so the last checkpoint holds
+        the weights before this step. The parameters step inside backward as their gradients
+        arrive: with clipping (max_grad_norm > 0) the norm pass meets a bad gradient before any
+        step, and none steps; without, the parameters whose gradients came before it keep this
+        step's update in memory, and it and those after it do not.
     """
     totals: dict = {}
     for _ in optimizer.backward_passes():  # ("norm", "step") when clipping, else ("step",)

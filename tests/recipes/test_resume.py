@@ -424,6 +424,61 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(
     assert not (out / "model").exists()
 
 
+@pytest.mark.parametrize("max_grad_norm", ["0", "1.0"])
+def test_inf_gradient_mid_backward_with_optimizer_in_backward(
+    max_grad_norm, tiny_model_dir, small_dataset, tmp_path, monkeypatch
+):
+    """The optim-in-bwd example (ac, lce, optim-in-bwd), checkpoints every step: at step 2 one
+    element of a middle parameter's gradient is set to inf as it arrives (a hook registered
+    before the optimizer's). The run stops naming step 2 and the step-1 checkpoint, saves
+    nothing of step 2, and no weight is NaN/inf. With clipping (max_grad_norm 1) the norm pass
+    met the inf first and no weight moved from its step-1 value; without (0), exactly the
+    parameters whose gradients arrived before the bad one moved: what the script's
+    backward_and_step docstring and docs/GUIDE.md say."""
+    s = import_script(MEMORY, f"inf_mid_backward_{max_grad_norm.replace('.', '_')}")
+    out = tmp_path / "out"
+    step, arrived, models = [0], [], []
+    bad_name = "model.layers.1.self_attn.o_proj.weight"
+
+    def local(t: torch.Tensor) -> torch.Tensor:  # this rank's values, FSDP-sharded or not
+        return (t.to_local() if hasattr(t, "to_local") else t).detach()
+
+    def poison(name: str, param) -> None:
+        if step[0] == 2:
+            arrived.append(name)
+            if name == bad_name:
+                local(param.grad).view(-1)[0] = float("inf")
+
+    def setup_model(*args, **kwargs):
+        model = SETUP_MODEL(*args, **kwargs)
+        for name, param in model.named_parameters():  # before build_optimizer's hooks
+            param.register_post_accumulate_grad_hook(lambda p, name=name: poison(name, p))
+        models.append(model)
+        return model
+
+    def backward_and_step(model, *args, **kwargs):
+        step[0] += 1
+        if step[0] == 2:
+            snapshot.update({n: local(p).clone() for n, p in model.named_parameters()})
+        return BACKWARD_AND_STEP(model, *args, **kwargs)
+
+    SETUP_MODEL, BACKWARD_AND_STEP, snapshot = s.setup_model, s.backward_and_step, {}
+    monkeypatch.setattr(s, "setup_model", setup_model)
+    monkeypatch.setattr(s, "backward_and_step", backward_and_step)
+    args = common_args(tiny_model_dir, small_dataset, out, 4)
+    args += ["--save_every_steps", "1", "--max_grad_norm", max_grad_norm]
+    with pytest.raises(FloatingPointError, match=r"step 2: .*last good checkpoint: .*step_000001"):
+        s.main(args)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000001"]
+    assert not (out / "model").exists()
+    params = dict(models[0].named_parameters())
+    assert all(torch.isfinite(local(p)).all() for p in params.values())
+    moved = {n for n, p in params.items() if not torch.equal(local(p), snapshot[n])}
+    bad = arrived.index(bad_name)
+    assert 0 < bad < len(arrived) - 1  # gradients arrived both before and after the bad one
+    assert moved == (set() if max_grad_norm != "0" else set(arrived[:bad])), (moved, arrived)
+
+
 def test_two_ranks_resume_from_sharded_checkpoint(tiny_model_dir, small_dataset, tmp_path):
     """torchrun, 2 gloo ranks, FSDP2: 3 steps, then a second launch continues to 6 from the
     sharded (DCP) step-3 checkpoint; weights equal one uninterrupted 6-step launch bit for bit.
