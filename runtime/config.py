@@ -16,6 +16,8 @@ import inspect
 import json
 import os
 import re
+import shlex
+import signal
 import sys
 import time
 import types
@@ -39,12 +41,61 @@ USER_ERRORS = (ValueError, OSError, FloatingPointError)
 _SILENT_RANK_DELAY_S = 5.0
 
 
+def launch_command(argv: list[str] | None = None) -> str:
+    """The command line that started this process, as a user would retype it: `python train.py
+    --max_steps 3`, or `torchrun --nproc-per-node 8 train.py ...` under torchrun (its
+    LOCAL_WORLD_SIZE and, for several nodes, NNODES from its environment).
+
+    Args:
+        argv: the script's arguments when `main(argv)` was called with them; None = sys.argv[1:].
+    """
+    args = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
+    if "LOCAL_WORLD_SIZE" in os.environ:  # set by torchrun (and torch.distributed.run)
+        launcher = ["torchrun", "--nproc-per-node", os.environ["LOCAL_WORLD_SIZE"]]
+        nodes = int(os.environ.get("WORLD_SIZE", 1)) // max(1, int(os.environ["LOCAL_WORLD_SIZE"]))
+        if nodes > 1:
+            launcher += ["--nnodes", str(nodes)]
+    else:
+        launcher = ["python"]
+    return shlex.join(launcher + args)
+
+
+def resume_command(argv: list[str] | None = None) -> str:
+    """`launch_command` without --overwrite and --resume: what continues this run from its newest
+    complete checkpoint (`--resume auto`, the default); rerunning with --overwrite would start it
+    anew and delete its checkpoints."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    kept, skip = [], False
+    for i, arg in enumerate(args):
+        if skip:
+            skip = False
+            continue
+        key = arg.split("=", 1)[0]
+        if key in ("--overwrite", "--resume"):
+            # `--flag value` takes the next argument unless it is another flag (a bare boolean)
+            nxt = args[i + 1] if i + 1 < len(args) else "--"
+            skip = "=" not in arg and not nxt.startswith("--")
+            continue
+        kept.append(arg)
+    return launch_command(kept)
+
+
+def _raise_interrupt(signum, frame) -> None:
+    """The SIGINT / SIGTERM handler `entry_point` installs: record it, raise RunInterrupted."""
+    from runtime.train_state import PROGRESS, RunInterrupted
+
+    PROGRESS.interrupted = signum
+    raise RunInterrupted(signum)
+
+
 def entry_point(main, *args, **kwargs):
     """Run `main(*args, **kwargs)` as a script's entry point and return what it returns.
 
     A `USER_ERRORS` exception ends the process with exit status 1 and one stderr line,
     `error: <message>` (whitespace, newlines included, collapsed to single spaces), so the user
-    reads what to fix rather than a traceback. Under torchrun a `ConfigError` is raised the same
+    reads what to fix rather than a traceback. SIGINT (Ctrl-C) and SIGTERM end it with one stderr
+    line from rank 0, `interrupt_report`'s (what was interrupted, the last complete checkpoint,
+    the command that resumes), and exit status 128 + the signal's number (130, 143). Under torchrun a `ConfigError` is raised the same
     on every rank: rank 0 prints it, a rank > 0 (env RANK) waits 5 s and exits 1 silently.
 
     Args:
@@ -55,12 +106,23 @@ def entry_point(main, *args, **kwargs):
 
     Raises:
         SystemExit: status 1 on a USER_ERRORS exception (the `error:` string as its code, or 1 on
-            a silent rank > 0).
+            a silent rank > 0); 130 / 143 on SIGINT / SIGTERM.
         BaseException: main's own exception, with its traceback, when it is not a USER_ERRORS
             one, or when env SCAFFOLD_DEBUG is set (any non-empty value, as for the CLI).
     """
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _raise_interrupt)
     try:
         return main(*args, **kwargs)
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM (RunInterrupted): one line, not a traceback
+        if os.environ.get("SCAFFOLD_DEBUG"):
+            raise
+        from runtime.train_state import interrupt_report
+
+        signum = getattr(e, "signum", signal.SIGINT)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(interrupt_report(signal.Signals(signum).name, resume_command()), file=sys.stderr)
+        raise SystemExit(128 + signum) from None
     except USER_ERRORS as e:
         if os.environ.get("SCAFFOLD_DEBUG"):
             raise

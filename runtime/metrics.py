@@ -7,12 +7,13 @@ import json
 import math
 import os
 import resource
-import shlex
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from runtime.config import launch_command
 
 LOGGERS = ("jsonl", "tensorboard", "wandb")
 
@@ -57,25 +58,6 @@ def logger_errors(loggers) -> list[str]:
                 f"loggers includes {name!r} but {package} is not installed: pip install {package}"
             )
     return errors
-
-
-def launch_command(argv: list[str] | None = None) -> str:
-    """The command line that started this process, as a user would retype it: `python train.py
-    --max_steps 3`, or `torchrun --nproc-per-node 8 train.py ...` under torchrun (its
-    LOCAL_WORLD_SIZE and, for several nodes, NNODES from its environment).
-
-    Args:
-        argv: the script's arguments when `main(argv)` was called with them; None = sys.argv[1:].
-    """
-    args = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
-    if "LOCAL_WORLD_SIZE" in os.environ:  # set by torchrun (and torch.distributed.run)
-        launcher = ["torchrun", "--nproc-per-node", os.environ["LOCAL_WORLD_SIZE"]]
-        nodes = int(os.environ.get("WORLD_SIZE", 1)) // max(1, int(os.environ["LOCAL_WORLD_SIZE"]))
-        if nodes > 1:
-            launcher += ["--nnodes", str(nodes)]
-    else:
-        launcher = ["python"]
-    return shlex.join(launcher + args)
 
 
 class MetricsLogger:

@@ -92,6 +92,67 @@ class TrainState:
     config_changes: dict = field(default_factory=dict)
 
 
+class RunInterrupted(KeyboardInterrupt):
+    """SIGINT (Ctrl-C) or SIGTERM (`kill`, a scheduler's preemption) arrived: raised in the main
+    thread by the handlers `entry_point` installs. A KeyboardInterrupt, so code that lets one
+    through lets this through too.
+
+    Attributes:
+        signum: the signal's number (signal.SIGINT or signal.SIGTERM).
+    """
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+class _Progress:
+    """What an interrupt report needs to know of the running script: its TrainState (the steps
+    done, the last complete checkpoint), the checkpoint directory, and the checkpoint being
+    written, if any. `resume_training` and `save_train_state` keep it; one per process."""
+
+    state: TrainState | None = None
+    ckpt_dir: Path | None = None
+    saving: Path | None = None
+    interrupted: int | None = None  # the signal `entry_point`'s handler received
+
+
+PROGRESS = _Progress()
+
+
+def interrupt_report(signal_name: str, command: str) -> str:
+    """The one line a run prints when SIGINT or SIGTERM ends it (`entry_point`): what was
+    interrupted, the last complete checkpoint and the command that resumes, e.g. `interrupted
+    by SIGINT after 7 steps; last complete checkpoint: out/checkpoints/step_000006; resume
+    with: python train.py --max_steps 20`.
+
+    Args:
+        signal_name: "SIGINT" or "SIGTERM".
+        command: the command that resumes (the run's own, without --overwrite or --resume:
+            `--resume auto`, the default, continues from the newest complete checkpoint).
+    """
+    state = PROGRESS.state
+    if PROGRESS.saving is not None:
+        what = f"while saving {PROGRESS.saving} (not completed: nothing of it counts)"
+    elif state is None:
+        what = "before the first step"
+    else:
+        what = f"after {state.step} step{'s' if state.step != 1 else ''}"
+    last = None
+    if PROGRESS.ckpt_dir is not None:
+        complete = checkpoint_dirs(PROGRESS.ckpt_dir)
+        last = complete[-1] if complete else None
+    if last is None:
+        return (
+            f"interrupted by {signal_name} {what}; no complete checkpoint yet (--save_every_steps "
+            f"sets how often one is written); start again with: {command}"
+        )
+    return (
+        f"interrupted by {signal_name} {what}; last complete checkpoint: {last}; "
+        f"resume with: {command}"
+    )
+
+
 class ResumableDistributedSampler(DistributedSampler):
     """`DistributedSampler` that can start an epoch part-way through, on any number of ranks.
 
@@ -376,6 +437,7 @@ def save_train_state(
         for old in checkpoint_dirs(root)[: -max(keep_last, 1)]:
             shutil.rmtree(old, ignore_errors=True)
 
+    PROGRESS.ckpt_dir, PROGRESS.saving = root, final
     try:
         _on_ranks(prepare, only_rank0=True)
         model_sd, optim_sd = get_state_dict(model, _torch_optimizers(optimizer), options=_OPTIONS)
@@ -383,16 +445,37 @@ def save_train_state(
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
         _on_ranks(write_rank_files)
         _on_ranks(commit, only_rank0=True)
-    except (OSError, CheckpointException) as e:
+    except (OSError, CheckpointException, RuntimeError, KeyboardInterrupt) as e:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+        interrupt = _interrupt_in(e)
+        if interrupt is None and PROGRESS.interrupted is not None:  # C++ dropped the cause
+            interrupt = RunInterrupted(PROGRESS.interrupted)
+        if interrupt is not None:  # a signal, not the disk: torch.save's writer saw it as an error
+            raise interrupt from None
+        if isinstance(e, RuntimeError) and not isinstance(e, CheckpointException):
+            raise
         reason = getattr(e, "strerror", None) or str(e).strip().splitlines()[-1]
         raise OSError(
             getattr(e, "errno", None),
             f"saving checkpoint {final} failed ({reason}); nothing was overwritten, the "
             f"last complete checkpoint is still in {root}",
         ) from e
+    PROGRESS.saving = None
     return final
+
+
+def _interrupt_in(error: BaseException) -> RunInterrupted | None:
+    """The RunInterrupted behind `error`: itself, or one that a writer it passed through turned
+    into another exception (torch.save's zip writer reports it as `unexpected pos`, DCP wraps
+    what a rank raised), found along __cause__ / __context__."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, RunInterrupted):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def load_train_state(path: str | os.PathLike, model: nn.Module, optimizer, scheduler) -> TrainState:
@@ -525,10 +608,12 @@ def resume_training(
         ValueError: `resume` is not a complete checkpoint, or the checkpoint does not match the
             model/optimizer (from `resolve_resume` / `load_train_state`).
     """
+    PROGRESS.ckpt_dir = Path(ckpt_dir)
     path = resolve_resume(str(resume), ckpt_dir)
     if path is None:
-        return TrainState()
-    state = load_train_state(path, model, optimizer, scheduler)
+        PROGRESS.state = TrainState()
+        return PROGRESS.state
+    state = PROGRESS.state = load_train_state(path, model, optimizer, scheduler)
     state.config_changes = _config_changes(read_checkpoint_config(path), config)
     if is_main:
         changed = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in _shown(state.config_changes))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -29,10 +30,14 @@ REPO = Path(__file__).resolve().parents[2]
 SFT = REPO / "examples" / "sft_smollm2" / "train.py"
 MEMORY = REPO / "examples" / "sft_smollm2_memory" / "train.py"
 
-# Runs the script's main() in this process after installing one kill point:
+# Runs the script's main() in this process (under its entry_point, as `python train.py` does)
+# after installing one kill point:
 #   after_step K: SIGKILL right after step K was logged (before that step's checkpoint, if any)
 #   in_save K:    SIGKILL inside the K-th checkpoint save of this process, after all its files
 #                 and the COMPLETE marker are written and fsynced, just before the atomic rename
+#   in_write K:   inside the first torch.save of the step-K checkpoint's save, from its stream's
+#                 first write (torch.save's zip writer then fails as "unexpected pos")
+# "SIGINT:after_step" (or SIGTERM, any mode) sends that signal instead of SIGKILL.
 DRIVER = r"""
 import importlib.util, os, signal, sys
 script, mode, k, argv = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]
@@ -40,8 +45,9 @@ spec = importlib.util.spec_from_file_location("train", script)
 train = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(train)
 import runtime.train_state as ts
+how, _, mode = mode.rpartition(":")  # "SIGINT:after_step": that signal instead of SIGKILL
 def die():
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), getattr(signal, how or "SIGKILL"))
 if mode == "after_step":
     log = train.MetricsLogger.log
     def log_then_die(self, metrics, step):
@@ -59,7 +65,27 @@ elif mode == "in_save":
             die()
         replace(src, dst)
     ts.os.replace = replace_or_die
-train.main(argv)
+elif mode == "in_write":  # the signal inside torch.save's stream writer, as a Ctrl-C lands there
+    save, done = ts.torch.save, [False]
+    class Stream:
+        def __init__(self, f):
+            self.f = f
+        def write(self, b):
+            die()
+            return self.f.write(b)
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+    def save_or_die(obj, f, *args, **kwargs):
+        saving = ts.PROGRESS.saving
+        path = isinstance(f, (str, os.PathLike))
+        if path and not done[0] and saving is not None and saving.name == f"step_{k:06d}":
+            done[0] = True
+            with open(f, "wb") as out:
+                return save(obj, Stream(out), *args, **kwargs)
+        return save(obj, f, *args, **kwargs)
+    ts.torch.save = save_or_die
+sys.argv = [script, *argv]  # the command entry_point reports
+train.entry_point(train.main, argv)
 """
 
 
@@ -338,8 +364,9 @@ def test_dpo_cpu_offload_resumes_exactly(ref_mode, tiny_model_dir, short_pairs, 
 
 # GRPO's main() takes its reward functions from the caller: the tiny model learns even token ids
 GRPO_DRIVER = DRIVER.replace(
-    "train.main(argv)",
-    "from tests.helpers import even_token_reward\ntrain.main(argv, reward_funcs=[even_token_reward])",
+    "train.entry_point(train.main, argv)",
+    "from tests.helpers import even_token_reward\n"
+    "train.entry_point(train.main, argv, reward_funcs=[even_token_reward])",
 )
 
 
@@ -477,6 +504,80 @@ def test_inf_gradient_mid_backward_with_optimizer_in_backward(
     bad = arrived.index(bad_name)
     assert 0 < bad < len(arrived) - 1  # gradients arrived both before and after the bad one
     assert moved == (set() if max_grad_norm != "0" else set(arrived[:bad])), (moved, arrived)
+
+
+@pytest.mark.parametrize(
+    "kill, what",
+    [
+        (("SIGINT", "after_step", 3), "after 3 steps"),
+        (("SIGTERM", "after_step", 3), "after 3 steps"),
+        (("SIGINT", "in_write", 4), "while saving {ckpt}/step_000004 (not completed"),
+        (("SIGTERM", "in_save", 2), "while saving {ckpt}/step_000004 (not completed"),
+    ],
+    ids=["SIGINT-at-step", "SIGTERM-at-step", "SIGINT-in-torch-save", "SIGTERM-at-commit"],
+)
+def test_an_interrupt_ends_in_one_line_and_the_printed_command_resumes(
+    kill, what, tiny_model_dir, small_dataset, tmp_path
+):
+    """Ctrl-C (SIGINT) or `kill` (SIGTERM) at a step or during a checkpoint save (inside
+    torch.save's writer, where it used to read as a disk error, or at the commit): the run exits
+    with 128 + the signal's number and one stderr line, no traceback, naming the signal, what it
+    interrupted, the last complete checkpoint (step 2) and the command that resumes; an
+    interrupted save leaves no .tmp and its step's checkpoint does not count. Running the printed
+    command (its --overwrite dropped) resumes from step 2 and finishes."""
+    sig, mode, k = kill
+    out = tmp_path / "out"
+    args = [*common_args(tiny_model_dir, small_dataset, out, 6), "--overwrite"]
+    proc = run(SFT, args, kill=(f"{sig}:{mode}", k))
+    assert proc.returncode == 128 + getattr(signal, sig), proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    ckpt = out / "checkpoints"
+    command = f"python {SFT} " + " ".join(a for a in args if a != "--overwrite")
+    assert line.startswith(f"interrupted by {sig} {what.format(ckpt=ckpt)}"), line
+    assert line.endswith(
+        f"; last complete checkpoint: {ckpt}/step_000002; resume with: {command}"
+    ), line
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_000002"]
+    resumed = subprocess.run(
+        [sys.executable, *shlex.split(line.split("resume with: python ", 1)[1])],
+        cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert_ok(resumed)
+    assert "resuming from" in resumed.stdout and "step_000002" in resumed.stdout
+    assert sorted(steps_logged(out)) == list(range(1, 7))
+
+
+@pytest.mark.parametrize("example, sig", [("dpo_smollm2", "SIGTERM"), ("rm_smollm2", "SIGINT")])
+def test_an_interrupt_of_the_preference_skeletons_is_one_line(
+    example, sig, tiny_model_dir, short_pairs, tmp_path
+):
+    """The DPO and reward-model scripts (the other offline skeletons) end the same way."""
+    out = tmp_path / "out"
+    args = common_args(tiny_model_dir, short_pairs, out, 6)
+    i = args.index("--sample_max_new_tokens")
+    args = [*args[:i], *args[i + 2 :], "--max_seq_len", "192", "--micro_batch_size", "1"]
+    proc = run(REPO / "examples" / example / "train.py", args, kill=(f"{sig}:after_step", 3))
+    assert proc.returncode == 128 + getattr(signal, sig), proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"interrupted by {sig} after 3 steps; last complete checkpoint: "), line
+    assert f"{out}/checkpoints/step_000002; resume with: python " in line, line
+
+
+def test_an_interrupt_of_the_grpo_skeleton_is_one_line(
+    ray_session, even_model_dir, chain_sum_64, tmp_path
+):
+    """The GRPO skeleton (its own loop, a Ray rollout pipeline) ends the same way at Ctrl-C."""
+    out = tmp_path / "out"
+    args = rl_args(ray_session, even_model_dir, chain_sum_64, out, 4)
+    proc = run_rl(REPO / "examples" / "grpo_smollm2" / "train.py", args, ("SIGINT:after_step", 3))
+    assert proc.returncode == 130, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("interrupted by SIGINT after 3 steps; last complete checkpoint: "), line
+    assert f"{out}/checkpoints/step_000002; resume with: python " in line, line
 
 
 def test_two_ranks_resume_from_sharded_checkpoint(tiny_model_dir, small_dataset, tmp_path):
