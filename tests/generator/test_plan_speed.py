@@ -65,25 +65,24 @@ def test_extrapolated_moe_simulation_equals_the_full_one(tmp_path):
 
 
 def test_extrapolated_simulation_equals_the_full_one(deep_tiny_dir):
-    """sft (plain, ac + lce, optim-in-bwd on 2 ranks, adamw8bit, bf16-sr, fp32 unwrapped), lora,
-    qlora (its NF4 base), kd (the teacher, the model itself, kept at its own 6 blocks while the
-    student is simulated at 3 and 4), grpo (plain, ac + lce, on 2 trainer ranks, colocated with
-    the 70B default recipe) and grpo-lora: every category and the peak equal."""
+    """sft (plain; ac + lce + adamw8bit; lce + optim-in-bwd + adamw8bit + bf16-sr on 2 ranks; fp32
+    unwrapped), lora, qlora (its NF4 base), kd (the teacher, the model itself, kept at its own 6
+    blocks while the student is simulated at 3 and 4), grpo (ac + lce, on 2 trainer ranks,
+    colocated with the 70B default recipe) and grpo-lora: every category and the peak equal.
+    Each trick is in one stack (what the extrapolation must carry is each one's bytes per block
+    or per parameter, not their pairs)."""
     m = str(deep_tiny_dir)
     grpo = dict(algo="grpo", model=m, dataset="chain_sum.jsonl")
     specs = [
         Spec(model=m),
-        Spec(model=m, tricks=("ac", "lce")),
-        Spec(model=m, gpus=2, tricks=("lce", "optim-in-bwd")),
-        Spec(model=m, tricks=("ac", "adamw8bit")),
-        Spec(model=m, gpus=2, tricks=("optim-in-bwd", "adamw8bit", "bf16-sr")),
+        Spec(model=m, tricks=("ac", "lce", "adamw8bit")),
+        Spec(model=m, gpus=2, tricks=("lce", "optim-in-bwd", "adamw8bit", "bf16-sr")),
         Spec(model=m, dtype="fp32"),
         Spec(algo="lora", model=m, tricks=("ac",)),
         Spec(algo="qlora", model=m, gpus=2),
         Spec(algo="kd", model=m, gpus=2, tricks=("ac",)),
     ]
     grpo_specs = [
-        Spec(**grpo),
         Spec(**grpo, tricks=("ac", "lce")),
         Spec(**grpo, gpus=3, engine_gpus=1),
         Spec(**dict(grpo, algo="grpo-lora")),
@@ -162,36 +161,32 @@ def _grpo(model: str, gpus: int, **kw) -> Spec:
 
 
 # (model size, algorithm, tricks, GPUs): the catalog's real shapes at the scripts' default
-# lengths; the plan extrapolates their depth, so each simulation takes seconds
+# lengths; the plan extrapolates their depth, so each simulation takes seconds. One row per path
+# of the estimate's arithmetic (a parallel plan, a trick's bytes, an algorithm's extra model or
+# engine, MoE routing), not every combination: the 70B defaults (sft, lora, dpo, dpo-lora, grpo)
+# are checked against their own simulation in tests/generator/test_recipe.py.
 ESTIMATE_MATRIX = [
-    Spec(model="llama3.1-8b"),
-    Spec(model="llama3.1-8b", gpus=8),
-    Spec(model="llama3.1-8b", gpus=8, tp=2, tricks=("ac", "lce")),
+    Spec(model="llama3.1-8b"),  # one GPU, unsharded
+    Spec(model="llama3.1-8b", gpus=8),  # FSDP
+    Spec(model="llama3.1-8b", gpus=8, tp=2, tricks=("ac", "lce")),  # TP x FSDP, ac, lce
     Spec(model="llama3.1-8b", gpus=8, tricks=("ac", "lce", "optim-in-bwd")),
-    Spec(model="llama3.1-8b", gpus=8, tricks=("ac", "lce", "adamw8bit")),
     # the 8B default on one GPU (`scaffold new --model llama3.1-8b`): -16% while the simulation
     # ran torchao's step eagerly (plan_harness._compiled_torchao_step)
     Spec(model="llama3.1-8b", tricks=("ac", "optim-in-bwd", "adamw8bit")),
-    Spec(model="llama3.3-70b", gpus=8),
     Spec(model="llama3.3-70b", gpus=8, tricks=("ac", "lce", "optim-in-bwd", "adamw4bit")),
     Spec(algo="lora", model="llama3.1-8b"),
-    Spec(algo="lora", model="llama3.3-70b", gpus=8),
     Spec(algo="lora", model="llama3.3-70b", gpus=8, tricks=("ac", "lce")),
-    Spec(model="qwen2.5-7b", gpus=4, tricks=("lce",)),
-    Spec(model="smollm2-1.7b", gpus=2, tricks=("ac",)),
-    _grpo("llama3.1-8b", 8),
+    Spec(model="qwen2.5-7b", gpus=4, tricks=("lce",)),  # another family: attention biases
+    _grpo("llama3.1-8b", 8),  # split: trainer GPUs only
     _grpo("llama3.3-70b", 8, tricks=("ac", "lce")),
     _grpo("llama3.1-8b", 1),  # the runtime's sampler shares the GPU: its weights + KV cache
-    _grpo("llama3.2-1b", 1, tricks=("lce",)),
     # bf16-sr: bf16 weights, gradients and moments (GRPO with bf16-sr: the 70B default in
     # tests/generator/test_recipe.py)
     Spec(model="llama3.1-8b", gpus=8, tricks=("bf16-sr",)),
     # qlora: the NF4 base (4.5 bits a weight) sharded; kd: the bf16 teacher whole on every rank
     # and its [T, V] logits beside the student's
-    Spec(algo="qlora", model="llama3.1-8b"),
     Spec(algo="qlora", model="llama3.3-70b", gpus=8, tricks=("ac",)),
     Spec(algo="kd", model="llama3.2-1b", teacher="llama3.1-8b", gpus=8),
-    Spec(algo="kd", model="llama3.1-8b", gpus=8, tricks=("ac", "lce")),
     # mixture of experts (routed as balanced): every expert counted, whole on its rank under
     # --ep (EP 8; EP 4 x FSDP 2), FSDP-sharded without (simulated by hand: 128 experts per
     # block run on every rank, 2.5 minutes)
@@ -209,10 +204,8 @@ def _dpo(model: str, gpus: int, **kw) -> Spec:
 # one-off reference pass, the policy with its adapters off)
 DPO_ESTIMATE_MATRIX = [
     (_dpo("llama3.1-8b", 8), "precomputed"),
-    (_dpo("llama3.3-70b", 8, tricks=("ac", "optim-in-bwd", "adamw8bit")), "precomputed"),
     (_dpo("llama3.1-8b", 8, algo="dpo-lora"), "adapters-off"),
     (_dpo("llama3.1-8b", 8, tricks=("ac", "lce")), "separate"),
-    (_dpo("llama3.2-1b", 1, tricks=("lce",)), "separate"),
     (_dpo("qwen3-30b-a3b", 8, ep=8, tricks=("ac", "lce")), "separate"),
 ]
 
