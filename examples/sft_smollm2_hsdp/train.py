@@ -30,6 +30,7 @@ Edit freely; `scaffold regen` merges template or option changes into your edits.
 # === 1. Imports ===
 import dataclasses
 import functools
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -268,6 +269,11 @@ def build_datasets(cfg: Config, tokenizer: Tokenizer) -> tuple[list[dict], list[
         raise ValueError(
             f"{source}: no example has a supervised token after truncation to max_seq_len="
             f"{cfg.max_seq_len}; check the assistant replies or raise --max_seq_len"
+        )
+    if len(kept) < len(examples) and int(os.environ.get("RANK", "0")) == 0:
+        print(
+            f"{source}: {len(examples) - len(kept)} of {len(examples)} rows dropped: no reply token is "
+            f"left within max_seq_len={cfg.max_seq_len} (raise --max_seq_len to keep them)"
         )
     return split_train_val(kept, cfg.val_fraction, cfg.seed)
 

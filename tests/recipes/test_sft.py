@@ -70,6 +70,26 @@ def test_no_supervised_token_is_a_setup_error(sft_script, tiny_model_dir, tmp_pa
         sft_script.build_datasets(cfg, Tokenizer.from_dir(tiny_model_dir))
 
 
+def test_rows_without_a_reply_token_are_dropped_and_counted(
+    sft_script, tiny_model_dir, tmp_path, capsys
+):
+    """Rows whose prompt fills max_seq_len keep no reply token: they are dropped, and rank 0 says
+    how many of how many (as the DPO and reward-model scripts do for their pairs)."""
+    path = tmp_path / "rows.jsonl"
+    rows = [{"instruction": "hi " * 50, "output": "ok"}] * 2 + [
+        {"instruction": "hi", "output": "ok"}
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    cfg = sft_script.Config(
+        model=str(tiny_model_dir), dataset=str(path), max_seq_len=32, val_fraction=0.0
+    )
+    train, _ = sft_script.build_datasets(cfg, Tokenizer.from_dir(tiny_model_dir))
+    assert [ex["id"] for ex in train] == [2]
+    assert f"{path}: 2 of 3 rows dropped: no reply token is left within max_seq_len=32" in (
+        capsys.readouterr().out
+    )
+
+
 def test_gradient_accumulation_equals_one_big_batch(sft_script, tiny_model_dir, small_dataset):
     """2 micro-batches of very different lengths give the loss and gradient of one batch of both."""
     cfg = sft_script.Config(
