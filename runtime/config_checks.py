@@ -17,7 +17,6 @@ The messages are the skeletons' own (the bad-input corpus in tests/bad_inputs ma
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 import torch
@@ -180,12 +179,25 @@ def _cadence_errors(cfg, has: set[str]) -> list[str]:
     return errors
 
 
+def config_diff(cfg) -> dict:
+    """{field: value} of the Config dataclass `cfg`'s fields whose value is not the script's
+    default, in field order; values as the command line takes them (a list joined by commas)."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        value = getattr(cfg, f.name)
+        if value != default:
+            out[f.name] = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else value
+    return out
+
+
 def run_summary(
     cfg, model: torch.nn.Module, model_dir, world_size: int, device, details: str
 ) -> str:
-    """What rank 0 prints before the first step: the resolved config (JSON), a `note | ...` line
-    for each of `config_notes(cfg)`, a `warning | ...` line for each of `bf16_master_warnings`,
-    and one line of the model, the data, the checkpoint cadence
+    """What rank 0 prints before the first step: one `config | ...` line of what differs from the
+    script's defaults (`config_diff`; the whole resolved config is in out_dir/run.json), a
+    `note | ...` line for each of `config_notes(cfg)`, a `warning | ...` line for each of
+    `bf16_master_warnings`, and one line of the model, the data, the checkpoint cadence
     (`cfg.save_every_steps`) and the processes.
 
     Args:
@@ -198,7 +210,8 @@ def run_summary(
     """
     n_params = sum(p.numel() for p in model.parameters())
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    lines = [json.dumps(dataclasses.asdict(cfg), indent=2)]
+    changed = ", ".join(f"{k} {v}" for k, v in config_diff(cfg).items()) or "the defaults"
+    lines = [f"config | {changed} (all of it: run.json in out_dir)"]
     lines += [f"note | {note}" for note in config_notes(cfg)]
     lines += [f"warning | {w}" for w in bf16_master_warnings(cfg, model, model_dir)]
     # whether a crash loses the run: multi-GPU scripts checkpoint every 50 steps by default

@@ -67,7 +67,8 @@ class MetricsLogger:
     run keeps the rows up to its checkpoint's step and drops the later ones, which the crashed
     or stopped attempt logged and this one logs again (`claim_out_dir` refuses a fresh run into
     a used out_dir first). `out_dir/run.json` records how the run was started, for `scaffold
-    plot`'s title, and its history: {"command": ..., "started": ISO time, "resumed": [{"step",
+    plot`'s title, the resolved config and its history: {"command": ..., "started": ISO time,
+    "config": {...}, "resumed": [{"step",
     "command", "started", "config_changes": {key: [old, new]}}, ...]}. A resume's config changes
     are kept there, not in the saved model's training_config.json, which describes the weights
     beside it (`final_model_config`).
@@ -102,7 +103,11 @@ class MetricsLogger:
             raise ValueError(f"loggers: unknown {unknown}; choose from {list(LOGGERS)}")
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        _record_run(self.out_dir / "run.json", start_step, launch_command(argv), config_changes)
+        if dataclasses.is_dataclass(config):
+            config = dataclasses.asdict(config)
+        _record_run(
+            self.out_dir / "run.json", start_step, launch_command(argv), config, config_changes
+        )
         self._jsonl = None
         if "jsonl" in loggers:
             path = self.out_dir / "metrics.jsonl"
@@ -156,8 +161,10 @@ class MetricsLogger:
             self._wandb.finish()
 
 
-def _record_run(path: Path, start_step: int, command: str, config_changes: dict | None) -> None:
-    """run.json: a fresh run's command, or one more entry under "resumed"."""
+def _record_run(
+    path: Path, start_step: int, command: str, config: dict | None, config_changes: dict | None
+) -> None:
+    """run.json: a fresh run's command and resolved config, or one more entry under "resumed"."""
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     run = json.loads(path.read_text()) if start_step and path.is_file() else {}
     if start_step:
@@ -171,8 +178,8 @@ def _record_run(path: Path, start_step: int, command: str, config_changes: dict 
             }
         )
     else:
-        run = {"command": command, "started": started}
-    path.write_text(json.dumps(run, indent=2) + "\n")
+        run = {"command": command, "started": started, "config": config}
+    path.write_text(json.dumps(run, indent=2, default=str) + "\n")
 
 
 def _rows_up_to(path: Path, step: int) -> str:

@@ -232,6 +232,10 @@ def test_a_newcomers_first_runs(sft_script, tiny_model_dir, small_dataset, tmp_p
     assert [r["step"] for r in rows] == [1, 2] and rows[1]["lr"] < 1e-3  # the new run's only
     run = json.loads((out / "run.json").read_text())
     assert run["command"].endswith("--lr 1e-3 --overwrite") and "resumed" not in run
+    # the start prints what differs from the defaults in one line; run.json keeps all of it
+    assert run["config"]["lr"] == 1e-3 and run["config"]["max_steps"] == 2
+    (line,) = [x for x in fresh.stdout.splitlines() if x.startswith("config | ")]
+    assert "max_steps 2" in line and "lr 0.001" in line and '"warmup_steps"' not in fresh.stdout
 
 
 @pytest.mark.parametrize("example", ["sft_smollm2", "sft_smollm2_memory"])

@@ -116,12 +116,12 @@ def test_run_summary_counts_parameters_and_prints_the_notes():
     model = torch.nn.Sequential(torch.nn.Linear(1000, 1000), torch.nn.Linear(1000, 10))
     model[0].requires_grad_(False)  # 1,001,000 frozen of 1,011,010
     text = run_summary(Cfg(), model, "/m", 2, torch.device("cpu"), "40 train examples")
-    assert json.loads(text[: text.index("\nnote")]) == {
-        "lr": 1e-4,
-        "warmup_steps": 10,
-        "max_steps": 3,
-        "save_every_steps": 0,
-    }
+    assert text.splitlines()[0] == "config | the defaults (all of it: run.json in out_dir)"
+    changed = run_summary(Cfg(lr=3e-4, max_steps=5), model, "/m", 2, torch.device("cpu"), "x")
+    assert (
+        changed.splitlines()[0]
+        == "config | lr 0.0003, max_steps 5 (all of it: run.json in out_dir)"
+    )
     assert "\nnote | warmup_steps=10 is longer than max_steps=3" in text
     assert text.splitlines()[-1] == (
         "model /m | 1.0M params, 0.01M trainable (0.99%) | 40 train examples | no periodic "
