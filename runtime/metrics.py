@@ -214,6 +214,44 @@ def progress_bar(start_step: int, max_steps: int, is_main: bool):
     )
 
 
+def micro_batch_progress(micro_batches: list, what: str = "step"):
+    """Yield `micro_batches`, with a transient bar of those done and their tokens per second on
+    rank 0 when stderr is a terminal: a step of many micro-batches (a GRPO step on a CPU, a 70B
+    step of 16 accumulated micro-batches) otherwise shows nothing for minutes. The bar goes when
+    the step ends (the step line follows); nothing is drawn in a redirected log.
+
+    Args:
+        micro_batches: the step's micro-batches. Tokens/s counts a dict one's "num_tokens" (int
+            or 0-d tensor), or the prompt and completion tokens of the rollouts in a tuple one's
+            first item (the GRPO skeleton's (rollouts, advantages, ...)).
+        what: the bar's label.
+    """
+    from tqdm import tqdm
+
+    shown = int(os.environ.get("RANK", "0")) == 0 and sys.stderr.isatty()
+    with tqdm(
+        total=len(micro_batches), desc=f"  {what}", unit="micro-batch", leave=False,
+        disable=not shown, dynamic_ncols=True, mininterval=0,  # a micro-batch takes seconds
+    ) as bar:  # fmt: skip
+        start, tokens = time.perf_counter(), 0
+        for micro_batch in micro_batches:
+            yield micro_batch
+            tokens += _tokens(micro_batch)
+            if tokens:
+                bar.set_postfix_str(f"{tokens / (time.perf_counter() - start):.0f} tok/s")
+            bar.update(1)
+
+
+def _tokens(micro_batch) -> int:
+    """The tokens of one micro-batch as `micro_batch_progress` counts them (0 when unknown)."""
+    if isinstance(micro_batch, dict):
+        return int(micro_batch.get("num_tokens", 0))
+    if isinstance(micro_batch, tuple) and micro_batch and isinstance(micro_batch[0], list):
+        rollouts = [r for r in micro_batch[0] if hasattr(r, "completion_ids")]
+        return sum(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts)
+    return 0
+
+
 def check_finite(
     step: int, metrics: dict, last_checkpoint, hint: str = "lower --lr or check the data"
 ) -> None:

@@ -139,6 +139,7 @@ from runtime import (
     load_reference_logprobs,
     load_rows,
     merged_hf_tensors,
+    micro_batch_progress,
     pad_batch,
     parse_config,
     peak_memory_mib,
@@ -876,7 +877,7 @@ def backward_and_step(
         the weights before this step; the update is skipped.
     """
     totals: dict = {}
-    for micro_batch in micro_batches:
+    for micro_batch in micro_batch_progress(micro_batches):  # a bar on a terminal, for long steps
         loss, stats = loss_fn(micro_batch)
         loss.backward()
         for k, v in {"loss": loss.detach(), **stats}.items():

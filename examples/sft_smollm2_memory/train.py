@@ -76,6 +76,7 @@ from runtime import (
     linear_cross_entropy,
     load_hf_checkpoint,
     load_rows,
+    micro_batch_progress,
     pad_batch,
     parse_config,
     peak_memory_mib,
@@ -334,9 +335,9 @@ def backward_and_step(
         step's update in memory, and it and those after it do not.
     """
     totals: dict = {}
-    for _ in optimizer.backward_passes():  # ("norm", "step") when clipping, else ("step",)
+    for pass_name in optimizer.backward_passes():  # ("norm", "step") when clipping, else ("step",)
         totals = {}  # the stepping pass's (the norm pass computes the same values)
-        for i, micro_batch in enumerate(micro_batches):
+        for i, micro_batch in enumerate(micro_batch_progress(micro_batches, f"{pass_name} pass")):
             optimizer.is_last_micro_batch = i == len(micro_batches) - 1  # steps in this backward
             loss, stats = loss_fn(micro_batch)
             loss.backward()

@@ -91,6 +91,39 @@ def test_metrics_hold_one_run_a_resume_drops_the_steps_after_its_checkpoint(tmp_
     assert "resumed" not in json.loads((tmp_path / "run.json").read_text())
 
 
+def test_micro_batch_progress_shows_a_bar_on_a_terminal_only(monkeypatch):
+    """Every micro-batch comes through unchanged; on a terminal (rank 0) a bar counts them with
+    their tokens per second (a dict's num_tokens, or the rollouts' prompt and completion tokens
+    of the GRPO skeleton's tuples), and it is gone when the step ends; redirected, nothing."""
+    import io
+    import types
+
+    from runtime.metrics import micro_batch_progress
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    rollout = types.SimpleNamespace(prompt_ids=[1, 2, 3], completion_ids=[4, 5])
+    batches = {
+        "dicts": [{"num_tokens": torch.tensor(96)}, {"num_tokens": 32}],
+        "rollouts": [([rollout, rollout], None), ([rollout], None)],
+    }
+    for kind, micro_batches in batches.items():
+        terminal = Terminal()
+        monkeypatch.setattr("sys.stderr", terminal)
+        assert list(micro_batch_progress(micro_batches)) == micro_batches, kind
+        drawn = terminal.getvalue()
+        assert "2/2" in drawn and "tok/s" in drawn, (kind, drawn)
+        assert drawn.endswith("\r") or drawn.endswith("\x1b[A"), drawn[
+            -20:
+        ]  # cleared (leave=False)
+        log = io.StringIO()
+        monkeypatch.setattr("sys.stderr", log)
+        assert list(micro_batch_progress(micro_batches)) == micro_batches
+        assert log.getvalue() == ""
+
+
 def test_launch_command_names_python_or_torchrun(monkeypatch):
     monkeypatch.setattr("sys.argv", ["train.py", "--lr", "1e-4"])
     for var in ("LOCAL_WORLD_SIZE", "WORLD_SIZE"):
