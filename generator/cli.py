@@ -427,7 +427,9 @@ def _planned_dir(directory: str, ctx: click.Context) -> tuple[Spec, Path]:
 def list_(what):
     """List known models, algorithms, tricks, and the support table (which algorithm takes which
     trick and parallel plan; every "no" with its reason)."""
-    from runtime.models.llama import ModelArgs
+    from generator.spec.validate import model_args_class
+
+    ModelArgs = model_args_class()
 
     if what in (None, "models"):
         click.echo(

@@ -5,7 +5,10 @@ valid choices; and the GPU layout rules the validators and the planner share.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
+import sys
 from pathlib import Path
 
 from generator.catalog import MODELS
@@ -95,6 +98,21 @@ _TP_REFUSED_TRICKS = {
     "bf16-sr": "bf16 weights with the stochastic-rounding AdamW are tested under FSDP only",
     "cpu-offload": "FSDP2 CPU offload of tensor-parallel shards is not tested here",
 }
+
+
+@functools.cache
+def model_args_class():
+    """`runtime.models.args.ModelArgs` (HF config -> dims, parameter counts) without importing the
+    runtime package: its __init__ imports torch and every module, about 8 s on 2 cores, which
+    `scaffold new`'s arithmetic never needs. args.py itself imports no torch and nothing of the
+    runtime, so it loads alone (as a module of its own name)."""
+    package = importlib.util.find_spec("runtime")  # finds the package; runs no __init__
+    path = Path(package.submodule_search_locations[0]) / "models" / "args.py"
+    module_spec = importlib.util.spec_from_file_location("scaffold_model_args", path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_spec.name] = module  # dataclasses look their module up while decorating
+    module_spec.loader.exec_module(module)
+    return module.ModelArgs
 
 
 def model_config(spec: Spec) -> dict:
@@ -249,8 +267,7 @@ def resolve_engine_layout(
     if engine_tp is None:
         engine_tp = 1
         if engine_span > 1 and (spec.model in MODELS or Path(spec.model).expanduser().is_dir()):
-            from runtime.models.llama import ModelArgs
-
+            ModelArgs = model_args_class()
             config = model_config(spec)
             weight_gib = 2 * ModelArgs.from_hf_config(config).num_params() / 2**30
             choices = engine_tp_choices(config, engine_span)
@@ -265,8 +282,7 @@ def engine_weight_note(spec: Spec) -> str:
     small), else ""."""
     if spec.algo not in ROLLOUT_ALGOS:
         return ""
-    from runtime.models.llama import ModelArgs
-
+    ModelArgs = model_args_class()
     weight_gib = 2 * ModelArgs.from_hf_config(model_config(spec)).num_params() / 2**30
     per_gpu = weight_gib / spec.engine_tp
     if per_gpu <= ENGINE_WEIGHT_GIB_PER_GPU:
