@@ -9,8 +9,11 @@ means, in this order:
    state, then 8-bit state, then 4-bit state, then bf16 weights with stochastic rounding
    (bf16-sr: bf16 state, then 8-bit, then 4-bit). Each step down stores fewer bytes per
    trained parameter and tracks fp32 less closely (benchmarks/RESULTS.md, precision recipes);
-2. fewer added tricks;
-3. cheaper tricks (`generator.plan.FIT_TRICKS`: lce < ac < optim-in-bwd in compute cost).
+2. one forward and backward per step: optim-in-bwd with the scripts' gradient clipping runs
+   every micro-batch twice (a norm pass, then the stepping pass: about half the throughput), so
+   among sets of one precision, which learn alike, every set without it comes first;
+3. fewer added tricks;
+4. cheaper tricks (`generator.plan.FIT_TRICKS`: lce < ac < optim-in-bwd in compute cost).
 
 The choice is arithmetic (well under a second per spec; no simulation), and the spec records
 the GPU it was chosen for (`Spec.fit_for`) so the script's header can show the table of why
@@ -89,11 +92,19 @@ def _layouts(spec: Spec, vary_layout: bool) -> list[Spec]:
     return [s for s in out if is_valid(s)]
 
 
+def second_backward(tricks) -> bool:
+    """Whether a trick set runs each micro-batch's forward and backward twice per step: optim-in-bwd
+    under the scripts' default clipping (max_grad_norm 1.0) needs the global norm before any
+    parameter steps (`runtime.optim_in_backward`)."""
+    return "optim-in-bwd" in tricks
+
+
 def _sort_key(c: Candidate):
     s = c.spec
     return (
         precision_rank(s.tricks),
         s.layout != "split",
+        second_backward(s.tricks),
         len(s.tricks),
         sum(COST.get(t, 0) for t in s.tricks),
         s.engine_tp,
@@ -157,11 +168,25 @@ def recipe_line(spec: Spec) -> str:
     """`scaffold new` / `scaffold plan`'s line for a chosen recipe ("" if none was chosen)."""
     if not spec.fit_for:
         return ""
-    return (
+    line = (
         f"recipe: --tricks {','.join(spec.tricks)} (the plain script does not fit {spec.fit_for}; "
         "the least lossy set whose estimate fits, chosen because --tricks was not given; the "
         "header lists what was tried; --tricks none keeps the plain script)"
     )
+    if second_backward(spec.tricks):
+        line += "\n" + SECOND_BACKWARD_COST.format(
+            precision=PRECISION_NAMES[precision_rank(spec.tricks)]
+        )
+    return line
+
+
+# What `scaffold new` says when the chosen recipe must run two passes per step
+SECOND_BACKWARD_COST = (
+    "cost: optim-in-bwd with gradient clipping runs each micro-batch's forward and backward twice "
+    "per step (a norm pass, then the stepping pass), about half the throughput of one pass; no set "
+    "without it fits at this precision ({precision}). --max_grad_norm 0 in the script keeps one "
+    "pass, without clipping"
+)
 
 
 def choose_recipe(spec: Spec, gpu: tuple[str, float], vary_layout: bool = False) -> Spec:
@@ -198,6 +223,9 @@ def recipe_note(spec: Spec) -> tuple[str, ...]:
     for precision, tricks, nbytes, peak, fits in recipe_rows(spec):
         verdict = "fits" if fits else "does not fit"
         lines.append(f"  - {precision}, {tricks}: {nbytes} B, ~{peak:.0f} GiB per GPU, {verdict}")
+    if second_backward(spec.tricks):
+        precision = PRECISION_NAMES[precision_rank(spec.tricks)]
+        lines.append(f"  - {SECOND_BACKWARD_COST.format(precision=precision)}")
     return tuple(lines)
 
 

@@ -66,6 +66,38 @@ def test_the_choice_is_the_first_fitting_candidate_in_precision_order():
     assert found[chosen].peak <= budget < min(c.peak for c in found[:chosen])
 
 
+def test_one_backward_pass_comes_first_at_each_precision():
+    """Among the candidates of one precision (which learn alike) on one layout, every set without
+    optim-in-bwd (whose clipping runs each micro-batch twice per step) is tried before any set with
+    it, however many tricks it adds: on 70B SFT, (ac, lce) before (optim-in-bwd) alone."""
+    plain = spec_from_options("sft", "lora", "llama3.3-70b", None, 8, 1, 1, 1, 1, 1, "bf16")
+    found = candidates(plain, H100[1])[1:]  # the plain script first, then the recipe order
+    for rank in range(6):
+        at_rank = [c.tricks for c in found if precision_rank(c.tricks) == rank]
+        passes = ["optim-in-bwd" in t for t in at_rank]
+        assert passes == sorted(passes), (rank, at_rank)  # False (one pass) first
+    order = [c.tricks for c in found]
+    assert order.index(("ac", "lce")) < order.index(("optim-in-bwd",))
+
+
+@pytest.mark.parametrize(
+    "algo, cost", [("sft", True), ("dpo", True), ("lora", False), ("dpo-lora", False)]
+)
+def test_scaffold_new_says_what_a_second_backward_pass_costs(algo, cost, tmp_path):
+    """The 70B SFT and DPO defaults on 8 x h100-80 must take optim-in-bwd (no set of their
+    precision fits without it): `scaffold new` and the script's header say it runs forward and
+    backward twice per step, and how to keep one pass; the LoRA defaults (ac) say nothing."""
+    out = tmp_path / "o"
+    args = ["new", "--algo", algo, "--model", "llama3.3-70b", "--gpus", "8", "--out", str(out)]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    said = "runs each micro-batch's forward and backward twice per step"
+    assert (said in result.output) == cost, result.output
+    assert (said in " ".join((out / "train.py").read_text().split())) == cost
+    if cost:
+        assert "--max_grad_norm 0 in the script keeps one pass" in result.output
+
+
 @pytest.mark.slow
 def test_70b_defaults_fit_h100_80_in_the_simulation():
     """`scaffold plan`'s simulated figure (the trainer peak; GRPO: the largest colocated phase)
