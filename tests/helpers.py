@@ -380,6 +380,14 @@ def run_grpo(script, model_dir, data, out_dir, *overrides) -> list[dict]:
     return script.main(args, reward_funcs=[even_token_reward])
 
 
+def joined_ray(ray) -> list[str]:
+    """The flags that make a GRPO-skeleton script join `ray` (the `ray_session` fixture's Ray, in
+    the test process) instead of starting a local Ray of its own: a module's runs share one Ray
+    (no start-up, dashboard or prestarted workers per run), and each run's actors die with it
+    (`pipeline.shutdown`), so no run sees another's state."""
+    return ["--ray_address", ray.get_runtime_context().gcs_address]
+
+
 def run_math_task(example: str, steps: int, *flags: str, model_dir, dataset, out_dir) -> list:
     """The emitted `example` (examples/<example>/train.py, a GRPO-skeleton script) on the real
     chain_sum task with the script's own rewards, in this process (a Ray must be running): sync,

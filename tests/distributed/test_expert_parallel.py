@@ -22,6 +22,7 @@ from tests.helpers import (
     TINY_CONFIG,
     full_tensor,
     import_script,
+    joined_ray,
     launch,
     read_metrics,
     spawn,
@@ -292,7 +293,7 @@ def test_emitted_script_with_ep_matches_one_process(
 
 @pytest.mark.parametrize("algo", ["dpo", "kd", "grpo", "grpo-lora", "ppo"])
 def test_other_algorithms_with_ep_match_one_process(
-    algo, small_tokenizer_dir, small_dataset, chain_sum_64, tmp_path
+    algo, small_tokenizer_dir, small_dataset, chain_sum_64, tmp_path, request
 ):
     """--ep 2 on 2 gloo ranks, and EP 2 x FSDP 2 on 4, for the algorithms beside SFT: DPO (its
     separate reference built by the same parallelize, experts sharded too), KD (an EP student, the
@@ -335,6 +336,7 @@ def test_other_algorithms_with_ep_match_one_process(
             "--micro_batch_size", "2", "--lr", "1e-2", "--max_steps", "3", "--reward_weights",
             "1.0", "--save_final_model", str(algo == "grpo-lora").lower(), "--ray_num_cpus", "2",
             "--num_engines", "1", *(["--kl_coef", "0.05"] if algo != "grpo" else []),
+            *joined_ray(request.getfixturevalue("ray_session")),  # the module's Ray
         ]  # fmt: skip
         one_extra, two_extra = ["--ep", "1"], []
     else:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import run_script, spawn, write_reward_driver
+from tests.helpers import joined_ray, run_script, spawn, write_reward_driver
 
 # the flags of each algorithm's runs (beside the plan's): the smallest configs of
 # test_grpo_ranks.py / test_ppo_ranks.py
@@ -82,11 +82,12 @@ def drivers(tmp_path_factory) -> dict:
     return out
 
 
-def _run(tmp, driver, algo, model_dir, data, plan, nproc) -> tuple[list[dict], dict]:
-    """The run's metrics and the tensors of its final save."""
+def _run(tmp, driver, algo, model_dir, data, plan, nproc, ray) -> tuple[list[dict], dict]:
+    """The run's metrics and the tensors of its final save; the run joins `ray`, the module's."""
     from safetensors.torch import load_file
 
     args = ["--model", str(model_dir), "--dataset", str(data), *COMMON, *ALGO_ARGS[algo], *plan]
+    args += joined_ray(ray)
     history = run_script(tmp, args, nproc=nproc, script=driver, launcher="fork")
     # the trained parameters: grpo-lora's adapters (PEFT layout), the others' whole model
     saved = "adapter_model.safetensors" if algo == "grpo-lora" else "model.safetensors"
@@ -94,7 +95,7 @@ def _run(tmp, driver, algo, model_dir, data, plan, nproc) -> tuple[list[dict], d
 
 
 @pytest.fixture(scope="module")
-def one_process(drivers, even_model_dir, chain_sum_64, tmp_path_factory):
+def one_process(drivers, even_model_dir, chain_sum_64, tmp_path_factory, ray_session):
     """`one_process(name)`: that script's 1-process run (the reference of its plans; name: an
     algorithm, or a key of TRICKS), run once, when its first case asks."""
     runs = {}
@@ -103,7 +104,9 @@ def one_process(drivers, even_model_dir, chain_sum_64, tmp_path_factory):
         if name not in runs:
             algo = TRICKS[name][0] if name in TRICKS else name
             tmp = tmp_path_factory.mktemp(f"{algo}_one")
-            runs[name] = _run(tmp, drivers[name], algo, even_model_dir, chain_sum_64, ONE, 1)
+            runs[name] = _run(
+                tmp, drivers[name], algo, even_model_dir, chain_sum_64, ONE, 1, ray_session
+            )
         return runs[name]
 
     return get
@@ -112,22 +115,22 @@ def one_process(drivers, even_model_dir, chain_sum_64, tmp_path_factory):
 @pytest.mark.parametrize("plan", PLANS)
 @pytest.mark.parametrize("algo", ALGO_ARGS)
 def test_two_ranks_equal_one(
-    drivers, one_process, even_model_dir, chain_sum_64, tmp_path, algo, plan
+    drivers, one_process, even_model_dir, chain_sum_64, tmp_path, algo, plan, ray_session
 ):
     one, one_weights = one_process(algo)
-    two, two_weights = _run(tmp_path, drivers[algo], algo, even_model_dir, chain_sum_64, PLANS[plan], 2)  # fmt: skip
+    two, two_weights = _run(tmp_path, drivers[algo], algo, even_model_dir, chain_sum_64, PLANS[plan], 2, ray_session)  # fmt: skip
     _check_equal(algo, one, two, one_weights, two_weights)
 
 
 @pytest.mark.parametrize("plan", ["tp2", "ring2"])
 @pytest.mark.parametrize("name", TRICKS)
 def test_tricks_two_ranks_equal_one(
-    drivers, one_process, even_model_dir, chain_sum_64, tmp_path, name, plan
+    drivers, one_process, even_model_dir, chain_sum_64, tmp_path, name, plan, ray_session
 ):
     """lce and packing under TP 2 and ring CP 2 give the 1-process run of the same script."""
     algo = TRICKS[name][0]
     one, one_weights = one_process(name)
-    two, two_weights = _run(tmp_path, drivers[name], algo, even_model_dir, chain_sum_64, PLANS[plan], 2)  # fmt: skip
+    two, two_weights = _run(tmp_path, drivers[name], algo, even_model_dir, chain_sum_64, PLANS[plan], 2, ray_session)  # fmt: skip
     _check_equal(algo, one, two, one_weights, two_weights)
 
 

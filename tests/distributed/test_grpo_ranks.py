@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import EXAMPLES, run_script, write_reward_driver
+from tests.helpers import EXAMPLES, joined_ray, run_script, write_reward_driver
 
 
 def _args(model_dir, data) -> list[str]:
@@ -22,16 +22,17 @@ def _args(model_dir, data) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def one_process(even_model_dir, chain_sum_64, tmp_path_factory, run_once) -> list[dict]:
+def one_process(
+    even_model_dir, chain_sum_64, tmp_path_factory, run_once, ray_session
+) -> list[dict]:
     """The split script's 1-process run of `_args`: the reference of both tests, run once."""
 
     def compute() -> list[dict]:
         tmp = tmp_path_factory.mktemp("grpo_one")
         driver = tmp / "driver.py"
         write_reward_driver(driver, EXAMPLES / "grpo_smollm2" / "train.py", "grpo_ranks")
-        return run_script(
-            tmp, _args(even_model_dir, chain_sum_64), nproc=1, script=driver, launcher="fork"
-        )
+        args = [*_args(even_model_dir, chain_sum_64), *joined_ray(ray_session)]
+        return run_script(tmp, args, nproc=1, script=driver, launcher="fork")
 
     return run_once("grpo_split_one_process", compute)
 
@@ -56,14 +57,14 @@ def test_two_trainer_processes_equal_one(even_model_dir, chain_sum_64, one_proce
 
 
 def test_hsdp_two_replicas_of_two_shards_equal_one(
-    even_model_dir, chain_sum_64, one_process, tmp_path
+    even_model_dir, chain_sum_64, one_process, tmp_path, ray_session
 ):
     """HSDP 2 x 2 (--dp_replicate 2 over 4 trainer processes): rollouts shared over the
     flattened dp ranks, gradients reduce-scattered in each replica group and all-reduced across
     them, whole tensors gathered from the 2-D mesh for the weight sync."""
     driver = tmp_path / "driver.py"
     write_reward_driver(driver, EXAMPLES / "grpo_smollm2" / "train.py", "grpo_ranks")
-    args = [*_args(even_model_dir, chain_sum_64), "--dp_replicate", "2"]
+    args = [*_args(even_model_dir, chain_sum_64), "--dp_replicate", "2", *joined_ray(ray_session)]
     four = run_script(tmp_path, args, nproc=4, script=driver)
     assert [r["step"] for r in four] == [1, 2, 3]
     for a, b in zip(one_process, four, strict=True):

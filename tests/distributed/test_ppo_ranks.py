@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import EXAMPLES, run_script, write_reward_driver
+from tests.helpers import EXAMPLES, joined_ray, run_script, write_reward_driver
 
 KEYS = ("loss", "loss/policy_avg", "loss/value_avg", "val/explained_variance", "objective/kl")
 
@@ -25,16 +25,17 @@ def _args(model_dir, data) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def one_process(even_model_dir, chain_sum_64, tmp_path_factory, run_once) -> list[dict]:
+def one_process(
+    even_model_dir, chain_sum_64, tmp_path_factory, run_once, ray_session
+) -> list[dict]:
     """The 1-process run of `_args`: the reference of both tests, run once."""
 
     def compute() -> list[dict]:
         tmp = tmp_path_factory.mktemp("ppo_one")
         driver = tmp / "driver.py"
         write_reward_driver(driver, EXAMPLES / "ppo_smollm2" / "train.py", "ppo_ranks")
-        return run_script(
-            tmp, _args(even_model_dir, chain_sum_64), nproc=1, script=driver, launcher="fork"
-        )
+        args = [*_args(even_model_dir, chain_sum_64), *joined_ray(ray_session)]
+        return run_script(tmp, args, nproc=1, script=driver, launcher="fork")
 
     return run_once("ppo_one_process", compute)
 
@@ -43,14 +44,17 @@ def one_process(even_model_dir, chain_sum_64, tmp_path_factory, run_once) -> lis
     ("nproc", "plan"), [(2, []), (4, ["--dp_replicate", "2"])], ids=["fsdp2", "hsdp2x2"]
 )
 def test_trainer_processes_equal_one(
-    even_model_dir, chain_sum_64, one_process, tmp_path, nproc, plan
+    even_model_dir, chain_sum_64, one_process, tmp_path, nproc, plan, ray_session
 ):
     """2 ranks (FSDP2) or 4 (HSDP 2 x 2: 5 prompts over 4 dp ranks, 2 / 1 / 1 / 1) = 1 process."""
     driver = tmp_path / "driver.py"
     write_reward_driver(driver, EXAMPLES / "ppo_smollm2" / "train.py", "ppo_ranks")
     one = one_process
     two = run_script(
-        tmp_path, [*_args(even_model_dir, chain_sum_64), *plan], nproc=nproc, script=driver
+        tmp_path,
+        [*_args(even_model_dir, chain_sum_64), *plan, *joined_ray(ray_session)],
+        nproc=nproc,
+        script=driver,
     )
     assert [r["step"] for r in two] == [1, 2, 3, 4]
     for a, b in zip(one, two, strict=True):

@@ -24,6 +24,7 @@ from tests.helpers import (
     EXAMPLES,
     SMALL_VOCAB,
     TINY_CONFIG,
+    joined_ray,
     run_script,
     spawn,
     write_reward_driver,
@@ -141,7 +142,7 @@ _RL = {
 
 @pytest.mark.parametrize("algo", list(_RL))
 def test_rl_two_rank_checkpoint_resumes_on_one_process(
-    algo, even_model_dir, chain_sum_64, tmp_path
+    algo, even_model_dir, chain_sum_64, tmp_path, ray_session
 ):
     """Sync mode, 3 steps on 2 trainer processes (checkpoint at step 2); step 3 again on 1
     process from that checkpoint: the same rollouts (rank 0's pipeline restarts at the saved
@@ -155,6 +156,7 @@ def test_rl_two_rank_checkpoint_resumes_on_one_process(
         "--max_new_tokens", "6", "--micro_batch_size", "2", "--lr", "1e-2", "--warmup_steps", "0",
         "--max_steps", "3", "--reward_weights", "1.0", "--save_final_model", "false",
         "--ray_num_cpus", "2", "--num_engines", "1", "--save_every_steps", "2", *extra,
+        *joined_ray(ray_session),
     ]  # fmt: skip
     (tmp_path / "two").mkdir()
     two = run_script(tmp_path / "two", [*args, "--resume", "none"], nproc=2, script=driver)
