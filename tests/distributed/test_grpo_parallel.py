@@ -95,18 +95,29 @@ def _run(tmp, driver, algo, model_dir, data, plan, nproc, ray) -> tuple[list[dic
 
 
 @pytest.fixture(scope="module")
-def one_process(drivers, even_model_dir, chain_sum_64, tmp_path_factory, ray_session):
+def one_process(drivers, even_model_dir, chain_sum_64, tmp_path_factory, ray_session, run_once):
     """`one_process(name)`: that script's 1-process run (the reference of its plans; name: an
-    algorithm, or a key of TRICKS), run once, when its first case asks."""
+    algorithm, or a key of TRICKS), run once per test run when its first case asks, whichever
+    pytest-xdist worker that is (`run_once`: the others read its metrics and its saved file; every
+    worker renders the same script)."""
     runs = {}
 
     def get(name: str) -> tuple[list[dict], dict]:
+        from safetensors.torch import load_file
+
         if name not in runs:
             algo = TRICKS[name][0] if name in TRICKS else name
-            tmp = tmp_path_factory.mktemp(f"{algo}_one")
-            runs[name] = _run(
-                tmp, drivers[name], algo, even_model_dir, chain_sum_64, ONE, 1, ray_session
-            )
+
+            def compute() -> dict:
+                tmp = tmp_path_factory.mktemp(f"{algo}_one")
+                history, _ = _run(
+                    tmp, drivers[name], algo, even_model_dir, chain_sum_64, ONE, 1, ray_session
+                )
+                saved = "adapter_model.safetensors" if algo == "grpo-lora" else "model.safetensors"
+                return {"history": history, "saved": str(tmp / "out_1" / "model" / saved)}
+
+            value = run_once(f"grpo_parallel_one_{name}", compute)
+            runs[name] = value["history"], load_file(value["saved"])
         return runs[name]
 
     return get
