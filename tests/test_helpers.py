@@ -36,7 +36,7 @@ def _raise_on_rank_1(rank: int, world_size: int) -> int:
 def test_a_signalled_rank_is_a_crash_and_runs_again(tmp_path):
     marker = tmp_path / "crashed"
     with pytest.raises(RankCrashed, match="killed by a signal"):
-        _spawn_once(_crash_once, 2, "gloo", (str(marker),))
+        _spawn_once(_crash_once, 2, "gloo", (str(marker),), dict(os.environ), os.getcwd())
     marker.unlink()
     with pytest.warns(UserWarning, match="running the 2 ranks once more"):
         assert spawn(_crash_once, 2, args=(str(marker),)) == [3.0, 3.0]

@@ -114,7 +114,8 @@ def _three_step_args(model_dir: Path, pairs: Path, lr: float) -> list[str]:
 def _assert_runs_equal(one, one_model, got, got_model, what, abs_tol: float = 1e-7) -> None:
     """`_run`'s step rows and saved model of a parallel plan (`got`) equal the 1-process run's:
     steps 1-3, 4 pairs counted per step (over dp only), loss / accuracy / margin / mean_reward rel
-    1e-5 (abs `abs_tol`), grad_norm rel 1e-4, every saved tensor (score.weight too) abs 1e-5."""
+    1e-5 (abs `abs_tol`), grad_norm rel 1e-4, every saved tensor (score.weight too) within 1e-5
+    but for under 0.1% of its elements, and all within 1e-4."""
     assert [r["step"] for r in got] == [r["step"] for r in one] == [1, 2, 3]
     for a, b in zip(one, got, strict=True):
         assert b["num_pairs"] == a["num_pairs"] == 4, what
@@ -123,7 +124,14 @@ def _assert_runs_equal(one, one_model, got, got_model, what, abs_tol: float = 1e
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), what
     assert one_model.keys() == got_model.keys() and "score.weight" in one_model
     for key, want in one_model.items():
-        torch.testing.assert_close(got_model[key], want, atol=1e-5, rtol=0, msg=key)
+        # AdamW's first steps move every element by about lr whatever its gradient's size, so an
+        # embedding row whose gradient is fp32 noise (a token no pair holds) can move apart by a
+        # fraction of lr when the ranks sum in another order: measured 1 element of 32,768 at
+        # 1.13e-5 (lr 1e-3, an AMD EPYC's kernels); a wrong gradient moves most elements by ~lr
+        diff = (got_model[key] - want).abs()
+        assert diff.max() < 1e-4 and (diff > 1e-5).float().mean() < 1e-3, (
+            key, diff.max().item(), (diff > 1e-5).sum().item()
+        )  # fmt: skip
 
 
 def test_hsdp_two_by_two_equals_one_process_over_three_steps(tiny_model_dir, short_pairs, tmp_path):

@@ -591,8 +591,9 @@ DATA, MAIN = "# === 7. Data ===", "# === 9. main ==="
     [
         ({"tricks": ("ac",)}, {HEADER, IMPORTS, CONFIG, MODEL}, 14),
         ({"tricks": ("lce",)}, {HEADER, IMPORTS, CONFIG, MODEL, LOSS}, 24),
-        # 4 of its lines are the header's bytes-per-parameter line (gradients 4 -> 0), reflowed
-        ({"tricks": ("optim-in-bwd",)}, {HEADER, IMPORTS, OPTIM, STEP}, 44),
+        # 4 of its lines are the header's bytes-per-parameter line (gradients 4 -> 0), reflowed;
+        # 4 backward_and_step's docstring on what a non-finite gradient leaves (issue 47)
+        ({"tricks": ("optim-in-bwd",)}, {HEADER, IMPORTS, OPTIM, STEP}, 48),
         ({"tricks": ("adamw8bit",)}, {HEADER, IMPORTS, OPTIM}, 20),
         ({"tricks": ("adamw4bit",)}, {HEADER, IMPORTS, OPTIM}, 20),
         ({"tricks": ("packing",)}, {HEADER, IMPORTS, CONFIG, LOSS, DATA, MAIN}, 50),
@@ -606,8 +607,9 @@ DATA, MAIN = "# === 7. Data ===", "# === 9. main ==="
         # an algorithm is one template: its save() sits after train_step, before main's banner, and
         # main calls it in place of the runtime's save_hf_model; the optimizer's no-decay comment
         # names DoRA's magnitudes
-        ({"algo": "lora"}, {HEADER, IMPORTS, CONFIG, MODEL, OPTIM, STEP, MAIN}, 115),
-        ({"algo": "qlora"}, {HEADER, IMPORTS, CONFIG, MODEL, OPTIM, STEP, MAIN}, 125),
+        # lora and qlora: + the save's `record` (what training_config.json holds, issue 47)
+        ({"algo": "lora"}, {HEADER, IMPORTS, CONFIG, MODEL, OPTIM, STEP, MAIN}, 121),
+        ({"algo": "qlora"}, {HEADER, IMPORTS, CONFIG, MODEL, OPTIM, STEP, MAIN}, 129),
         ({"algo": "lora", "peft": "dora", "_from": "lora"}, {HEADER, CONFIG}, 12),
         ({"algo": "qlora", "_from": "lora"}, {HEADER, IMPORTS, MODEL}, 20),
     ],
