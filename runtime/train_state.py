@@ -448,12 +448,13 @@ def save_train_state(
     except (OSError, CheckpointException, RuntimeError, KeyboardInterrupt) as e:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        interrupt = _interrupt_in(e)
-        if interrupt is None and PROGRESS.interrupted is not None:  # C++ dropped the cause
-            interrupt = RunInterrupted(PROGRESS.interrupted)
-        if interrupt is not None:  # a signal, not the disk: torch.save's writer saw it as an error
-            raise interrupt from None
-        if isinstance(e, RuntimeError) and not isinstance(e, CheckpointException):
+        # a signal, not the disk: torch.save's writer reports it as another error, and C++ drops
+        # the cause, so the handler's record (`entry_point`) is what tells
+        if PROGRESS.interrupted is not None:
+            raise RunInterrupted(PROGRESS.interrupted) from None
+        if isinstance(e, (RuntimeError, KeyboardInterrupt)) and not isinstance(
+            e, CheckpointException
+        ):
             raise
         reason = getattr(e, "strerror", None) or str(e).strip().splitlines()[-1]
         raise OSError(
@@ -463,19 +464,6 @@ def save_train_state(
         ) from e
     PROGRESS.saving = None
     return final
-
-
-def _interrupt_in(error: BaseException) -> RunInterrupted | None:
-    """The RunInterrupted behind `error`: itself, or one that a writer it passed through turned
-    into another exception (torch.save's zip writer reports it as `unexpected pos`, DCP wraps
-    what a rank raised), found along __cause__ / __context__."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        if isinstance(error, RunInterrupted):
-            return error
-        seen.add(id(error))
-        error = error.__cause__ or error.__context__
-    return None
 
 
 def load_train_state(path: str | os.PathLike, model: nn.Module, optimizer, scheduler) -> TrainState:
